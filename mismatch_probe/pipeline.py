@@ -1,0 +1,291 @@
+"""``compare``: rollout with the engine, score with the reference, write the table and run.json.
+
+Stages, each resumable from what is on disk:
+
+1. tokenize the prompts once; expand to ``n`` samples per prompt; cut into shards;
+2. for each missing rollout shard, the engine samples it (the engine is started only if a shard
+   is missing, and closed before the reference loads, so its memory is free again);
+3. for each missing token shard, the reference scores the exact same ids;
+4. metrics stream over the token shards; run.json is written last.
+
+run.json is rewritten at each stage with ``status`` ``running``/``complete``, so an interrupted run
+says how far it got, and a re-run with the same spec (same fingerprint) picks up from there.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+from . import __version__
+from .analysis import analyze, json_safe
+from .errors import ConfigError, DataError
+from .report_md import render_markdown
+from .spec import ProbeSpec
+from .table import (
+    ROLLOUTS_DIR,
+    SCHEMA_VERSION,
+    TOKENS_DIR,
+    Rollout,
+    read_rollout_shard,
+    rollouts_to_table,
+    shard_name,
+    token_table,
+    write_table_atomic,
+)
+
+RUN_JSON = "run.json"
+REPORT_MD = "report.md"
+
+
+class Progress:
+    """Progress sink; the CLI plugs in rich bars, the library default does nothing."""
+
+    def stage(self, name: str, total: int) -> None: ...
+
+    def advance(self, name: str, amount: int) -> None: ...
+
+    def log(self, message: str) -> None: ...
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    record: dict = field(repr=False)
+
+
+@dataclass
+class _Sample:
+    sample_id: int
+    prompt_index: int
+
+
+def default_out_dir(spec: ProbeSpec) -> Path:
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    name = spec.name or f"{Path(spec.model).name}-{spec.engine.name}"
+    return Path("reports") / f"{name}-{stamp}"
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _write_record(run_dir: Path, record: dict) -> None:
+    tmp = run_dir / f".{RUN_JSON}.tmp"
+    tmp.write_text(json.dumps(json_safe(record), indent=2) + "\n")
+    tmp.replace(run_dir / RUN_JSON)
+
+
+def prepare_run_dir(spec: ProbeSpec, out: Path, *, overwrite: bool) -> dict | None:
+    """Create ``out`` or check it can be resumed; returns the previous record when resuming."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {str(out)!r} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        previous = None
+        if (out / RUN_JSON).is_file():
+            try:
+                previous = json.loads((out / RUN_JSON).read_text())
+            except json.JSONDecodeError:
+                previous = None
+        if overwrite:
+            shutil.rmtree(out)
+        elif previous is None:
+            raise ConfigError(f"--out {str(out)!r} is not empty and holds no run", hint="choose another --out")
+        elif previous.get("spec_fingerprint") != spec.fingerprint():
+            raise ConfigError(
+                f"--out {str(out)!r} holds a run with a different spec",
+                hint="use another --out, or --overwrite to replace it",
+            )
+        else:
+            return previous
+    out.mkdir(parents=True, exist_ok=True)
+    return None
+
+
+@contextmanager
+def _timed(timings: dict, key: str):
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[key] = round(timings.get(key, 0.0) + time.perf_counter() - t0, 3)
+
+
+def run_compare(spec: ProbeSpec, *, progress: Progress | None = None, overwrite: bool = False) -> RunResult:
+    """Run a probe end to end and return its run directory and record."""
+    from .environment import fingerprint
+    from .hf_models import check_model_dir, load_tokenizer, max_model_len, stop_token_ids
+    from .prompts import tokenize_prompts
+
+    progress = progress or Progress()
+    spec.validate()
+    t_start = time.perf_counter()
+    model_path = check_model_dir(spec.model)
+    from .engines import load_engine
+
+    engine_cls = load_engine(spec.engine.name)  # unknown engine or missing package: fail before any work
+    out = Path(spec.out) if spec.out else default_out_dir(spec)
+    previous = prepare_run_dir(spec, out, overwrite=overwrite)
+
+    tokenizer = load_tokenizer(model_path, trust_remote_code=spec.trust_remote_code)
+    prompts = tokenize_prompts(
+        spec.prompts,
+        tokenizer,
+        max_prompts=spec.max_prompts,
+        max_model_len=max_model_len(model_path, tokenizer),
+        max_new_tokens=spec.sampling.max_tokens,
+    )
+    stops = stop_token_ids(model_path, tokenizer)
+    samples = [_Sample(p * spec.sampling.n + j, p) for p in range(len(prompts)) for j in range(spec.sampling.n)]
+    shards = [samples[i : i + spec.shard_size] for i in range(0, len(samples), spec.shard_size)]
+
+    timings: dict = {}
+    record = {
+        "schema_version": SCHEMA_VERSION,
+        "probe_version": __version__,
+        "status": "running",
+        "created_at": (previous or {}).get("created_at", _now()),
+        "spec": spec.to_dict(),
+        "spec_fingerprint": spec.fingerprint(),
+        "environment": fingerprint(),
+        "inputs": {
+            "model": str(model_path.resolve()),
+            "prompts": str(Path(spec.prompts).resolve()),
+            "n_prompts": len(prompts),
+            "n_samples": len(samples),
+            "n_shards": len(shards),
+            "stop_token_ids": stops,
+        },
+        "engine": (previous or {}).get("engine"),
+        "reference": (previous or {}).get("reference"),
+        "logprob_semantics": (previous or {}).get("logprob_semantics"),
+        "timings": timings,
+    }
+    _write_record(out, record)
+
+    # ---- 1. rollouts ----------------------------------------------------------------------
+    rollout_dir = out / ROLLOUTS_DIR
+    missing = [i for i in range(len(shards)) if not (rollout_dir / shard_name(i)).is_file()]
+    if missing:
+        from .engines import GenerationRequest
+
+        with _timed(timings, "engine_start_s"):
+            progress.log(f"starting engine {spec.engine.name}")
+            engine = engine_cls(model_path, spec.engine, trust_remote_code=spec.trust_remote_code)
+        try:
+            semantics = engine.semantics(spec.sampling)
+            record["engine"] = engine.info()
+            record["logprob_semantics"] = {"engine": semantics.describe(), "reference": semantics.describe()}
+            _write_record(out, record)
+            progress.stage("generate", sum(len(shards[i]) for i in missing))
+            with _timed(timings, "generation_s"):
+                for i in missing:
+                    requests = [
+                        GenerationRequest(prompts[s.prompt_index].token_ids, spec.sampling.max_tokens) for s in shards[i]
+                    ]
+                    completions = engine.generate(
+                        requests,
+                        spec.sampling,
+                        stop_token_ids=stops,
+                        seed=spec.sampling.seed * 1_000_003 + i,
+                        on_progress=lambda k: progress.advance("generate", k),
+                    )
+                    rollouts = [_rollout(s, prompts[s.prompt_index], c) for s, c in zip(shards[i], completions)]
+                    write_table_atomic(rollouts_to_table(rollouts), rollout_dir / shard_name(i))
+        finally:
+            engine.close()
+
+    # ---- 2. reference ---------------------------------------------------------------------
+    token_dir = out / TOKENS_DIR
+    missing = [i for i in range(len(shards)) if not (token_dir / shard_name(i)).is_file()]
+    if missing:
+        from .reference import ReferenceScorer
+        from .sampling import LogprobSemantics
+
+        sem = record["logprob_semantics"]["engine"]
+        semantics = LogprobSemantics(
+            sem["mode"], sem.get("temperature", 1.0), sem.get("top_k", 0), sem.get("top_p", 1.0)
+        )
+        with _timed(timings, "reference_load_s"):
+            scorer = ReferenceScorer(model_path, spec.reference, trust_remote_code=spec.trust_remote_code)
+        try:
+            record["reference"] = scorer.info()
+            _write_record(out, record)
+            progress.stage("score", sum(len(shards[i]) for i in missing))
+            with _timed(timings, "scoring_s"):
+                for i in missing:
+                    rollouts = read_rollout_shard(rollout_dir / shard_name(i))
+                    logp, ent = scorer.score(rollouts, semantics, on_progress=lambda k: progress.advance("score", k))
+                    write_table_atomic(token_table(rollouts, logp, ent), token_dir / shard_name(i))
+        finally:
+            scorer.close()
+
+    # ---- 3. metrics -----------------------------------------------------------------------
+    with _timed(timings, "metrics_s"):
+        try:
+            sections = analyze(out, spec.corrections)
+        except DataError as exc:
+            record["status"] = "failed"
+            record["error"] = str(exc)
+            _write_record(out, record)
+            raise DataError(f"{exc}; the per-token table is kept in {out / TOKENS_DIR}") from None
+    record.update(sections)
+    record["samples"] = _sample_summary(out)
+    timings["total_s"] = round(time.perf_counter() - t_start, 3)
+    record["status"] = "complete"
+    record["completed_at"] = _now()
+    _write_record(out, record)
+    final = json.loads((out / RUN_JSON).read_text())
+    (out / REPORT_MD).write_text(render_markdown(final))
+    return RunResult(out, final)
+
+
+def _rollout(sample: _Sample, prompt, completion) -> Rollout:
+    if completion.prompt_token_ids is not None and not np.array_equal(completion.prompt_token_ids, prompt.token_ids):
+        raise DataError(
+            f"sample {sample.sample_id} (prompt {prompt.id!r}): the engine reports different prompt token ids "
+            "than it was given; the two sides would score different sequences"
+        )
+    n_prompt, n_resp = len(prompt.token_ids), len(completion.token_ids)
+    if len(completion.logprobs) != n_resp:
+        raise DataError(f"sample {sample.sample_id}: {n_resp} tokens but {len(completion.logprobs)} log-probs")
+    return Rollout(
+        sample_id=sample.sample_id,
+        prompt_id=prompt.id,
+        token_ids=np.concatenate([prompt.token_ids, completion.token_ids]).astype(np.int32),
+        turn=np.concatenate([np.full(n_prompt, -1, np.int16), np.zeros(n_resp, np.int16)]),
+        is_model_token=np.concatenate([np.zeros(n_prompt, bool), np.ones(n_resp, bool)]),
+        logp_infer=np.concatenate([np.full(n_prompt, np.nan, np.float32), completion.logprobs.astype(np.float32)]),
+        finish_reason=completion.finish_reason,
+    )
+
+
+def _sample_summary(run_dir: Path) -> dict:
+    import pyarrow.parquet as pq
+
+    from .table import list_values, shard_paths
+
+    finish: dict[str, int] = {}
+    counts = []
+    for path in shard_paths(run_dir, ROLLOUTS_DIR):
+        t = pq.read_table(path, columns=["is_model_token", "finish_reason"])
+        reasons, n = np.unique(t.column("finish_reason").to_numpy(zero_copy_only=False), return_counts=True)
+        for reason, k in zip(reasons, n):
+            finish[str(reason)] = finish.get(str(reason), 0) + int(k)
+        mask, offsets = list_values(t.column("is_model_token"), np.int64)
+        cum = np.concatenate([[0], np.cumsum(mask)])
+        counts.append(cum[offsets[1:]] - cum[offsets[:-1]])
+    n_model = np.concatenate(counts) if counts else np.zeros(0, np.int64)
+    return {
+        "finish_reasons": finish,
+        "n_empty_responses": int((n_model == 0).sum()),
+        "response_tokens_mean": float(n_model.mean()) if len(n_model) else None,
+        "response_tokens_max": int(n_model.max()) if len(n_model) else None,
+    }

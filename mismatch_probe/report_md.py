@@ -1,0 +1,117 @@
+"""A plain Markdown report of one run, rendered from run.json alone (no numbers computed here).
+
+It opens anywhere (a terminal, an editor, a CI artifact viewer, GitHub). Text that came from the
+user (model paths, ids) is escaped for Markdown table cells.
+"""
+
+from __future__ import annotations
+
+from .summary import fmt
+
+METRIC_NOTES = (
+    ("k3_kl", "mean K3 = ratio - delta - 1 over tokens; the 'vllm-kl' of the literature (H20 ~5e-4..1e-3, L20 ~1e-3..1e-2 in published runs)"),
+    ("k1_kl", "mean of -delta = logp_infer - logp_train; unbiased KL(mu||pi) estimate, can be negative"),
+    ("abs_delta_mean", "mean |logp_train - logp_infer|"),
+    ("abs_delta_p99", "99th percentile of |delta| over tokens"),
+    ("prob_diff_mean", "mean |p_train - p_infer| (the TIS paper's token mismatch)"),
+    ("prob_diff_max", "largest |p_train - p_infer| of any token"),
+    ("seq_max_mismatch_mean", "per sequence, the max |p_train - p_infer|; averaged over sequences"),
+    ("seq_max_mismatch_gt_0_5_share", "share of sequences with a token whose probability moved by more than 0.5"),
+    ("mult_prob_error", "mean exp(|delta|); NeMo-RL's token_mult_prob_error, 1.0 is perfect, its threshold 1.05"),
+    ("chi2_token", "mean(ratio^2) - 1; variance of token IS weights"),
+    ("chi2_seq", "mean(exp(2 * clamp(sum delta, +-20))) - 1; variance of sequence IS weights"),
+    ("ess", "effective sample size of token ratios, 1 / mean((w / mean w)^2); 1.0 is perfect"),
+    ("pearson_prob", "Pearson correlation of p_train and p_infer over tokens"),
+    ("log_ppl_infer", "mean over sequences of -mean(logp_infer)"),
+    ("log_ppl_train", "mean over sequences of -mean(logp_train)"),
+    ("n_model_tokens", "tokens the policy generated (prompt and tool tokens excluded)"),
+    ("n_sequences", "sequences (sample-turns in the per-turn columns) with at least one model token"),
+)
+
+
+def _cell(value) -> str:
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def _table(header: list[str], rows: list[list]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    return lines
+
+
+def render_markdown(record: dict) -> str:
+    spec, env = record.get("spec") or {}, record.get("environment") or {}
+    eng, ref = record.get("engine") or {}, record.get("reference") or {}
+    by_turn = record.get("metrics_by_turn") or {}
+    later = bool((by_turn.get("later") or {}).get("n_model_tokens"))
+    sem = (record.get("logprob_semantics") or {}).get("engine") or {}
+    out = [
+        f"# mismatch-probe run: {_cell(spec.get('name') or spec.get('engine', {}).get('name'))}",
+        "",
+        f"Status **{record.get('status')}**, created {record.get('created_at')}, "
+        f"mismatch-probe {record.get('probe_version')}.",
+        "",
+        "## Setup",
+        "",
+        *_table(["", "value"], [
+            ["device", env.get("device_name")],
+            ["GPUs", ", ".join(g["name"] for g in env.get("gpus") or []) or "none"],
+            ["driver / CUDA", f"{env.get('nvidia_driver') or '-'} / {env.get('cuda') or '-'}"],
+            ["libraries", ", ".join(f"{k} {v}" for k, v in (env.get("packages") or {}).items())],
+            ["model", (record.get("inputs") or {}).get("model")],
+            ["prompts", f"{(record.get('inputs') or {}).get('prompts')} ({(record.get('inputs') or {}).get('n_prompts')} prompts, "
+                        f"{(record.get('inputs') or {}).get('n_samples')} samples)"],
+            ["engine", ", ".join(f"{k}={v}" for k, v in eng.items() if k != "versions")],
+            ["reference", ", ".join(f"{k}={v}" for k, v in ref.items() if k != "versions")],
+            ["sampling", ", ".join(f"{k}={v}" for k, v in (spec.get("sampling") or {}).items())],
+            ["log-probs compared", sem.get("distribution", "-") + f" ({sem.get('mode', '-')})"],
+        ]),
+        "",
+        "## Headline metrics",
+        "",
+        "`delta = logp_train - logp_infer`, `ratio = exp(delta)`, over model tokens only.",
+        "",
+    ]
+    header = ["metric", "all", "first turn"] + (["later turns"] if later else []) + ["meaning"]
+    rows = []
+    for key, note in METRIC_NOTES:
+        row = [f"`{key}`", fmt(record["metrics"].get(key)), fmt((by_turn.get("first") or {}).get(key))]
+        if later:
+            row.append(fmt(by_turn["later"].get(key)))
+        rows.append(row + [note])
+    out += _table(header, rows)
+
+    corr = record.get("corrections") or {}
+    th = corr.get("thresholds") or {}
+    out += ["", "## Correction what-ifs", "",
+            "Share of the data each published correction would clip or drop at these thresholds.", ""]
+    out += _table(["correction", "threshold", "share"], [
+        [f"`{k}`", ", ".join(f"{a} {b:g}" for a, b in (th.get(k) or {}).items()), fmt(v)]
+        for k, v in corr.items() if k != "thresholds"
+    ])
+
+    bd = record.get("breakdowns") or {}
+    out += ["", "## |delta| by engine probability", "",
+            "Mismatch concentrates on low-probability tokens.", ""]
+    out += _table(["p_infer", "tokens", "share", "mean abs delta", "p50", "p90", "p99", "max", "mean K3"], [
+        [f"[{r['p_infer_lo']:g}, {r['p_infer_hi']:g}{']' if r['p_infer_hi'] == 1.0 else ')'}", r["count"], fmt(r["share"]), fmt(r.get("abs_delta_mean")),
+         fmt(r.get("abs_delta_p50")), fmt(r.get("abs_delta_p90")), fmt(r.get("abs_delta_p99")),
+         fmt(r.get("abs_delta_max")), fmt(r.get("k3_mean"))]
+        for r in bd.get("p_infer_buckets") or []
+    ])
+    out += ["", "## By response length", ""]
+    out += _table(["model tokens", "sequences", "seq max mismatch (mean)", "share > 0.5", "seq mean mismatch"], [
+        [f"[{r['length_lo']}, {r['length_hi'] or 'inf'})", r["count"], fmt(r["seq_max_mismatch_mean"]),
+         fmt(r["seq_max_mismatch_gt_0_5_share"]), fmt(r["seq_mean_mismatch_mean"])]
+        for r in bd.get("response_length_buckets") or []
+    ])
+    out += ["", "## By token position", ""]
+    out += _table(["position", "tokens", "mean abs delta", "mean prob diff", "max prob diff", "mean K3"], [
+        [f"[{r['position_lo']}, {r['position_hi'] or 'inf'})", r["count"], fmt(r["abs_delta_mean"]),
+         fmt(r["prob_diff_mean"]), fmt(r["prob_diff_max"]), fmt(r["k3_mean"])]
+        for r in bd.get("position_buckets") or []
+    ])
+    timings = record.get("timings") or {}
+    out += ["", "## Timings", ""]
+    out += _table(["stage", "seconds"], [[k.removesuffix("_s"), f"{v:.2f}"] for k, v in timings.items()])
+    return "\n".join(out) + "\n"

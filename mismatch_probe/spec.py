@@ -1,0 +1,234 @@
+"""Probe specification: what to load, how to sample, how to score (DESIGN §5).
+
+A spec comes from a TOML file (``probes/*.toml``) and/or CLI flags; flags win. Paths inside a
+spec file are relative to that file, so a spec works from any working directory. Every field is
+validated here, once, with a message that names the field and the accepted values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+from .metrics import CorrectionThresholds
+from .sampling import LOGPROBS_MODES
+
+DTYPE_ALIASES = {
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+}
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def normalize_dtype(value: str, *, field_name: str, allow_auto: bool) -> str:
+    v = str(value).strip().lower()
+    if allow_auto and v == "auto":
+        return "auto"
+    if v in DTYPE_ALIASES:
+        return DTYPE_ALIASES[v]
+    choices = "float32, bfloat16, float16" + (" or auto" if allow_auto else "")
+    raise ConfigError(f"unknown dtype {value!r} for {field_name}; choose {choices}")
+
+
+@dataclass
+class EngineSpec:
+    """The inference side (behavior policy)."""
+
+    name: str = "hf"
+    dtype: str = "auto"  # auto: the checkpoint's own dtype
+    attn_implementation: str = "sdpa"
+    batch_size: int = 32
+    logprobs_mode: str = "raw"
+    device: str = "auto"
+
+
+@dataclass
+class SamplingSpec:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) disables top-k
+    max_tokens: int = 256
+    n: int = 1
+    seed: int = 0
+
+
+@dataclass
+class ReferenceSpec:
+    """The training side: a full-sequence forward as a trainer computes it."""
+
+    dtype: str = "bfloat16"
+    logits_fp32: bool = False
+    attn_implementation: str = "sdpa"
+    packing: bool = True  # padding-free: sequences concatenated, position ids restart per sequence
+    micro_batch_size: int = 16  # sequences per forward
+    max_tokens_per_micro_batch: int = 4096  # packed mode: token budget per forward
+    device: str = "auto"
+
+
+@dataclass
+class ProbeSpec:
+    model: str | None = None
+    prompts: str | None = None
+    out: str | None = None
+    name: str | None = None
+    max_prompts: int | None = None
+    shard_size: int = 256  # samples per rollout/token shard (the unit of resume)
+    trust_remote_code: bool = False
+    engine: EngineSpec = field(default_factory=EngineSpec)
+    sampling: SamplingSpec = field(default_factory=SamplingSpec)
+    reference: ReferenceSpec = field(default_factory=ReferenceSpec)
+    corrections: CorrectionThresholds = field(default_factory=CorrectionThresholds)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def fingerprint(self) -> str:
+        """Hash of everything that changes the results (not where they are written)."""
+        d = self.to_dict()
+        d.pop("out", None)
+        d.pop("name", None)
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+    def validate(self) -> ProbeSpec:
+        """Normalize aliases and check every field; raises :class:`ConfigError`."""
+        if not self.model:
+            raise ConfigError("no model given", hint="pass --model PATH or set model = ... in the spec file")
+        if not self.prompts:
+            raise ConfigError("no prompts file given", hint="pass --prompts FILE.jsonl or set prompts = ... in the spec file")
+        e, s, r = self.engine, self.sampling, self.reference
+        e.dtype = normalize_dtype(e.dtype, field_name="the engine (--engine-dtype)", allow_auto=True)
+        r.dtype = normalize_dtype(r.dtype, field_name="the reference (--train-dtype)", allow_auto=False)
+        for side, spec in (("engine", e), ("reference", r)):
+            _choice(spec.attn_implementation, ATTN_IMPLEMENTATIONS, f"{side}.attn_implementation")
+            _choice(spec.device, DEVICES, f"{side}.device")
+        _choice(e.logprobs_mode, LOGPROBS_MODES, "engine.logprobs_mode")
+        if s.top_k == -1:
+            s.top_k = 0
+        _check(s.temperature >= 0, f"sampling.temperature must be >= 0, got {s.temperature}")
+        _check(0 < s.top_p <= 1, f"sampling.top_p must be in (0, 1], got {s.top_p}")
+        _check(s.top_k >= 0, f"sampling.top_k must be >= 0 (0 or -1 disables it), got {s.top_k}")
+        _check(s.max_tokens >= 1, f"sampling.max_tokens must be >= 1, got {s.max_tokens}")
+        _check(s.n >= 1, f"sampling.n must be >= 1, got {s.n}")
+        _check(e.batch_size >= 1, f"engine.batch_size must be >= 1, got {e.batch_size}")
+        _check(r.micro_batch_size >= 1, f"reference.micro_batch_size must be >= 1, got {r.micro_batch_size}")
+        _check(r.max_tokens_per_micro_batch >= 1, "reference.max_tokens_per_micro_batch must be >= 1")
+        _check(self.shard_size >= 1, f"shard_size must be >= 1, got {self.shard_size}")
+        _check(self.max_prompts is None or self.max_prompts >= 1, "max_prompts must be >= 1")
+        if e.logprobs_mode == "processed" and s.temperature == 0:
+            # Greedy decoding has no processed distribution; both sides then use raw logits.
+            e.logprobs_mode = "raw"
+        return self
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _choice(value: str, choices: tuple, name: str) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name} is {value!r}; choose one of {', '.join(choices)}")
+
+
+SECTIONS = {"engine": EngineSpec, "sampling": SamplingSpec, "reference": ReferenceSpec, "corrections": CorrectionThresholds}
+PATH_FIELDS = ("model", "prompts", "out")
+
+
+def _coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
+    """Check a TOML/flag value against the dataclass field's type (no silent coercion)."""
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    if value is None:
+        if "None" in kind:
+            return None
+        raise ConfigError(f"{where} cannot be empty")
+    if kind.startswith("bool"):
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where} must be true or false, got {value!r}")
+    if kind.startswith("int"):
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where} must be an integer, got {value!r}")
+    if kind.startswith("float"):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{where} must be a number, got {value!r}")
+    if isinstance(value, (dict, list)):
+        raise ConfigError(f"{where} must be a single value, got {type(value).__name__}")
+    return str(value)
+
+
+def _unknown(key: str, known, where: str) -> ConfigError:
+    close = difflib.get_close_matches(key, list(known), n=1)
+    hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(sorted(known))}"
+    return ConfigError(f"{where}: unknown key {key!r}", hint=hint)
+
+
+def spec_from_dict(data: dict, *, base_dir: Path | None = None, source: str = "spec") -> ProbeSpec:
+    """Build a spec from nested dicts (a parsed TOML file); unknown keys are errors."""
+    spec = ProbeSpec()
+    top_fields = {f.name: f for f in dataclasses.fields(ProbeSpec) if f.name not in SECTIONS}
+    for key, value in data.items():
+        if key in SECTIONS:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{source}: [{key}] must be a table")
+            section = getattr(spec, key)
+            fields = {f.name: f for f in dataclasses.fields(section)}
+            updates = {}
+            for sub, v in value.items():
+                if sub not in fields:
+                    raise _unknown(sub, fields, f"{source} [{key}]")
+                updates[sub] = _coerce(v, fields[sub], f"{source}: {key}.{sub}")
+            try:
+                setattr(spec, key, dataclasses.replace(section, **updates))
+            except ValueError as exc:  # CorrectionThresholds validates itself
+                raise ConfigError(f"{source}: [{key}] {exc}") from None
+        elif key in top_fields:
+            v = _coerce(value, top_fields[key], f"{source}: {key}")
+            if key in PATH_FIELDS and v is not None and base_dir is not None:
+                v = str((base_dir / v).resolve()) if not Path(v).is_absolute() else v
+            setattr(spec, key, v)
+        else:
+            raise _unknown(key, list(top_fields) + list(SECTIONS), source)
+    return spec
+
+
+def load_spec_file(path: str | Path) -> ProbeSpec:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"spec file {str(p)!r} does not exist")
+    try:
+        data = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{p}: invalid TOML ({exc})") from None
+    return spec_from_dict(data, base_dir=p.resolve().parent, source=str(p))
+
+
+def apply_overrides(spec: ProbeSpec, overrides: dict[str, Any]) -> ProbeSpec:
+    """Apply ``{"field": v}`` / ``{"section.field": v}`` overrides (CLI flags); ``None`` means unset."""
+    for dotted, value in overrides.items():
+        if value is None:
+            continue
+        section_name, _, leaf = dotted.rpartition(".")
+        target = getattr(spec, section_name) if section_name else spec
+        fields = {f.name: f for f in dataclasses.fields(target)}
+        if leaf not in fields:
+            raise _unknown(leaf, fields, "override")
+        coerced = _coerce(value, fields[leaf], f"--{dotted.replace('.', '-').replace('_', '-')}")
+        if not section_name:
+            setattr(spec, leaf, coerced)
+            continue
+        try:
+            setattr(spec, section_name, dataclasses.replace(target, **{leaf: coerced}))
+        except ValueError as exc:
+            raise ConfigError(f"{dotted}: {exc}") from None
+    return spec

@@ -1,0 +1,85 @@
+"""Terminal rendering of a run record (the CLI's end-of-run summary). Rendering only: no numbers
+are computed here, they all come from run.json."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+SUMMARY_ROWS = (
+    ("k3_kl", "K3 KL (mean, 'vllm-kl')"),
+    ("k1_kl", "K1 KL (mean -delta)"),
+    ("abs_delta_mean", "mean |delta|"),
+    ("abs_delta_p99", "p99 |delta|"),
+    ("prob_diff_mean", "mean |p_train - p_infer|"),
+    ("prob_diff_max", "max |p_train - p_infer|"),
+    ("seq_max_mismatch_mean", "seq max mismatch (mean)"),
+    ("seq_max_mismatch_gt_0_5_share", "share of seqs with max mismatch > 0.5"),
+    ("mult_prob_error", "token mult. prob error"),
+    ("chi2_token", "chi2 (token)"),
+    ("chi2_seq", "chi2 (sequence)"),
+    ("ess", "ESS (token ratios, normalized)"),
+    ("pearson_prob", "Pearson r of token probs"),
+    ("log_ppl_infer", "log-ppl (engine)"),
+    ("log_ppl_train", "log-ppl (reference)"),
+    ("n_model_tokens", "model tokens"),
+    ("n_sequences", "sequences"),
+)
+
+
+def fmt(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if value == 0:
+        return "0"
+    if abs(value) >= 1e4 or abs(value) < 1e-3:
+        return f"{value:.3e}"
+    return f"{value:.4f}"
+
+
+def metrics_table(record: dict) -> Table:
+    by_turn = record.get("metrics_by_turn") or {}
+    has_later = bool((by_turn.get("later") or {}).get("n_model_tokens"))
+    table = Table(title=f"mismatch: {_title(record)}", title_justify="left")
+    table.add_column("metric")
+    table.add_column("all", justify="right")
+    table.add_column("first turn", justify="right")
+    if has_later:
+        table.add_column("later turns", justify="right")
+    for key, label in SUMMARY_ROWS:
+        row = [label, fmt(record["metrics"].get(key)), fmt((by_turn.get("first") or {}).get(key))]
+        if has_later:
+            row.append(fmt(by_turn["later"].get(key)))
+        table.add_row(*row)
+    return table
+
+
+def corrections_table(record: dict) -> Table:
+    corr = record.get("corrections") or {}
+    thresholds = corr.get("thresholds") or {}
+    table = Table(title="correction what-ifs (share of data a trainer would clip or drop)", title_justify="left")
+    table.add_column("correction")
+    table.add_column("threshold")
+    table.add_column("share", justify="right")
+    for key, value in corr.items():
+        if key == "thresholds":
+            continue
+        bounds = ", ".join(f"{k} {v:g}" for k, v in (thresholds.get(key) or {}).items())
+        table.add_row(key, bounds, fmt(value))
+    return table
+
+
+def _title(record: dict) -> str:
+    spec = record.get("spec") or {}
+    eng = record.get("engine") or {}
+    ref = record.get("reference") or {}
+    env = record.get("environment") or {}
+    return (
+        f"{spec.get('engine', {}).get('name')} {eng.get('dtype')} vs reference {ref.get('dtype')}"
+        f"{' (fp32 logits)' if ref.get('logits_fp32') else ''} on {env.get('device_name')}"
+    )

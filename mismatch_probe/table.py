@@ -1,0 +1,177 @@
+"""On-disk layout of a run: rollout shards from the engine, the per-token table, atomic writes.
+
+A run directory::
+
+    run.json              spec, environment, metrics (written last; the source of truth)
+    rollouts/part-*.parquet   one row per sample, as the engine produced it (lists of ids)
+    tokens.parquet/part-*.parquet   one row per token (DESIGN §3), whole sequences per shard
+
+Shards are written to a temporary name and renamed, so a crash or Ctrl-C leaves only complete
+shards, and a re-run with the same spec skips them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+SCHEMA_VERSION = 1
+ROLLOUTS_DIR = "rollouts"
+TOKENS_DIR = "tokens.parquet"
+
+# One row per token of every sequence (DESIGN §3).
+TOKEN_SCHEMA = pa.schema(
+    [
+        pa.field("sample_id", pa.int64(), nullable=False),
+        pa.field("prompt_id", pa.string(), nullable=False),
+        pa.field("turn", pa.int16(), nullable=False),
+        pa.field("position", pa.int32(), nullable=False),
+        pa.field("token_id", pa.int32(), nullable=False),
+        pa.field("is_model_token", pa.bool_(), nullable=False),
+        pa.field("logp_infer", pa.float32()),
+        pa.field("logp_train", pa.float32()),
+        pa.field("entropy_train", pa.float32()),
+    ]
+)
+
+# One row per sample: the engine's output before the reference sees it.
+ROLLOUT_SCHEMA = pa.schema(
+    [
+        pa.field("sample_id", pa.int64(), nullable=False),
+        pa.field("prompt_id", pa.string(), nullable=False),
+        pa.field("token_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("turn", pa.list_(pa.int16()), nullable=False),
+        pa.field("is_model_token", pa.list_(pa.bool_()), nullable=False),
+        pa.field("logp_infer", pa.list_(pa.float32()), nullable=False),
+        pa.field("finish_reason", pa.string(), nullable=False),
+    ]
+)
+
+
+@dataclass
+class Rollout:
+    """One sampled sequence: prompt and response ids with the engine's log-probs.
+
+    ``logp_infer`` is NaN on tokens the policy did not generate.
+    """
+
+    sample_id: int
+    prompt_id: str
+    token_ids: np.ndarray  # int32, full sequence
+    turn: np.ndarray  # int16, -1 on prompt/tool tokens
+    is_model_token: np.ndarray  # bool
+    logp_infer: np.ndarray  # float32
+    finish_reason: str
+
+    @property
+    def n_model_tokens(self) -> int:
+        return int(self.is_model_token.sum())
+
+
+def shard_name(index: int) -> str:
+    return f"part-{index:05d}.parquet"
+
+
+def write_table_atomic(table: pa.Table, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    pq.write_table(table, tmp, compression="zstd")
+    os.replace(tmp, path)
+
+
+def rollouts_to_table(rollouts: list[Rollout]) -> pa.Table:
+    return pa.Table.from_pydict(
+        {
+            "sample_id": [r.sample_id for r in rollouts],
+            "prompt_id": [r.prompt_id for r in rollouts],
+            "token_ids": [r.token_ids for r in rollouts],
+            "turn": [r.turn for r in rollouts],
+            "is_model_token": [r.is_model_token for r in rollouts],
+            "logp_infer": [r.logp_infer for r in rollouts],
+            "finish_reason": [r.finish_reason for r in rollouts],
+        },
+        schema=ROLLOUT_SCHEMA,
+    )
+
+
+def list_values(column: pa.ChunkedArray, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Flat values and offsets of a list column, without Python objects per element."""
+    arr = column.combine_chunks()
+    offsets = arr.offsets.to_numpy()
+    values = arr.values.to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+    return values[offsets[0] : offsets[-1]], offsets - offsets[0]
+
+
+def table_to_rollouts(table: pa.Table) -> list[Rollout]:
+    ids, off = list_values(table.column("token_ids"), np.int32)
+    turn, _ = list_values(table.column("turn"), np.int16)
+    mask, _ = list_values(table.column("is_model_token"), np.bool_)
+    logp, _ = list_values(table.column("logp_infer"), np.float32)
+    out = []
+    for i, (sid, pid, fin) in enumerate(
+        zip(table.column("sample_id").to_pylist(), table.column("prompt_id").to_pylist(),
+            table.column("finish_reason").to_pylist())
+    ):
+        a, b = off[i], off[i + 1]
+        out.append(Rollout(sid, pid, ids[a:b], turn[a:b], mask[a:b], logp[a:b], fin))
+    return out
+
+
+def read_rollout_shard(path: Path) -> list[Rollout]:
+    return table_to_rollouts(pq.read_table(path, schema=ROLLOUT_SCHEMA))
+
+
+def token_table(rollouts: list[Rollout], logp_train: list[np.ndarray], entropy_train: list[np.ndarray]) -> pa.Table:
+    """Explode scored rollouts into the per-token table (vectorized over the whole shard)."""
+    lengths = np.array([len(r.token_ids) for r in rollouts], dtype=np.int64)
+    total = int(lengths.sum())
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(lengths) else np.zeros(0, np.int64)
+    position = (np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)).astype(np.int32)
+
+    def cat(parts, dtype):
+        return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
+
+    model = cat([r.is_model_token for r in rollouts], np.bool_)
+    logp_infer = cat([r.logp_infer for r in rollouts], np.float32)
+    lt = cat(logp_train, np.float32)
+    ent = cat(entropy_train, np.float32)
+    prompt_ids = pa.DictionaryArray.from_arrays(
+        pa.array(np.repeat(np.arange(len(rollouts), dtype=np.int32), lengths)),
+        pa.array([r.prompt_id for r in rollouts], pa.string()),
+    ).cast(pa.string())
+    return pa.Table.from_arrays(
+        [
+            pa.array(np.repeat(np.array([r.sample_id for r in rollouts], dtype=np.int64), lengths)),
+            prompt_ids,
+            pa.array(cat([r.turn for r in rollouts], np.int16)),
+            pa.array(position),
+            pa.array(cat([r.token_ids for r in rollouts], np.int32)),
+            pa.array(model),
+            pa.array(logp_infer, mask=~model),
+            pa.array(lt, mask=np.isnan(lt)),
+            pa.array(ent, mask=np.isnan(ent)),
+        ],
+        schema=TOKEN_SCHEMA,
+    )
+
+
+def shard_paths(run_dir: Path, subdir: str) -> list[Path]:
+    d = Path(run_dir) / subdir
+    return sorted(d.glob("part-*.parquet")) if d.is_dir() else []
+
+
+MODEL_TOKEN_COLUMNS = ("sample_id", "turn", "position", "logp_infer", "logp_train")
+
+
+def iter_model_tokens(run_dir: Path, columns=MODEL_TOKEN_COLUMNS) -> Iterator[dict[str, np.ndarray]]:
+    """Yield one dict of NumPy columns per token shard, model tokens only (whole sequences per shard)."""
+    for path in shard_paths(run_dir, TOKENS_DIR):
+        t = pq.read_table(path, columns=list(dict.fromkeys((*columns, "is_model_token"))))
+        keep = t.column("is_model_token").to_numpy(zero_copy_only=False)
+        yield {c: t.column(c).to_numpy(zero_copy_only=False)[keep] for c in columns}
