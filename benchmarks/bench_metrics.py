@@ -1,0 +1,100 @@
+"""Metrics over a synthetic per-token table: wall time and peak memory of `analyze()`.
+
+    python benchmarks/bench_metrics.py [--tokens 10000000] [--shard-tokens 1000000]
+
+Writes a synthetic run (responses of 50-2000 tokens, 30% prompt/tool tokens, two turns per
+sample) as Parquet shards in a temp directory, then times the streaming analysis in a fresh child
+process and reports its wall time and peak RSS (the child starts with only the imports, so its
+RSS is the analysis's own footprint plus the interpreter and libraries, given as a baseline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from mismatch_probe.table import TOKENS_DIR, TOKEN_SCHEMA, shard_name, write_table_atomic  # noqa: E402
+
+CHILD = """
+import json, resource, sys, time
+sys.path.insert(0, {root!r})
+from mismatch_probe.analysis import analyze
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+t0 = time.perf_counter()
+if {run!r}:
+    rec = analyze({run!r})
+    n = rec["metrics"]["n_model_tokens"]
+else:
+    n = 0
+dt = time.perf_counter() - t0
+print(json.dumps({{"seconds": dt, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "baseline_rss_mib": base / 1024, "n_model_tokens": n}}))
+"""
+
+
+def write_synthetic(run_dir: Path, tokens: int, shard_tokens: int, seed: int = 0) -> int:
+    import pyarrow as pa
+
+    rng = np.random.default_rng(seed)
+    written, shard, sample = 0, 0, 0
+    while written < tokens:
+        lengths = []
+        while sum(lengths) < min(shard_tokens, tokens - written):
+            lengths.append(int(rng.integers(50, 2000)))
+        n = sum(lengths)
+        sid = np.repeat(np.arange(sample, sample + len(lengths)), lengths)
+        starts = np.r_[0, np.cumsum(lengths)[:-1]]
+        pos = np.arange(n) - np.repeat(starts, lengths)
+        frac = pos / np.repeat(lengths, lengths)
+        turn = np.where(frac < 0.2, -1, np.where(frac < 0.6, 0, np.where(frac < 0.7, -1, 1))).astype(np.int16)
+        model = turn >= 0
+        li = np.log(rng.beta(5, 0.3, n)).astype(np.float32)
+        lt = (li + rng.normal(0, 0.01, n)).clip(max=0).astype(np.float32)
+        t = pa.Table.from_arrays([
+            pa.array(sid), pa.array(np.repeat(np.array([f"p{i}" for i in range(sample, sample + len(lengths))]), lengths)),
+            pa.array(turn), pa.array(pos.astype(np.int32)), pa.array(rng.integers(0, 150000, n).astype(np.int32)),
+            pa.array(model), pa.array(li, mask=~model), pa.array(lt, mask=~model), pa.array(np.zeros(n, np.float32)),
+        ], schema=TOKEN_SCHEMA)
+        write_table_atomic(t, run_dir / TOKENS_DIR / shard_name(shard))
+        written += n
+        sample += len(lengths)
+        shard += 1
+    return written
+
+
+def child(run: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", CHILD.format(root=str(ROOT), run=run)], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=10_000_000)
+    ap.add_argument("--shard-tokens", type=int, default=1_000_000)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        run = Path(tmp) / "run"
+        t0 = time.perf_counter()
+        total = write_synthetic(run, args.tokens, args.shard_tokens)
+        size = sum(p.stat().st_size for p in (run / TOKENS_DIR).iterdir())
+        print(f"synthetic table: {total:,} rows in {len(list((run / TOKENS_DIR).iterdir()))} shards, "
+              f"{size / 2**20:.0f} MiB on disk, written in {time.perf_counter() - t0:.1f} s")
+        idle = child("")
+        res = child(str(run))
+        print(f"analyze(): {res['seconds']:.2f} s for {res['n_model_tokens']:,} model tokens "
+              f"({res['n_model_tokens'] / res['seconds'] / 1e6:.1f} M tok/s); peak RSS {res['peak_rss_mib']:.0f} MiB "
+              f"(interpreter + imports alone: {idle['peak_rss_mib']:.0f} MiB)")
+
+
+if __name__ == "__main__":
+    main()
