@@ -3,8 +3,8 @@
     python benchmarks/bench_metrics.py [--tokens 10000000] [--shard-tokens 1000000]
 
 Writes a synthetic run (responses of 50-2000 tokens, 30% prompt/tool tokens, two turns per
-sample) as Parquet shards in a temp directory, then times the streaming analysis in a fresh child
-process and reports its wall time and peak RSS (the child starts with only the imports, so its
+sample) as Parquet shards in a temp directory, then times the streaming analysis (and, as a floor, just reading the same
+columns) in a fresh child process and reports its wall time and peak RSS (the child starts with only the imports, so its
 RSS is the analysis's own footprint plus the interpreter and libraries, given as a baseline).
 """
 
@@ -29,13 +29,14 @@ CHILD = """
 import json, resource, sys, time
 sys.path.insert(0, {root!r})
 from mismatch_probe.analysis import analyze
+from mismatch_probe.table import iter_model_tokens
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 t0 = time.perf_counter()
-if {run!r}:
-    rec = analyze({run!r})
-    n = rec["metrics"]["n_model_tokens"]
-else:
-    n = 0
+n = 0
+if {mode!r} == "analyze":
+    n = analyze({run!r})["metrics"]["n_model_tokens"]
+elif {mode!r} == "read":
+    n = sum(len(s["logp_train"]) for s in iter_model_tokens({run!r}))
 dt = time.perf_counter() - t0
 print(json.dumps({{"seconds": dt, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                   "baseline_rss_mib": base / 1024, "n_model_tokens": n}}))
@@ -72,8 +73,9 @@ def write_synthetic(run_dir: Path, tokens: int, shard_tokens: int, seed: int = 0
     return written
 
 
-def child(run: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHILD.format(root=str(ROOT), run=run)], capture_output=True, text=True, check=True)
+def child(run: str, mode: str) -> dict:
+    code = CHILD.format(root=str(ROOT), run=run, mode=mode)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
 
 
@@ -89,11 +91,14 @@ def main() -> None:
         size = sum(p.stat().st_size for p in (run / TOKENS_DIR).iterdir())
         print(f"synthetic table: {total:,} rows in {len(list((run / TOKENS_DIR).iterdir()))} shards, "
               f"{size / 2**20:.0f} MiB on disk, written in {time.perf_counter() - t0:.1f} s")
-        idle = child("")
-        res = child(str(run))
+        idle = child(str(run), "idle")
+        read = child(str(run), "read")
+        res = child(str(run), "analyze")
         print(f"analyze(): {res['seconds']:.2f} s for {res['n_model_tokens']:,} model tokens "
               f"({res['n_model_tokens'] / res['seconds'] / 1e6:.1f} M tok/s); peak RSS {res['peak_rss_mib']:.0f} MiB "
               f"(interpreter + imports alone: {idle['peak_rss_mib']:.0f} MiB)")
+        print(f"reading the same columns without computing: {read['seconds']:.2f} s, peak RSS "
+              f"{read['peak_rss_mib']:.0f} MiB; metrics cost {res['seconds'] / read['seconds']:.1f}x the read")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Reference scoring throughput on the fixture: padding-free packing vs padded micro-batches vs a
-naive loop (one sequence per forward through the model's own forward, full-vocab logits).
+"""Reference scoring throughput on the fixture: padding-free packing (per-sequence "varlen" SDPA, the
+default, and transformers' dense block-mask SDPA) vs padded micro-batches vs a naive loop (one
+sequence per forward through the model's own forward, full-vocab logits).
 
     python benchmarks/bench_reference.py [--sequences 256] [--dtype float32] [--repeats 3]
 
@@ -68,9 +69,14 @@ def main() -> None:
     n_scored = sum(int(r.is_model_token.sum()) for r in rollouts)
     sem = LogprobSemantics("raw")
     modes = {
-        "packed (padding-free, 4096 tok/mb)": ReferenceScorer(MODEL, ReferenceSpec(dtype=args.dtype, packing=True, micro_batch_size=64, max_tokens_per_micro_batch=4096)),
+        "packed, varlen sdpa (default)": ReferenceScorer(MODEL, ReferenceSpec(dtype=args.dtype, packing=True, micro_batch_size=64, max_tokens_per_micro_batch=4096)),
         "padded (16 seq/mb)": ReferenceScorer(MODEL, ReferenceSpec(dtype=args.dtype, packing=False, micro_batch_size=16)),
     }
+    # transformers' own packed path: sdpa with a dense block-diagonal [T x T] mask per micro-batch
+    dense = ReferenceScorer(MODEL, ReferenceSpec(dtype=args.dtype, packing=True, micro_batch_size=64, max_tokens_per_micro_batch=4096))
+    dense.model.set_attn_implementation("sdpa")
+    dense.varlen = False
+    modes["packed, dense block mask (hf sdpa)"] = dense
     naive_model = modes["padded (16 seq/mb)"].model
     runs = {k: (lambda s=s: s.score(rollouts, sem)) for k, s in modes.items()}
     runs["naive (1 seq/forward)"] = lambda: naive(naive_model, rollouts)

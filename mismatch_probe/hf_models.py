@@ -78,7 +78,9 @@ def load_causal_lm(model_path: Path, *, dtype: str, attn_implementation: str, de
     """A causal LM in eval mode on ``device`` with ``dtype`` weights."""
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # our own progress bars are the ones on screen
     try:
         model = AutoModelForCausalLM.from_pretrained(
             str(model_path),

@@ -94,10 +94,11 @@ def prepare_run_dir(spec: ProbeSpec, out: Path, *, overwrite: bool) -> dict | No
                 previous = json.loads((out / RUN_JSON).read_text())
             except json.JSONDecodeError:
                 previous = None
+        if previous is None:
+            # never delete a directory that is not a run, even with --overwrite
+            raise ConfigError(f"--out {str(out)!r} is not empty and holds no run", hint="choose another --out")
         if overwrite:
             shutil.rmtree(out)
-        elif previous is None:
-            raise ConfigError(f"--out {str(out)!r} is not empty and holds no run", hint="choose another --out")
         elif previous.get("spec_fingerprint") != spec.fingerprint():
             raise ConfigError(
                 f"--out {str(out)!r} holds a run with a different spec",
@@ -209,6 +210,11 @@ def run_compare(spec: ProbeSpec, *, progress: Progress | None = None, overwrite:
         from .reference import ReferenceScorer
         from .sampling import LogprobSemantics
 
+        if not record.get("logprob_semantics"):
+            raise ConfigError(
+                f"{out} has rollouts but its run.json does not say what their log-probs are",
+                hint="re-run with --overwrite",
+            )
         sem = record["logprob_semantics"]["engine"]
         semantics = LogprobSemantics(
             sem["mode"], sem.get("temperature", 1.0), sem.get("top_k", 0), sem.get("top_p", 1.0)

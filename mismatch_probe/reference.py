@@ -25,6 +25,7 @@ from .hf_models import free_accelerator_memory, load_causal_lm, resolve_device
 from .sampling import LogprobSemantics, entropy_from_logprobs, logprobs_under
 from .spec import ReferenceSpec
 from .table import Rollout
+from .varlen_attention import register as register_varlen_sdpa
 
 LM_HEAD_CHUNK_TOKENS = 2048
 
@@ -34,10 +35,12 @@ class ReferenceScorer:
         self.model_path = Path(model_path)
         self.spec = spec
         self.device = resolve_device(spec.device)
+        # Packed + sdpa would otherwise build a dense [T x T] block mask per micro-batch.
+        self.varlen = spec.packing and spec.attn_implementation == "sdpa"
         self.model = load_causal_lm(
             self.model_path,
             dtype=spec.dtype,
-            attn_implementation=spec.attn_implementation,
+            attn_implementation=register_varlen_sdpa() if self.varlen else spec.attn_implementation,
             device=self.device,
             trust_remote_code=trust_remote_code,
         )
@@ -58,7 +61,10 @@ class ReferenceScorer:
         return {
             "dtype": self.spec.dtype,
             "logits_fp32": self.spec.logits_fp32,
-            "attn_implementation": self.model.config._attn_implementation,
+            "attn_implementation": self.spec.attn_implementation,
+            "attention_kernel": (
+                "sdpa per sequence (varlen)" if self.varlen else self.model.config._attn_implementation
+            ),
             "packing": "padding-free" if self.spec.packing else "padded",
             "micro_batch_size": self.spec.micro_batch_size,
             "max_tokens_per_micro_batch": self.spec.max_tokens_per_micro_batch if self.spec.packing else None,
@@ -89,8 +95,9 @@ class ReferenceScorer:
     def _self_check(self) -> None:
         vocab = self.lm_head.weight.shape[0]
         ids = torch.arange(1, 9, device=self.device)[None] % vocab
-        expected = self.model(input_ids=ids, use_cache=False).logits.float()
-        hidden = self.decoder(input_ids=ids, use_cache=False).last_hidden_state
+        extra = self._packed_kwargs([8]) if self.varlen else {}
+        expected = self.model(input_ids=ids, use_cache=False, **extra).logits.float()
+        hidden = self.decoder(input_ids=ids, use_cache=False, **extra).last_hidden_state
         got = self._logits(hidden, fp32=False)
         if not torch.allclose(got, expected, rtol=1e-3, atol=1e-3):
             raise ConfigError(
@@ -153,9 +160,17 @@ class ReferenceScorer:
         offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
         ids = torch.from_numpy(np.concatenate([r.token_ids for r in group]).astype(np.int64)).to(self.device)
         pos = torch.from_numpy(np.concatenate([np.arange(n) for n in lengths])).to(self.device)
-        hidden = self.decoder(input_ids=ids[None], position_ids=pos[None], use_cache=False).last_hidden_state[0]
+        extra = self._packed_kwargs(lengths) if self.varlen else {}
+        hidden = self.decoder(
+            input_ids=ids[None], position_ids=pos[None], use_cache=False, **extra
+        ).last_hidden_state[0]
         src = np.concatenate([off + np.flatnonzero(r.is_model_token) - 1 for off, r in zip(offsets, group)])
         return hidden, torch.from_numpy(src).to(self.device)
+
+    def _packed_kwargs(self, lengths) -> dict:
+        cu = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)).to(self.device)
+        return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": int(max(lengths)),
+                "max_length_k": int(max(lengths))}
 
     def _forward_padded(self, group: list[Rollout]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(r.token_ids) for r in group)

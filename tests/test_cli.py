@@ -71,6 +71,13 @@ def test_bf16_engine_mismatch_is_far_above_fp32(bf16_run, tmp_path):
     assert fp32 * 10 < bf16
 
 
+def test_mismatch_concentrates_on_low_probability_tokens(bf16_run):
+    rows = [r for r in record(bf16_run)["breakdowns"]["p_infer_buckets"] if r["count"]]
+    lowest, highest = rows[0], rows[-1]
+    assert highest["p_infer_lo"] == 0.99
+    assert lowest["abs_delta_mean"] > 10 * highest["abs_delta_mean"]
+
+
 def test_rerun_resumes_from_the_shards(bf16_run, tmp_path):
     run = tmp_path / "resume"
     shutil.copytree(bf16_run, run)

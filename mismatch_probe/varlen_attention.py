@@ -1,0 +1,61 @@
+"""Padding-free ("varlen") attention on top of PyTorch SDPA, for packed reference forwards.
+
+A packed row holds many sequences. transformers' plain ``sdpa`` path handles that with a dense
+[T x T] block-diagonal mask, which costs O(T^2) time and memory for the whole row and rules out
+SDPA's causal fast path. Trainers on GPUs use flash-attention's varlen kernels instead, which
+attend within each sequence only. This module gives the same semantics with SDPA: the packed row
+is cut at the sequence boundaries (``cu_seq_lens_q``, the name flash-attention uses) and each
+sequence runs causal SDPA on its own slice. It is registered with transformers'
+``AttentionInterface`` under :data:`VARLEN_SDPA`; transformers builds no mask for it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+VARLEN_SDPA = "mismatch_probe_varlen_sdpa"
+_registered = False
+
+
+def _varlen_sdpa(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    if query.shape[0] != 1 or cu_seq_lens_q is None:
+        raise ValueError(f"{VARLEN_SDPA} needs one packed row and cu_seq_lens_q (sequence boundaries)")
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    out = torch.empty_like(query)
+    bounds = cu_seq_lens_q.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        n = b - a
+        mask, causal = None, True
+        if sliding_window is not None and n > sliding_window:
+            i = torch.arange(n, device=query.device)
+            diff = i[:, None] - i[None, :]
+            mask, causal = (diff >= 0) & (diff < sliding_window), False
+        out[:, :, a:b] = torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], attn_mask=mask, is_causal=causal, scale=scaling,
+        )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> str:
+    """Make :data:`VARLEN_SDPA` a valid ``attn_implementation`` (idempotent)."""
+    global _registered
+    if not _registered:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(VARLEN_SDPA, _varlen_sdpa)
+        _registered = True
+    return VARLEN_SDPA

@@ -1,0 +1,69 @@
+"""Orchestration with a scripted engine: crashes keep shards, resume, bad engine output."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import DENSE, SINGLE_TURN
+from fake_engine import FakeEngine
+
+from mismatch_probe import engines
+from mismatch_probe.errors import DataError
+from mismatch_probe.pipeline import run_compare
+from mismatch_probe.spec import ProbeSpec
+
+
+@pytest.fixture(autouse=True)
+def fake_engine(monkeypatch):
+    monkeypatch.setitem(engines.BUILTIN_ENGINES, "fake",
+                        engines.EngineEntry("fake", "fake_engine:FakeEngine", (), "", "scripted, for tests"))
+    FakeEngine.calls, FakeEngine.fail_on_call, FakeEngine.echo_prompt_offset = [], None, 0
+    FakeEngine.logprob = -0.6931471805599453
+    yield
+
+
+def spec(out):
+    s = ProbeSpec(model=str(DENSE), prompts=str(SINGLE_TURN), out=str(out), max_prompts=5, shard_size=2)
+    s.engine.name = "fake"
+    s.reference.dtype = "float32"
+    return s
+
+
+def test_engine_crash_keeps_finished_shards_and_rerun_resumes(tmp_path):
+    FakeEngine.fail_on_call = 2
+    with pytest.raises(RuntimeError, match="engine crashed"):
+        run_compare(spec(tmp_path / "r"))
+    assert [p.name for p in (tmp_path / "r" / "rollouts").iterdir()] == ["part-00000.parquet"]
+    assert json.loads((tmp_path / "r" / "run.json").read_text())["status"] == "running"
+    FakeEngine.calls, FakeEngine.fail_on_call = [], None
+    result = run_compare(spec(tmp_path / "r"))
+    assert FakeEngine.calls == [2, 1]  # shards 1 and 2 only; shard 0 was on disk
+    assert result.record["status"] == "complete"
+    assert result.record["metrics"]["n_sequences"] == 5
+    assert (tmp_path / "r" / "report.md").is_file()
+
+
+def test_nan_logprobs_fail_after_the_table_is_written(tmp_path):
+    FakeEngine.logprob = float("nan")
+    with pytest.raises(DataError, match="NaN logp_infer.*kept in"):
+        run_compare(spec(tmp_path / "r"))
+    rec = json.loads((tmp_path / "r" / "run.json").read_text())
+    assert rec["status"] == "failed" and "NaN" in rec["error"]
+    assert len(list((tmp_path / "r" / "tokens.parquet").iterdir())) == 3
+
+
+def test_engine_that_changes_the_prompt_ids_is_an_error(tmp_path):
+    FakeEngine.echo_prompt_offset = 1
+    with pytest.raises(DataError, match="different prompt token ids"):
+        run_compare(spec(tmp_path / "r"))
+
+
+def test_overwrite_refuses_a_directory_that_is_not_a_run(tmp_path):
+    (tmp_path / "keep.txt").write_text("precious")
+    s = spec(tmp_path)
+    from mismatch_probe.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="holds no run"):
+        run_compare(s, overwrite=True)
+    assert (tmp_path / "keep.txt").read_text() == "precious"
