@@ -172,7 +172,12 @@ def run_compare(spec: ProbeSpec, *, progress: Progress | None = None, overwrite:
     _write_record(out, record)
 
     # ---- 1. rollouts ----------------------------------------------------------------------
-    rollout_dir = out / ROLLOUTS_DIR
+    rollout_dir, token_dir = out / ROLLOUTS_DIR, out / TOKENS_DIR
+    if previous is not None:  # timings then cover this invocation only; say what it reused
+        record["resumed"] = {
+            "rollout_shards_reused": sum((rollout_dir / shard_name(i)).is_file() for i in range(len(shards))),
+            "token_shards_reused": sum((token_dir / shard_name(i)).is_file() for i in range(len(shards))),
+        }
     missing = [i for i in range(len(shards)) if not (rollout_dir / shard_name(i)).is_file()]
     if missing:
         from .engines import GenerationRequest
@@ -204,7 +209,6 @@ def run_compare(spec: ProbeSpec, *, progress: Progress | None = None, overwrite:
             engine.close()
 
     # ---- 2. reference ---------------------------------------------------------------------
-    token_dir = out / TOKENS_DIR
     missing = [i for i in range(len(shards)) if not (token_dir / shard_name(i)).is_file()]
     if missing:
         from .reference import ReferenceScorer

@@ -91,6 +91,7 @@ def test_rerun_resumes_from_the_shards(bf16_run, tmp_path):
     assert proc.returncode == 0, proc.stderr
     after = json.loads(proc.stdout)
     assert "generate" not in proc.stderr  # rollouts were on disk: the engine never started
+    assert after["resumed"] == {"rollout_shards_reused": 1, "token_shards_reused": 0}
     assert after["metrics"]["k3_kl"] == pytest.approx(before["metrics"]["k3_kl"], rel=1e-12)
     proc = cli(*args[:-3], "--seed", "8")
     assert proc.returncode == 2
