@@ -125,9 +125,9 @@ def run_compare(spec: ProbeSpec, *, progress: Progress | None = None, overwrite:
     from .hf_models import check_model_dir, load_tokenizer, max_model_len, stop_token_ids
     from .prompts import tokenize_prompts
 
+    t_start = time.perf_counter()
     progress = progress or Progress()
     spec.validate()
-    t_start = time.perf_counter()
     model_path = check_model_dir(spec.model)
     from .engines import load_engine
 
@@ -144,10 +144,12 @@ def run_compare(spec: ProbeSpec, *, progress: Progress | None = None, overwrite:
         max_new_tokens=spec.sampling.max_tokens,
     )
     stops = stop_token_ids(model_path, tokenizer)
+    environment = fingerprint()
+    # setup: checks, library imports, tokenizer, prompts, fingerprint
+    timings: dict = {"setup_s": round(time.perf_counter() - t_start, 3)}
     samples = [_Sample(p * spec.sampling.n + j, p) for p in range(len(prompts)) for j in range(spec.sampling.n)]
     shards = [samples[i : i + spec.shard_size] for i in range(0, len(samples), spec.shard_size)]
 
-    timings: dict = {}
     record = {
         "schema_version": SCHEMA_VERSION,
         "probe_version": __version__,
@@ -155,7 +157,7 @@ def run_compare(spec: ProbeSpec, *, progress: Progress | None = None, overwrite:
         "created_at": (previous or {}).get("created_at", _now()),
         "spec": spec.to_dict(),
         "spec_fingerprint": spec.fingerprint(),
-        "environment": fingerprint(),
+        "environment": environment,
         "inputs": {
             "model": str(model_path.resolve()),
             "prompts": str(Path(spec.prompts).resolve()),

@@ -36,7 +36,7 @@ def test_compare_writes_a_complete_run(bf16_run):
     env = rec["environment"]
     assert env["packages"]["torch"] and env["packages"]["transformers"] and env["cpu_model"]
     assert env["mismatch_probe"]["version"]
-    assert set(rec["timings"]) >= {"engine_start_s", "generation_s", "scoring_s", "metrics_s", "total_s"}
+    assert set(rec["timings"]) >= {"setup_s", "engine_start_s", "generation_s", "scoring_s", "metrics_s", "total_s"}
     assert len(rec["breakdowns"]["p_infer_buckets"]) == 9
 
 
