@@ -74,13 +74,15 @@ class RichProgress:
         self.tasks: dict[str, int] = {}
 
     def __enter__(self):
-        self.bars.start()
         return self
 
     def __exit__(self, *exc):
-        self.bars.stop()
+        if self.tasks:  # the live display starts with the first stage, so early errors print alone
+            self.bars.stop()
 
     def stage(self, name: str, total: int) -> None:
+        if not self.tasks:
+            self.bars.start()
         self.tasks[name] = self.bars.add_task(name, total=total)
 
     def advance(self, name: str, amount: int) -> None:
