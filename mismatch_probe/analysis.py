@@ -12,33 +12,61 @@ from pathlib import Path
 
 import numpy as np
 
-from .metrics import CorrectionThresholds, MetricsAccumulator, segment_starts
+from .metrics import (
+    CorrectionThresholds,
+    MetricsAccumulator,
+    RoutingAccumulator,
+    RoutingComparison,
+    compare_routing,
+    segment_starts,
+)
 from .table import iter_model_tokens
 
 TURN_GROUPS = {"first": lambda turn: turn == 0, "later": lambda turn: turn >= 1}
 
 
-def analyze(run_dir: str | Path, thresholds: CorrectionThresholds | None = None) -> dict:
-    """``metrics``, ``metrics_by_turn``, ``corrections`` and ``breakdowns`` for a run directory."""
+def analyze(
+    run_dir: str | Path, thresholds: CorrectionThresholds | None = None, routing: dict | None = None
+) -> dict:
+    """``metrics``, ``metrics_by_turn``, ``corrections``, ``breakdowns`` (and ``routing`` for MoE
+    runs whose table has expert ids; ``routing`` describes the layers, as the engine recorded them)."""
     thresholds = thresholds or CorrectionThresholds()
     overall = MetricsAccumulator(thresholds)
     by_turn = {name: MetricsAccumulator(thresholds) for name in TURN_GROUPS}
+    router_acc: dict[str, RoutingAccumulator] = {}
     for shard in iter_model_tokens(Path(run_dir)):
         sample, turn = shard["sample_id"], shard["turn"]
         lt, li, pos = shard["logp_train"], shard["logp_infer"], shard["position"]
+        ei, et = shard["experts_infer"], shard["experts_train"]
         overall.add(lt, li, segment_starts(sample), pos)
+        groups = {"all": np.ones(len(lt), dtype=bool)}
         for name, select in TURN_GROUPS.items():
             keep = select(turn)
+            groups[name] = keep
             if keep.any():
                 by_turn[name].add(lt[keep], li[keep], segment_starts(sample[keep], turn[keep]), pos[keep])
-    return {
+        if ei is not None and et is not None and routing:
+            n_layers, top_k = len(routing["moe_layers"]), routing["top_k"]
+            cmp = compare_routing(ei, et, n_layers, top_k)  # once per shard, shared by the groups
+            for name, keep in groups.items():
+                acc = router_acc.setdefault(name, RoutingAccumulator(n_layers, top_k))
+                acc.add(RoutingComparison(cmp.same[keep], cmp.shared[keep]), lt[keep], li[keep])
+    out = {
         "metrics": overall.metrics(),
         "metrics_by_turn": {name: acc.metrics() for name, acc in by_turn.items()},
         "corrections": overall.corrections(),
         "corrections_by_turn": {name: acc.corrections() for name, acc in by_turn.items()},
         "breakdowns": overall.breakdowns(),
         "breakdowns_by_turn": {name: acc.breakdowns() for name, acc in by_turn.items()},
+        "routing": None,
     }
+    if router_acc:
+        layers = routing["moe_layers"]
+        out["routing"] = router_acc["all"].result(layers) | {
+            "by_turn": {name: router_acc[name].result(layers) for name in TURN_GROUPS if name in router_acc},
+            "num_experts": routing.get("num_experts"),
+        }
+    return out
 
 
 def json_safe(value):

@@ -230,19 +230,22 @@ def run_compare(spec: ProbeSpec, *, progress: Progress | None = None, overwrite:
         try:
             record["reference"] = scorer.info()
             _write_record(out, record)
+            routing = (record.get("engine") or {}).get("routing")
+            width = (len(routing["moe_layers"]), routing["top_k"]) if routing else None
             progress.stage("score", sum(len(shards[i]) for i in missing))
             with _timed(timings, "scoring_s"):
                 for i in missing:
-                    rollouts = read_rollout_shard(rollout_dir / shard_name(i))
-                    logp, ent = scorer.score(rollouts, semantics, on_progress=lambda k: progress.advance("score", k))
-                    write_table_atomic(token_table(rollouts, logp, ent), token_dir / shard_name(i))
+                    rollouts = read_rollout_shard(rollout_dir / shard_name(i), width)
+                    scores = scorer.score(rollouts, semantics, on_progress=lambda k: progress.advance("score", k))
+                    table = token_table(rollouts, scores.logp, scores.entropy, scores.experts)
+                    write_table_atomic(table, token_dir / shard_name(i))
         finally:
             scorer.close()
 
     # ---- 3. metrics -----------------------------------------------------------------------
     with _timed(timings, "metrics_s"):
         try:
-            sections = analyze(out, spec.corrections)
+            sections = analyze(out, spec.corrections, (record.get("engine") or {}).get("routing"))
         except DataError as exc:
             record["status"] = "failed"
             record["error"] = str(exc)
@@ -276,6 +279,7 @@ def _rollout(sample: _Sample, prompt, completion) -> Rollout:
         is_model_token=np.concatenate([np.zeros(n_prompt, bool), np.ones(n_resp, bool)]),
         logp_infer=np.concatenate([np.full(n_prompt, np.nan, np.float32), completion.logprobs.astype(np.float32)]),
         finish_reason=completion.finish_reason,
+        experts_infer=completion.experts,
     )
 
 

@@ -15,6 +15,7 @@ architecture that post-processes logits in a way this module does not know fails
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -22,12 +23,22 @@ import torch
 
 from .errors import ConfigError, DataError
 from .hf_models import free_accelerator_memory, load_causal_lm, resolve_device
+from .routing import RouterRecorder
 from .sampling import LogprobSemantics, entropy_from_logprobs, logprobs_under
 from .spec import ReferenceSpec
 from .table import Rollout
 from .varlen_attention import register as register_varlen_sdpa
 
 LM_HEAD_CHUNK_TOKENS = 2048
+
+
+@dataclass
+class Scores:
+    """Per rollout, full sequence length (NaN where not scored): the reference's view of the tokens."""
+
+    logp: list[np.ndarray]
+    entropy: list[np.ndarray]
+    experts: list[np.ndarray | None] | None = None  # int16 [model tokens, moe layers, k], MoE only
 
 
 class ReferenceScorer:
@@ -53,6 +64,7 @@ class ReferenceScorer:
         self._logit_scale = getattr(cfg, "logit_scale", None)  # Cohere multiplies
         self._logits_scaling = getattr(cfg, "logits_scaling", None)  # Granite divides
         self._head_fp32: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.routing = RouterRecorder(self.model)
         self._self_check()
 
     def info(self) -> dict:
@@ -123,16 +135,24 @@ class ReferenceScorer:
         if batch:
             yield batch
 
-    @torch.inference_mode()
     def score(
         self,
         rollouts: Sequence[Rollout],
         semantics: LogprobSemantics,
         on_progress: Callable[[int], None] | None = None,
-    ) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """``logp_train`` and ``entropy_train`` per rollout, full length, NaN where not scored."""
+    ) -> Scores:
+        """Score every model token of ``rollouts``; routing too when the engine recorded it."""
+        record = self.routing.active and all(r.experts_infer is not None for r in rollouts) and bool(rollouts)
+        if not record:
+            return self._score(rollouts, semantics, on_progress, None)
+        with self.routing:
+            return self._score(rollouts, semantics, on_progress, self.routing)
+
+    @torch.inference_mode()
+    def _score(self, rollouts, semantics, on_progress, routing: RouterRecorder | None) -> Scores:
         logps = [np.full(len(r.token_ids), np.nan, dtype=np.float32) for r in rollouts]
         ents = [np.full(len(r.token_ids), np.nan, dtype=np.float32) for r in rollouts]
+        experts: list[np.ndarray | None] = [None] * len(rollouts)
         for idx in self.micro_batches(rollouts):
             group = [rollouts[i] for i in idx]
             for r in group:
@@ -143,6 +163,8 @@ class ReferenceScorer:
                 hidden, src = self._forward_packed(group)
             else:
                 hidden, src = self._forward_padded(group)
+            # the routing of the scored rows: the inputs whose hidden states give each token's logits
+            group_experts = routing.take().index_select(0, src.to(torch.long)).cpu().numpy() if routing else None
             targets = np.concatenate([r.token_ids[r.is_model_token] for r in group]).astype(np.int64)
             lp, ent = self._score_hidden(hidden, src, torch.from_numpy(targets).to(self.device), semantics)
             start = 0
@@ -150,10 +172,12 @@ class ReferenceScorer:
                 k = int(r.is_model_token.sum())
                 logps[i][r.is_model_token] = lp[start : start + k]
                 ents[i][r.is_model_token] = ent[start : start + k]
+                if group_experts is not None:
+                    experts[i] = group_experts[start : start + k]
                 start += k
             if on_progress:
                 on_progress(len(group))
-        return logps, ents
+        return Scores(logps, ents, experts if routing else None)
 
     def _forward_packed(self, group: list[Rollout]) -> tuple[torch.Tensor, torch.Tensor]:
         lengths = np.array([len(r.token_ids) for r in group])

@@ -111,6 +111,22 @@ def render_markdown(record: dict) -> str:
          fmt(r["prob_diff_mean"]), fmt(r["prob_diff_max"]), fmt(r["k3_mean"])]
         for r in bd.get("position_buckets") or []
     ])
+    routing = record.get("routing")
+    if routing and routing.get("n_tokens"):
+        out += ["", "## MoE routing agreement", "",
+                f"Top-{routing['top_k']} expert sets chosen for each model token's input, engine vs reference "
+                f"({routing.get('num_experts')} experts). A token flips when any layer picks another set; "
+                f"{fmt(routing['tokens_with_flip_share'])} of tokens flipped.", ""]
+        out += _table(["MoE layer", "same expert set", "shared experts"], [
+            [layer, fmt(a), fmt(o)]
+            for layer, a, o in zip(routing["moe_layers"], routing["set_agreement_by_layer"], routing["overlap_by_layer"])
+        ])
+        out += [""]
+        out += _table(["tokens", "count", "mean abs delta", "mean prob diff", "max prob diff", "mean K3"], [
+            [name, routing[name]["n_tokens"], fmt(routing[name]["abs_delta_mean"]), fmt(routing[name]["prob_diff_mean"]),
+             fmt(routing[name]["prob_diff_max"]), fmt(routing[name]["k3_mean"])]
+            for name in ("flipped", "agreed")
+        ])
     timings = record.get("timings") or {}
     out += ["", "## Timings", ""]
     out += _table(["stage", "seconds"], [[k.removesuffix("_s"), f"{v:.2f}"] for k, v in timings.items()])

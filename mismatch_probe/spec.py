@@ -11,10 +11,11 @@ import dataclasses
 import difflib
 import hashlib
 import json
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from .errors import ConfigError
 from .metrics import CorrectionThresholds
@@ -49,6 +50,8 @@ class EngineSpec:
     batch_size: int = 32
     logprobs_mode: str = "raw"
     device: str = "auto"
+    # MoE: record each token's top-k experts per layer (2 * layers * k bytes a token, each side)
+    record_routing: bool = True
 
 
 @dataclass

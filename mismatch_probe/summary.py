@@ -74,6 +74,19 @@ def corrections_table(record: dict) -> Table:
     return table
 
 
+def routing_line(record: dict) -> str | None:
+    r = record.get("routing")
+    if not r or not r.get("n_tokens"):
+        return None
+    flipped, agreed = r["flipped"], r["agreed"]
+    line = (f"MoE routing: {fmt(r['tokens_with_flip_share'])} of tokens changed experts in at least one layer "
+            f"(expert-set agreement by layer: {', '.join(fmt(a) for a in r['set_agreement_by_layer'])})")
+    if flipped["n_tokens"] and agreed["n_tokens"]:
+        line += (f"; mean |delta| {fmt(flipped['abs_delta_mean'])} on those tokens vs "
+                 f"{fmt(agreed['abs_delta_mean'])} elsewhere")
+    return line
+
+
 def _title(record: dict) -> str:
     spec = record.get("spec") or {}
     eng = record.get("engine") or {}

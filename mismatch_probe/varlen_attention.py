@@ -29,12 +29,16 @@ def _varlen_sdpa(
     cu_seq_lens_q: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    if query.shape[0] != 1 or cu_seq_lens_q is None:
-        raise ValueError(f"{VARLEN_SDPA} needs one packed row and cu_seq_lens_q (sequence boundaries)")
+    if query.shape[2] != key.shape[2]:
+        raise ValueError(f"{VARLEN_SDPA} is for full-sequence forwards without a KV cache")
     groups = getattr(module, "num_key_value_groups", 1)
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
+    if cu_seq_lens_q is None:  # no boundaries given: each row is one whole sequence
+        cu_seq_lens_q = torch.tensor([0, query.shape[2]])
+    elif query.shape[0] != 1:
+        raise ValueError(f"{VARLEN_SDPA} takes sequence boundaries for one packed row only")
     out = torch.empty_like(query)
     bounds = cu_seq_lens_q.tolist()
     for a, b in zip(bounds[:-1], bounds[1:]):

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from conftest import DENSE, ROOT, SINGLE_TURN, cli
+from conftest import DENSE, MOE, ROOT, SINGLE_TURN, cli
 
 from mismatch_probe.metrics import CANONICAL_KEYS, CORRECTION_KEYS
 
@@ -76,6 +76,30 @@ def test_mismatch_concentrates_on_low_probability_tokens(bf16_run):
     lowest, highest = rows[0], rows[-1]
     assert highest["p_infer_lo"] == 0.99
     assert lowest["abs_delta_mean"] > 10 * highest["abs_delta_mean"]
+
+
+def moe_run(tmp_path, dtype):
+    proc = cli("compare", "--model", str(MOE), "--prompts", str(SINGLE_TURN), "--out", str(tmp_path / dtype),
+               "--engine-dtype", dtype, "--train-dtype", "float32", "--max-tokens", "48", "--n", "2",
+               "--max-prompts", "16", "--seed", "7", "--json")
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_moe_routing_flips_carry_the_mismatch(bf16_run, tmp_path):
+    assert record(bf16_run)["routing"] is None  # dense model
+    fp32 = moe_run(tmp_path, "float32")["routing"]
+    assert fp32["set_agreement_by_layer"] == [1.0, 1.0, 1.0, 1.0] and fp32["flipped"]["n_tokens"] == 0
+    rec = moe_run(tmp_path, "bfloat16")
+    r = rec["routing"]
+    assert r["n_tokens"] == rec["metrics"]["n_model_tokens"]
+    assert 0 < r["tokens_with_flip_share"] < 0.5
+    assert r["flipped"]["abs_delta_mean"] > 2 * r["agreed"]["abs_delta_mean"]
+    t = pq.read_table(tmp_path / "bfloat16" / "tokens.parquet", columns=["is_model_token", "experts_infer"])
+    model = t.column("is_model_token").to_numpy(zero_copy_only=False)
+    assert t.column("experts_infer").is_null().to_numpy(zero_copy_only=False).tolist() == (~model).tolist()
+    report = (tmp_path / "bfloat16" / "report.md").read_text()
+    assert "## MoE routing agreement" in report
 
 
 def test_rerun_resumes_from_the_shards(bf16_run, tmp_path):

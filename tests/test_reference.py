@@ -55,7 +55,8 @@ def independent(model_path, rollouts, dtype=torch.float32, temperature=None):
 def test_fp32_logprobs_and_entropy_match_independent_forward(model, packing):
     rollouts = make_rollouts()
     scorer = ReferenceScorer(model, ReferenceSpec(dtype="float32", packing=packing, micro_batch_size=3))
-    lps, ents = scorer.score(rollouts, RAW)
+    scores = scorer.score(rollouts, RAW)
+    lps, ents = scores.logp, scores.entropy
     want_lp, want_ent = independent(model, rollouts)
     for r, lp, ent, wl, we in zip(rollouts, lps, ents, want_lp, want_ent):
         assert np.isnan(lp[~r.is_model_token]).all() and np.isnan(ent[~r.is_model_token]).all()
@@ -68,8 +69,8 @@ def test_packed_and_padded_agree_in_fp32():
     rollouts = make_rollouts(8, seed=1)
     packed = ReferenceScorer(DENSE, ReferenceSpec(dtype="float32", packing=True, max_tokens_per_micro_batch=64))
     padded = ReferenceScorer(DENSE, ReferenceSpec(dtype="float32", packing=False, micro_batch_size=4))
-    a, _ = packed.score(rollouts, RAW)
-    b, _ = padded.score(rollouts, RAW)
+    a = packed.score(rollouts, RAW).logp
+    b = padded.score(rollouts, RAW).logp
     for x, y in zip(a, b):
         assert np.allclose(x, y, atol=1e-5, equal_nan=True)
 
@@ -87,7 +88,7 @@ def test_token_budget_splits_packed_micro_batches():
 def test_processed_semantics_score_the_tempered_distribution():
     rollouts = make_rollouts(3, seed=3)
     scorer = ReferenceScorer(DENSE, ReferenceSpec(dtype="float32"))
-    lps, _ = scorer.score(rollouts, LogprobSemantics("processed", temperature=0.7))
+    lps = scorer.score(rollouts, LogprobSemantics("processed", temperature=0.7)).logp
     want, _ = independent(DENSE, rollouts, temperature=0.7)
     for r, lp, w in zip(rollouts, lps, want):
         assert np.allclose(lp[r.is_model_token], w, atol=2e-5)
@@ -99,7 +100,7 @@ def test_bf16_reference_and_fp32_logits():
     errs = {}
     for fp32_logits in (False, True):
         s = ReferenceScorer(DENSE, ReferenceSpec(dtype="bfloat16", logits_fp32=fp32_logits))
-        lps, _ = s.score(rollouts, RAW)
+        lps = s.score(rollouts, RAW).logp
         errs[fp32_logits] = max(np.abs(lp[r.is_model_token] - w).max() for r, lp, w in zip(rollouts, lps, exact))
         assert s.info()["logits_fp32"] is fp32_logits
     assert 1e-4 < errs[False] < 1.0  # bf16 is measurably off, not broken

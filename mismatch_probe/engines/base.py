@@ -24,6 +24,7 @@ class Completion:
     logprobs: np.ndarray  # float32, log-prob of each sampled token, looked up by its id
     finish_reason: str  # "stop" or "length"
     prompt_token_ids: np.ndarray | None = None  # what the engine says it was given, when it says
+    experts: np.ndarray | None = None  # int16 [tokens, moe_layers, top_k]: routing behind each token
 
 
 @runtime_checkable

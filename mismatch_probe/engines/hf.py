@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ..hf_models import free_accelerator_memory, load_causal_lm, resolve_device, resolve_dtype
+from ..routing import RouterRecorder
 from ..sampling import LogprobSemantics, processed_logits
 from ..spec import EngineSpec, SamplingSpec
 from .base import Completion, GenerationRequest
@@ -48,6 +49,9 @@ class HFEngine:
             trust_remote_code=trust_remote_code,
         )
         self.pad_id = 0
+        self.routing = RouterRecorder(self.model) if spec.record_routing else None
+        if self.routing is not None and not self.routing.active:
+            self.routing = None  # a dense model
 
     def semantics(self, sampling: SamplingSpec) -> LogprobSemantics:
         mode = self.spec.logprobs_mode if sampling.temperature > 0 else "raw"
@@ -64,6 +68,7 @@ class HFEngine:
             "device": self.device,
             "logprobs_mode": self.spec.logprobs_mode,
             "kv_cache": "transformers.DynamicCache",
+            "routing": self.routing.describe(self.model) if self.routing is not None else None,
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         }
 
@@ -87,9 +92,22 @@ class HFEngine:
                 on_progress(len(batch))
         return out
 
-    @torch.inference_mode()
     def _generate_batch(
         self, batch: Sequence[GenerationRequest], sampling: SamplingSpec, stops: torch.Tensor, gen: torch.Generator
+    ) -> list[Completion]:
+        if self.routing is None:
+            return self._decode(batch, sampling, stops, gen, None)
+        with self.routing:
+            return self._decode(batch, sampling, stops, gen, self.routing)
+
+    @torch.inference_mode()
+    def _decode(
+        self,
+        batch: Sequence[GenerationRequest],
+        sampling: SamplingSpec,
+        stops: torch.Tensor,
+        gen: torch.Generator,
+        routing: RouterRecorder | None,
     ) -> list[Completion]:
         from transformers import DynamicCache
 
@@ -119,6 +137,11 @@ class HFEngine:
             logits_to_keep=1,
         ).logits[:, -1]
         next_pos = position_ids[:, -1] + 1
+        experts = None
+        if routing is not None:  # routing of the input that produced each step's logits
+            first = routing.take().view(n, width, len(routing.layers), -1)[:, -1]
+            experts = torch.zeros((n, steps, *first.shape[1:]), dtype=torch.int16, device=first.device)
+            experts[:, 0] = first
 
         tokens = torch.full((n, steps), self.pad_id, dtype=torch.long, device=dev)
         logps = torch.zeros((n, steps), dtype=torch.float32, device=dev)
@@ -154,14 +177,18 @@ class HFEngine:
                 use_cache=True,
             ).logits[:, -1]
             next_pos = next_pos + 1
+            if experts is not None:
+                experts[:, step + 1] = routing.take()
 
         tokens_np, logps_np = tokens.cpu().numpy(), logps.cpu().numpy()
         counts, stopped_np = n_generated.cpu().numpy(), stopped.cpu().numpy()
+        experts_np = experts.cpu().numpy() if experts is not None else None
         return [
             Completion(
                 token_ids=tokens_np[i, : counts[i]].astype(np.int32),
                 logprobs=logps_np[i, : counts[i]].astype(np.float32),
                 finish_reason="stop" if stopped_np[i] else "length",
+                experts=None if experts_np is None else experts_np[i, : counts[i]],
             )
             for i in range(n)
         ]
