@@ -477,10 +477,6 @@ class MetricsAccumulator:
             })
         return rows
 
-    def sequences(self) -> SequenceTerms:
-        """Per-sequence reductions, in the order the sequences were added."""
-        return self._sequences()
-
 
 _EXTRA_KEYS = (
     "k2_kl", "abs_delta_p50", "abs_delta_p90", "abs_delta_max", "log_ppl_diff_mean",
