@@ -92,6 +92,7 @@ class CorrectionThresholds:
 
 class TokenTerms(NamedTuple):
     delta: np.ndarray
+    abs_delta: np.ndarray
     ratio: np.ndarray
     k1: np.ndarray
     k2: np.ndarray
@@ -135,6 +136,7 @@ def token_terms(logp_train: np.ndarray, logp_infer: np.ndarray) -> TokenTerms:
         abs_delta = np.abs(delta)
         return TokenTerms(
             delta=delta,
+            abs_delta=abs_delta,
             ratio=ratio,
             k1=-delta,
             k2=0.5 * delta * delta,
@@ -253,7 +255,7 @@ class MetricsAccumulator:
 
     Feed it chunks that never split a sequence (the table's shards hold whole sequences); the
     result equals one call over the concatenation. Per-token state kept for exact quantiles is
-    float32 |delta| plus two small bucket indices (6 bytes a token).
+    float32 |delta| plus its p_infer bucket index (5 bytes a token).
     """
 
     thresholds: CorrectionThresholds = field(default_factory=CorrectionThresholds)
@@ -266,7 +268,6 @@ class MetricsAccumulator:
         self._counts = {"token_tis": 0, "token_mask": 0, "zero_prob_train": 0}
         self._abs_delta: list[np.ndarray] = []
         self._p_bucket: list[np.ndarray] = []
-        self._pos_bucket: list[np.ndarray] = []
         n_pb, n_pos = len(P_INFER_BUCKET_EDGES) - 1, len(POSITION_BUCKET_EDGES)
         self._p_bucket_sums = {k: np.zeros(n_pb) for k in ("count", "abs_delta", "prob_diff", "k3")}
         self._pos_bucket_sums = {k: np.zeros(n_pos) for k in ("count", "abs_delta", "prob_diff", "k3")}
@@ -290,7 +291,7 @@ class MetricsAccumulator:
         self._n += n
         with np.errstate(invalid="ignore", over="ignore"):
             for key, arr in (
-                ("k1", t.k1), ("k2", t.k2), ("k3", t.k3), ("abs_delta", np.abs(t.delta)),
+                ("k1", t.k1), ("k2", t.k2), ("k3", t.k3), ("abs_delta", t.abs_delta),
                 ("prob_diff", t.prob_diff), ("mult_error", t.mult_error), ("ratio", t.ratio),
                 ("ratio2", t.ratio * t.ratio),
             ):
@@ -303,14 +304,13 @@ class MetricsAccumulator:
         )
         self._counts["zero_prob_train"] += int(np.isneginf(np.asarray(logp_train)).sum())
 
-        abs_delta = np.abs(t.delta)
-        self._abs_delta.append(abs_delta.astype(np.float32))
+        self._abs_delta.append(t.abs_delta.astype(np.float32))
         p_bucket = bucket_index(t.p_infer, P_INFER_BUCKET_EDGES)
         self._p_bucket.append(p_bucket.astype(np.uint8))
-        self._accumulate_buckets(self._p_bucket_sums, p_bucket, abs_delta, t)
+        self._accumulate_buckets(self._p_bucket_sums, p_bucket, t)
         if positions is not None:
             pos_bucket = bucket_index(np.asarray(positions), POSITION_BUCKET_EDGES + (np.inf,))
-            self._accumulate_buckets(self._pos_bucket_sums, pos_bucket, abs_delta, t)
+            self._accumulate_buckets(self._pos_bucket_sums, pos_bucket, t)
             np.maximum.at(self._pos_bucket_max, pos_bucket, t.prob_diff)
 
         seq = sequence_terms(t, logp_train, logp_infer, np.asarray(starts, dtype=np.int64))
@@ -318,11 +318,11 @@ class MetricsAccumulator:
             self._seq[key].append(arr)
 
     @staticmethod
-    def _accumulate_buckets(sums: dict, bucket: np.ndarray, abs_delta: np.ndarray, t: TokenTerms) -> None:
+    def _accumulate_buckets(sums: dict, bucket: np.ndarray, t: TokenTerms) -> None:
         size = len(sums["count"])
         sums["count"] += np.bincount(bucket, minlength=size)
         with np.errstate(invalid="ignore"):
-            sums["abs_delta"] += np.bincount(bucket, weights=abs_delta, minlength=size)
+            sums["abs_delta"] += np.bincount(bucket, weights=t.abs_delta, minlength=size)
             sums["prob_diff"] += np.bincount(bucket, weights=t.prob_diff, minlength=size)
             sums["k3"] += np.bincount(bucket, weights=t.k3, minlength=size)
 
@@ -557,7 +557,7 @@ class RoutingAccumulator:
                 g = self._groups[name]
                 if sel.any():
                     g["n"] += int(sel.sum())
-                    g["abs_delta"] += float(np.abs(t.delta[sel]).sum())
+                    g["abs_delta"] += float(t.abs_delta[sel].sum())
                     g["prob_diff"] += float(t.prob_diff[sel].sum())
                     g["k3"] += float(t.k3[sel].sum())
                     g["prob_diff_max"] = max(g["prob_diff_max"], float(t.prob_diff[sel].max()))
