@@ -28,17 +28,28 @@ TURN_GROUPS = {"first": lambda turn: turn == 0, "later": lambda turn: turn >= 1}
 def analyze(
     run_dir: str | Path, thresholds: CorrectionThresholds | None = None, routing: dict | None = None
 ) -> dict:
-    """``metrics``, ``metrics_by_turn``, ``corrections``, ``breakdowns`` (and ``routing`` for MoE
-    runs whose table has expert ids; ``routing`` describes the layers, as the engine recorded them)."""
+    """``metrics``, ``metrics_by_turn``, ``corrections``, ``breakdowns``, ``routing`` for MoE runs whose
+    table has expert ids (``routing`` describes the layers, as the engine recorded them), and
+    ``decode_vs_prefill``: the same metrics with the engine's prefill log-probs in the reference's
+    place (``delta = logp_prefill - logp_infer``), where the table has them."""
     thresholds = thresholds or CorrectionThresholds()
     overall = MetricsAccumulator(thresholds)
     by_turn = {name: MetricsAccumulator(thresholds) for name in TURN_GROUPS}
     router_acc: dict[str, RoutingAccumulator] = {}
+    # decode vs prefill: the engine's sampled log-prob against its own full-sequence prefill
+    prefill = MetricsAccumulator(thresholds)
+    n_unscored = 0
     for shard in iter_model_tokens(Path(run_dir)):
         sample, turn = shard["sample_id"], shard["turn"]
         lt, li, pos = shard["logp_train"], shard["logp_infer"], shard["position"]
         ei, et = shard["experts_infer"], shard["experts_train"]
         overall.add(lt, li, segment_starts(sample), pos)
+        lp = shard["logp_prefill"]
+        if lp is not None:
+            scored = ~np.isnan(lp)
+            n_unscored += int((~scored).sum())
+            if scored.any():
+                prefill.add(lp[scored], li[scored], segment_starts(sample[scored]), pos[scored])
         groups = {"all": np.ones(len(lt), dtype=bool)}
         for name, select in TURN_GROUPS.items():
             keep = select(turn)
@@ -59,7 +70,10 @@ def analyze(
         "breakdowns": overall.breakdowns(),
         "breakdowns_by_turn": {name: acc.breakdowns() for name, acc in by_turn.items()},
         "routing": None,
+        "decode_vs_prefill": None,
     }
+    if prefill.n_tokens:
+        out["decode_vs_prefill"] = prefill.metrics() | {"n_unscored_tokens": n_unscored}
     if router_acc:
         layers = routing["moe_layers"]
         out["routing"] = router_acc["all"].result(layers) | {

@@ -31,3 +31,9 @@ class DataError(ProbeError):
     """A table or log-prob array that violates the per-token table's contract (NaN, +inf, ...)."""
 
     exit_code = 1
+
+
+class EngineError(ProbeError):
+    """The inference engine failed or its worker process died; carries the engine's own message."""
+
+    exit_code = 1

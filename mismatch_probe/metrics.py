@@ -317,6 +317,10 @@ class MetricsAccumulator:
         for key, arr in seq._asdict().items():
             self._seq[key].append(arr)
 
+    @property
+    def n_tokens(self) -> int:
+        return self._n
+
     @staticmethod
     def _accumulate_buckets(sums: dict, bucket: np.ndarray, t: TokenTerms) -> None:
         size = len(sums["count"])

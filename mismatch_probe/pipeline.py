@@ -3,8 +3,9 @@
 Stages, each resumable from what is on disk:
 
 1. tokenize the prompts once; expand to ``n`` samples per prompt; cut into shards;
-2. for each missing rollout shard, the engine samples it (the engine is started only if a shard
-   is missing, and closed before the reference loads, so its memory is free again);
+2. for each missing rollout shard, the engine samples it, and re-scores it with its own prefill
+   (the engine runs in a worker process, started only if a shard is missing and stopped before
+   the reference loads, so its memory is free again);
 3. for each missing token shard, the reference scores the exact same ids;
 4. metrics stream over the token shards; run.json is written last.
 
@@ -26,8 +27,10 @@ import numpy as np
 
 from . import __version__
 from .analysis import analyze, json_safe
+from .engines.base import Engine
 from .errors import ConfigError, DataError
 from .report_md import render_markdown
+from .sampling import LogprobSemantics, reference_semantics
 from .spec import ProbeSpec
 from .table import (
     ROLLOUTS_DIR,
@@ -43,6 +46,7 @@ from .table import (
 
 RUN_JSON = "run.json"
 REPORT_MD = "report.md"
+ENGINE_LOG = "engine.log"
 
 
 class Progress:
@@ -119,8 +123,20 @@ def _timed(timings: dict, key: str):
         timings[key] = round(timings.get(key, 0.0) + time.perf_counter() - t0, 3)
 
 
-def run_compare(spec: ProbeSpec, *, progress: Progress | None = None, overwrite: bool = False) -> RunResult:
-    """Run a probe end to end and return its run directory and record."""
+def run_compare(
+    spec: ProbeSpec,
+    *,
+    progress: Progress | None = None,
+    overwrite: bool = False,
+    engine: Engine | None = None,
+) -> RunResult:
+    """Run a probe end to end and return its run directory and record.
+
+    The engine runs in a worker process started here and stopped before the reference loads.
+    Pass ``engine`` (an adapter, or an :class:`EngineProcess` already started with the same engine
+    settings) to reuse one engine across several runs; it is then left open for the caller.
+    """
+    from .engines import get_entry
     from .environment import fingerprint
     from .hf_models import check_model_dir, load_tokenizer, max_model_len, stop_token_ids
     from .prompts import tokenize_prompts
@@ -129,9 +145,14 @@ def run_compare(spec: ProbeSpec, *, progress: Progress | None = None, overwrite:
     progress = progress or Progress()
     spec.validate()
     model_path = check_model_dir(spec.model)
-    from .engines import load_engine
-
-    engine_cls = load_engine(spec.engine.name)  # unknown engine or missing package: fail before any work
+    entry = get_entry(spec.engine.name)
+    entry.check_settings(spec.engine)
+    if engine is None and spec.engine.python is None and (missing_pkgs := entry.missing()):
+        # fail before any work; with --engine-python the worker's own interpreter is what matters
+        raise ConfigError(
+            f"engine {entry.name!r} needs {', '.join(missing_pkgs)}, which is not installed here",
+            hint=entry.install_hint,
+        )
     out = Path(spec.out) if spec.out else default_out_dir(spec)
     previous = prepare_run_dir(spec, out, overwrite=overwrite)
 
@@ -167,13 +188,15 @@ def run_compare(spec: ProbeSpec, *, progress: Progress | None = None, overwrite:
             "stop_token_ids": stops,
         },
         "engine": (previous or {}).get("engine"),
+        "engine_process": (previous or {}).get("engine_process"),
         "reference": (previous or {}).get("reference"),
         "logprob_semantics": (previous or {}).get("logprob_semantics"),
+        "decode_vs_prefill": (previous or {}).get("decode_vs_prefill"),
         "timings": timings,
     }
     _write_record(out, record)
 
-    # ---- 1. rollouts ----------------------------------------------------------------------
+    # ---- 1. rollouts (engine worker) ------------------------------------------------------
     rollout_dir, token_dir = out / ROLLOUTS_DIR, out / TOKENS_DIR
     if previous is not None:  # timings then cover this invocation only; say what it reused
         record["resumed"] = {
@@ -182,49 +205,39 @@ def run_compare(spec: ProbeSpec, *, progress: Progress | None = None, overwrite:
         }
     missing = [i for i in range(len(shards)) if not (rollout_dir / shard_name(i)).is_file()]
     if missing:
-        from .engines import GenerationRequest
-
-        with _timed(timings, "engine_start_s"):
-            progress.log(f"starting engine {spec.engine.name}")
-            engine = engine_cls(model_path, spec.engine, trust_remote_code=spec.trust_remote_code)
+        owned = engine is None
         try:
-            semantics = engine.semantics(spec.sampling)
-            record["engine"] = engine.info()
-            record["logprob_semantics"] = {"engine": semantics.describe(), "reference": semantics.describe()}
+            if owned:
+                from .engines.process import EngineProcess
+
+                progress.log(f"starting engine {entry.name} (log: {out / ENGINE_LOG})")
+                with _timed(timings, "engine_start_s"):
+                    engine = EngineProcess(entry, model_path, spec.engine, log_path=out / ENGINE_LOG,
+                                           trust_remote_code=spec.trust_remote_code)
+            try:
+                _rollouts(spec, engine, record, prompts, shards, missing, stops, rollout_dir, timings, progress)
+            finally:
+                if owned:
+                    with _timed(timings, "engine_stop_s"):
+                        engine.close()  # returns once the worker, and the memory it held, is gone
+                    record["engine_process"] = engine.describe()
+        except BaseException as exc:
+            record["status"] = "failed"
+            record["error"] = str(exc) or type(exc).__name__
             _write_record(out, record)
-            progress.stage("generate", sum(len(shards[i]) for i in missing))
-            with _timed(timings, "generation_s"):
-                for i in missing:
-                    requests = [
-                        GenerationRequest(prompts[s.prompt_index].token_ids, spec.sampling.max_tokens) for s in shards[i]
-                    ]
-                    completions = engine.generate(
-                        requests,
-                        spec.sampling,
-                        stop_token_ids=stops,
-                        seed=spec.sampling.seed * 1_000_003 + i,
-                        on_progress=lambda k: progress.advance("generate", k),
-                    )
-                    rollouts = [_rollout(s, prompts[s.prompt_index], c) for s, c in zip(shards[i], completions)]
-                    write_table_atomic(rollouts_to_table(rollouts), rollout_dir / shard_name(i))
-        finally:
-            engine.close()
+            raise
 
     # ---- 2. reference ---------------------------------------------------------------------
     missing = [i for i in range(len(shards)) if not (token_dir / shard_name(i)).is_file()]
     if missing:
         from .reference import ReferenceScorer
-        from .sampling import LogprobSemantics
 
-        if not record.get("logprob_semantics"):
+        if not (record.get("logprob_semantics") or {}).get("reference"):
             raise ConfigError(
                 f"{out} has rollouts but its run.json does not say what their log-probs are",
                 hint="re-run with --overwrite",
             )
-        sem = record["logprob_semantics"]["engine"]
-        semantics = LogprobSemantics(
-            sem["mode"], sem.get("temperature", 1.0), sem.get("top_k", 0), sem.get("top_p", 1.0)
-        )
+        semantics = LogprobSemantics.from_record(record["logprob_semantics"]["reference"])
         with _timed(timings, "reference_load_s"):
             scorer = ReferenceScorer(model_path, spec.reference, trust_remote_code=spec.trust_remote_code)
         try:
@@ -251,15 +264,81 @@ def run_compare(spec: ProbeSpec, *, progress: Progress | None = None, overwrite:
             record["error"] = str(exc)
             _write_record(out, record)
             raise DataError(f"{exc}; the per-token table is kept in {out / TOKENS_DIR}") from None
+    if sections.get("decode_vs_prefill") is None:
+        sections["decode_vs_prefill"] = (record.get("decode_vs_prefill") or None)
     record.update(sections)
     record["samples"] = _sample_summary(out)
-    timings["total_s"] = round(time.perf_counter() - t_start, 3)
     record["status"] = "complete"
     record["completed_at"] = _now()
+    timings["total_s"] = round(time.perf_counter() - t_start, 3)
+    _write_record(out, record)
+
+    # ---- 4. report ------------------------------------------------------------------------
+    with _timed(timings, "report_s"):
+        (out / REPORT_MD).write_text(render_markdown(json.loads((out / RUN_JSON).read_text())))
+    timings["total_s"] = round(time.perf_counter() - t_start, 3)
     _write_record(out, record)
     final = json.loads((out / RUN_JSON).read_text())
-    (out / REPORT_MD).write_text(render_markdown(final))
+    (out / REPORT_MD).write_text(render_markdown(final))  # again, so its timing table is complete
     return RunResult(out, final)
+
+
+def _rollouts(spec, engine, record, prompts, shards, missing, stops, rollout_dir, timings, progress) -> None:
+    """Sample the missing rollout shards (and re-score them with the engine's prefill)."""
+    from .engines import GenerationRequest, ScoreRequest
+
+    semantics = engine.semantics(spec.sampling)
+    s = spec.sampling
+    ref = reference_semantics(spec.reference.logprobs, semantics, s.temperature, s.top_k, s.top_p)
+    prefill_skip = _prefill_skip_reason(spec, engine, semantics)
+    record["engine"] = engine.info()
+    record["logprob_semantics"] = {
+        "engine": semantics.describe(),
+        "reference": ref.describe(),
+        "matched": ref.distribution() == semantics.distribution(),
+        "prefill": {"mode": "raw", "distribution": "log_softmax(logits)"} if prefill_skip is None else None,
+    }
+    record["decode_vs_prefill"] = {"skipped": prefill_skip} if prefill_skip else None
+    _write_record(rollout_dir.parent, record)
+    progress.stage("generate", sum(len(shards[i]) for i in missing))
+    if prefill_skip is None:
+        progress.stage("prefill", sum(len(shards[i]) for i in missing))
+    for i in missing:
+        requests = [GenerationRequest(prompts[x.prompt_index].token_ids, s.max_tokens) for x in shards[i]]
+        with _timed(timings, "generation_s"):
+            completions = engine.generate(
+                requests,
+                s,
+                stop_token_ids=stops,
+                seed=s.seed * 1_000_003 + i,
+                on_progress=lambda k: progress.advance("generate", k),
+            )
+        rollouts = [_rollout(x, prompts[x.prompt_index], c) for x, c in zip(shards[i], completions)]
+        if prefill_skip is None:
+            n_prompt = [len(prompts[x.prompt_index].token_ids) for x in shards[i]]
+            with _timed(timings, "prefill_s"):
+                scored = engine.prefill_logprobs(
+                    [ScoreRequest(r.token_ids, n) for r, n in zip(rollouts, n_prompt)],
+                    on_progress=lambda k: progress.advance("prefill", k),
+                )
+            for r, n, lp in zip(rollouts, n_prompt, scored):
+                if len(lp) != len(r.token_ids) - n:
+                    raise DataError(f"sample {r.sample_id}: the engine prefill scored {len(lp)} of "
+                                    f"{len(r.token_ids) - n} response tokens")
+                r.logp_prefill = np.concatenate([np.full(n, np.nan, np.float32), lp.astype(np.float32)])
+        write_table_atomic(rollouts_to_table(rollouts), rollout_dir / shard_name(i))
+
+
+def _prefill_skip_reason(spec: ProbeSpec, engine, semantics: LogprobSemantics) -> str | None:
+    """Why the decode-vs-prefill check does not run, or None when it does."""
+    if not spec.engine.prefill_check:
+        return "turned off (engine.prefill_check = false)"
+    if not getattr(engine, "supports_prefill", hasattr(engine, "prefill_logprobs")):
+        return f"the {spec.engine.name} engine cannot re-score sequences with its own prefill"
+    if semantics.transforms_logits:
+        return ("the engine returns processed log-probs (temperature/top-k/top-p applied) but prefill "
+                "log-probs are raw, so the two are not comparable; use logprobs_mode = raw to see it")
+    return None
 
 
 def _rollout(sample: _Sample, prompt, completion) -> Rollout:

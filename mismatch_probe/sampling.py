@@ -36,6 +36,16 @@ class LogprobSemantics:
             self.temperature != 1.0 or self.top_k > 0 or self.top_p < 1.0
         )
 
+    def distribution(self) -> tuple:
+        """What identifies the distribution: two semantics with equal keys give equal log-probs."""
+        if not self.transforms_logits:
+            return ("raw",)
+        return ("processed", self.temperature, self.top_k, self.top_p)
+
+    @classmethod
+    def from_record(cls, d: dict) -> LogprobSemantics:
+        return cls(d["mode"], d.get("temperature", 1.0), d.get("top_k", 0), d.get("top_p", 1.0))
+
     def describe(self) -> dict:
         d = {"mode": self.mode}
         if self.mode == "processed":
@@ -44,6 +54,21 @@ class LogprobSemantics:
         else:
             d["distribution"] = "log_softmax(logits)"
         return d
+
+
+def reference_semantics(choice: str, engine: LogprobSemantics, temperature: float, top_k: int, top_p: float) -> LogprobSemantics:
+    """The reference's distribution for ``reference.logprobs``: "engine" matches the engine;
+    "raw", "temperature" (logits / T, what verl's actor scores) and "processed" (T, top-k, top-p)
+    are deliberate choices, for measuring what a mismatched trainer would see."""
+    if choice == "engine":
+        return engine
+    if choice == "raw" or temperature <= 0:
+        return LogprobSemantics("raw")
+    if choice == "temperature":
+        return LogprobSemantics("processed", temperature, 0, 1.0)
+    if choice == "processed":
+        return LogprobSemantics("processed", temperature, top_k, top_p)
+    raise ValueError(f"unknown reference log-probs {choice!r}")
 
 
 def processed_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:

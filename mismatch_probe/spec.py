@@ -11,6 +11,8 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,16 +44,40 @@ def normalize_dtype(value: str, *, field_name: str, allow_auto: bool) -> str:
 
 @dataclass
 class EngineSpec:
-    """The inference side (behavior policy)."""
+    """The inference side (behavior policy).
+
+    Engine-specific settings default to ``None``: "whatever the engine does by default", resolved
+    and recorded by the engine itself. A setting the chosen engine does not have is an error, never
+    silently ignored (see :data:`mismatch_probe.engines.EngineEntry.settings`).
+    """
 
     name: str = "hf"
+    python: str | None = None  # interpreter of the engine worker (a venv with the engine installed)
     dtype: str = "auto"  # auto: the checkpoint's own dtype
-    attn_implementation: str = "sdpa"
-    batch_size: int = 32
     logprobs_mode: str = "raw"
-    device: str = "auto"
     # MoE: record each token's top-k experts per layer (2 * layers * k bytes a token, each side)
     record_routing: bool = True
+    # re-score the sampled sequences with the engine's own prefill (decode-vs-prefill mismatch)
+    prefill_check: bool = True
+    # hf
+    device: str = "auto"
+    attn_implementation: str | None = None  # hf default: sdpa
+    batch_size: int | None = None  # hf default: 32
+    # vllm / sglang
+    tensor_parallel_size: int = 1
+    enforce_eager: bool | None = None  # True: no torch.compile, no CUDA graphs
+    cascade_attn: bool | None = None
+    chunked_prefill: bool | None = None
+    prefix_caching: bool | None = None
+    batch_invariant: bool = False  # vLLM: VLLM_BATCH_INVARIANT=1
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    gpu_memory_utilization: float | None = None
+    kv_cache_dtype: str | None = None
+    quantization: str | None = None
+    max_model_len: int | None = None
+    # any other engine argument, by the engine's own name (vLLM: EngineArgs fields)
+    extra_args: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -75,6 +101,13 @@ class ReferenceSpec:
     micro_batch_size: int = 16  # sequences per forward
     max_tokens_per_micro_batch: int = 4096  # packed mode: token budget per forward
     device: str = "auto"
+    # which distribution the reference scores under: "engine" (the same as the engine's log-probs,
+    # the only comparable choice), or deliberately "raw", "temperature" (logits / T only, as
+    # verl's actor does), "processed" (temperature, top-k, top-p)
+    logprobs: str = "engine"
+
+
+REFERENCE_LOGPROBS = ("engine", "raw", "temperature", "processed")
 
 
 @dataclass
@@ -111,8 +144,10 @@ class ProbeSpec:
         e.dtype = normalize_dtype(e.dtype, field_name="the engine (--engine-dtype)", allow_auto=True)
         r.dtype = normalize_dtype(r.dtype, field_name="the reference (--train-dtype)", allow_auto=False)
         for side, spec in (("engine", e), ("reference", r)):
-            _choice(spec.attn_implementation, ATTN_IMPLEMENTATIONS, f"{side}.attn_implementation")
+            if spec.attn_implementation is not None:
+                _choice(spec.attn_implementation, ATTN_IMPLEMENTATIONS, f"{side}.attn_implementation")
             _choice(spec.device, DEVICES, f"{side}.device")
+        _choice(r.logprobs, REFERENCE_LOGPROBS, "reference.logprobs")
         _choice(e.logprobs_mode, LOGPROBS_MODES, "engine.logprobs_mode")
         if s.top_k == -1:
             s.top_k = 0
@@ -121,7 +156,21 @@ class ProbeSpec:
         _check(s.top_k >= 0, f"sampling.top_k must be >= 0 (0 or -1 disables it), got {s.top_k}")
         _check(s.max_tokens >= 1, f"sampling.max_tokens must be >= 1, got {s.max_tokens}")
         _check(s.n >= 1, f"sampling.n must be >= 1, got {s.n}")
-        _check(e.batch_size >= 1, f"engine.batch_size must be >= 1, got {e.batch_size}")
+        for name in ("batch_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            value = getattr(e, name)
+            _check(value is None or value >= 1, f"engine.{name} must be >= 1, got {value}")
+        _check(e.tensor_parallel_size >= 1, f"engine.tensor_parallel_size must be >= 1, got {e.tensor_parallel_size}")
+        _check(
+            e.gpu_memory_utilization is None or 0 < e.gpu_memory_utilization <= 1,
+            f"engine.gpu_memory_utilization must be in (0, 1], got {e.gpu_memory_utilization}",
+        )
+        if e.python is not None and "/" not in e.python:
+            e.python = shutil.which(e.python) or e.python
+        if e.python is not None and not Path(e.python).is_file():
+            raise ConfigError(
+                f"engine.python {e.python!r} does not exist",
+                hint="give the python of a venv that has the engine and mismatch-probe installed, e.g. /opt/vllm/bin/python",
+            )
         _check(r.micro_batch_size >= 1, f"reference.micro_batch_size must be >= 1, got {r.micro_batch_size}")
         _check(r.max_tokens_per_micro_batch >= 1, "reference.max_tokens_per_micro_batch must be >= 1")
         _check(self.shard_size >= 1, f"shard_size must be >= 1, got {self.shard_size}")
@@ -165,6 +214,10 @@ def _coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
         raise ConfigError(f"{where} must be a number, got {value!r}")
+    if kind.startswith("dict"):
+        if isinstance(value, dict):
+            return dict(value)
+        raise ConfigError(f"{where} must be a table, got {value!r}")
     if isinstance(value, (dict, list)):
         raise ConfigError(f"{where} must be a single value, got {type(value).__name__}")
     return str(value)
@@ -191,6 +244,8 @@ def spec_from_dict(data: dict, *, base_dir: Path | None = None, source: str = "s
                 if sub not in fields:
                     raise _unknown(sub, fields, f"{source} [{key}]")
                 updates[sub] = _coerce(v, fields[sub], f"{source}: {key}.{sub}")
+            if key == "engine" and updates.get("python") and base_dir is not None and "/" in updates["python"]:
+                updates["python"] = os.path.abspath(base_dir / updates["python"])  # not resolve(): venv symlinks
             try:
                 setattr(spec, key, dataclasses.replace(section, **updates))
             except ValueError as exc:  # CorrectionThresholds validates itself

@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: logp_prefill
 ROLLOUTS_DIR = "rollouts"
 TOKENS_DIR = "tokens.parquet"
 
@@ -37,6 +37,9 @@ TOKEN_SCHEMA = pa.schema(
         pa.field("logp_infer", pa.float32()),
         pa.field("logp_train", pa.float32()),
         pa.field("entropy_train", pa.float32()),
+        # the engine's own log-prob of the token from a prefill over the whole sequence (raw logits);
+        # null where the engine did not re-score (decode-vs-prefill check off or not comparable)
+        pa.field("logp_prefill", pa.float32()),
         # MoE only: the sorted top-k expert ids of every MoE layer behind the token's probability,
         # on each side, as little-endian int16 [moe_layers x k] bytes (np.frombuffer(b, "<i2"));
         # null on non-model tokens and for dense models. Binary, not list<int16>: Parquet decodes
@@ -57,6 +60,7 @@ ROLLOUT_SCHEMA = pa.schema(
         pa.field("logp_infer", pa.list_(pa.float32()), nullable=False),
         pa.field("finish_reason", pa.string(), nullable=False),
         pa.field("experts_infer", pa.binary()),  # "<i2" bytes of [model tokens x layers x k], MoE only
+        pa.field("logp_prefill", pa.list_(pa.float32())),  # NaN off model tokens; null when not re-scored
     ]
 )
 
@@ -76,6 +80,7 @@ class Rollout:
     logp_infer: np.ndarray  # float32
     finish_reason: str
     experts_infer: np.ndarray | None = None  # int16 [model tokens, moe layers, k]
+    logp_prefill: np.ndarray | None = None  # float32, full sequence, NaN off model tokens
 
     @property
     def n_model_tokens(self) -> int:
@@ -105,6 +110,7 @@ def rollouts_to_table(rollouts: list[Rollout]) -> pa.Table:
             "finish_reason": [r.finish_reason for r in rollouts],
             "experts_infer": [None if r.experts_infer is None else r.experts_infer.astype("<i2").tobytes()
                               for r in rollouts],
+            "logp_prefill": [r.logp_prefill for r in rollouts],
         },
         schema=ROLLOUT_SCHEMA,
     )
@@ -125,6 +131,9 @@ def table_to_rollouts(table: pa.Table, routing_width: tuple[int, int] | None = N
     mask, _ = list_values(table.column("is_model_token"), np.bool_)
     logp, _ = list_values(table.column("logp_infer"), np.float32)
     experts = table.column("experts_infer").to_pylist()
+    prefill_col = table.column("logp_prefill")
+    prefill = list_values(prefill_col, np.float32)[0] if prefill_col.null_count < len(prefill_col) else None
+    prefill_valid = prefill_col.is_valid().to_numpy(zero_copy_only=False) if prefill is not None else None
     out = []
     for i, (sid, pid, fin) in enumerate(
         zip(table.column("sample_id").to_pylist(), table.column("prompt_id").to_pylist(),
@@ -134,7 +143,8 @@ def table_to_rollouts(table: pa.Table, routing_width: tuple[int, int] | None = N
         ex = None
         if experts[i] is not None and routing_width is not None:
             ex = np.frombuffer(experts[i], dtype="<i2").reshape(-1, *routing_width)
-        out.append(Rollout(sid, pid, ids[a:b], turn[a:b], mask[a:b], logp[a:b], fin, ex))
+        lp = prefill[a:b] if prefill is not None and prefill_valid[i] else None
+        out.append(Rollout(sid, pid, ids[a:b], turn[a:b], mask[a:b], logp[a:b], fin, ex, lp))
     return out
 
 
@@ -175,6 +185,8 @@ def token_table(
     logp_infer = cat([r.logp_infer for r in rollouts], np.float32)
     lt = cat(logp_train, np.float32)
     ent = cat(entropy_train, np.float32)
+    prefill = cat([r.logp_prefill if r.logp_prefill is not None else np.full(len(r.token_ids), np.nan, np.float32)
+                   for r in rollouts], np.float32)
     prompt_ids = pa.DictionaryArray.from_arrays(
         pa.array(np.repeat(np.arange(len(rollouts), dtype=np.int32), lengths)),
         pa.array([r.prompt_id for r in rollouts], pa.string()),
@@ -190,6 +202,7 @@ def token_table(
             pa.array(logp_infer, mask=~model),
             pa.array(lt, mask=np.isnan(lt)),
             pa.array(ent, mask=np.isnan(ent)),
+            pa.array(prefill, mask=np.isnan(prefill) | ~model),
             _experts_column([r.experts_infer for r in rollouts], model),
             _experts_column(experts_train or [None] * len(rollouts), model),
         ],
@@ -202,7 +215,10 @@ def shard_paths(run_dir: Path, subdir: str) -> list[Path]:
     return sorted(d.glob("part-*.parquet")) if d.is_dir() else []
 
 
-MODEL_TOKEN_COLUMNS = ("sample_id", "turn", "position", "logp_infer", "logp_train", "experts_infer", "experts_train")
+MODEL_TOKEN_COLUMNS = (
+    "sample_id", "turn", "position", "logp_infer", "logp_train", "logp_prefill", "experts_infer", "experts_train",
+)
+OPTIONAL_COLUMNS = ("logp_prefill",)  # absent from tables written before schema version 2
 EXPERT_COLUMNS = ("experts_infer", "experts_train")
 
 
@@ -221,12 +237,17 @@ def _experts_2d(column: pa.ChunkedArray, keep: np.ndarray) -> np.ndarray | None:
 def iter_model_tokens(run_dir: Path, columns=MODEL_TOKEN_COLUMNS) -> Iterator[dict[str, np.ndarray | None]]:
     """Yield one dict of NumPy columns per token shard, model tokens only (whole sequences per shard).
 
-    Expert-id columns come back as int16 [tokens, layers * k], or None when the run has none.
+    Expert-id columns come back as int16 [tokens, layers * k], or None when the run has none; an
+    optional column the table lacks comes back as None; nulls in float columns come back as NaN.
     """
     for path in shard_paths(run_dir, TOKENS_DIR):
-        t = pq.read_table(path, columns=list(dict.fromkeys((*columns, "is_model_token"))))
+        present = set(pq.read_schema(path).names)
+        wanted = [c for c in columns if c in present or c not in OPTIONAL_COLUMNS]
+        t = pq.read_table(path, columns=list(dict.fromkeys((*wanted, "is_model_token"))))
         keep = t.column("is_model_token").to_numpy(zero_copy_only=False)
         yield {
-            c: _experts_2d(t.column(c), keep) if c in EXPERT_COLUMNS else t.column(c).to_numpy(zero_copy_only=False)[keep]
+            c: None if c not in wanted
+            else _experts_2d(t.column(c), keep) if c in EXPERT_COLUMNS
+            else t.column(c).to_numpy(zero_copy_only=False)[keep]
             for c in columns
         }

@@ -1,4 +1,6 @@
-"""Orchestration with a scripted engine: crashes keep shards, resume, bad engine output."""
+"""Orchestration with a scripted in-process engine: crashes keep shards, resume, bad engine output.
+
+(The worker process itself, with real engines and real crashes, is tested in test_engine_process.py.)"""
 
 from __future__ import annotations
 
@@ -30,14 +32,19 @@ def spec(out):
     return s
 
 
+def run(s, **kw):
+    return run_compare(s, engine=FakeEngine(s.model, s.engine), **kw)
+
+
 def test_engine_crash_keeps_finished_shards_and_rerun_resumes(tmp_path):
     FakeEngine.fail_on_call = 2
     with pytest.raises(RuntimeError, match="engine crashed"):
-        run_compare(spec(tmp_path / "r"))
+        run(spec(tmp_path / "r"))
     assert [p.name for p in (tmp_path / "r" / "rollouts").iterdir()] == ["part-00000.parquet"]
-    assert json.loads((tmp_path / "r" / "run.json").read_text())["status"] == "running"
+    rec = json.loads((tmp_path / "r" / "run.json").read_text())
+    assert rec["status"] == "failed" and rec["error"] == "engine crashed"
     FakeEngine.calls, FakeEngine.fail_on_call = [], None
-    result = run_compare(spec(tmp_path / "r"))
+    result = run(spec(tmp_path / "r"))
     assert FakeEngine.calls == [2, 1]  # shards 1 and 2 only; shard 0 was on disk
     assert result.record["status"] == "complete"
     assert result.record["metrics"]["n_sequences"] == 5
@@ -47,7 +54,7 @@ def test_engine_crash_keeps_finished_shards_and_rerun_resumes(tmp_path):
 def test_nan_logprobs_fail_after_the_table_is_written(tmp_path):
     FakeEngine.logprob = float("nan")
     with pytest.raises(DataError, match="NaN logp_infer.*kept in"):
-        run_compare(spec(tmp_path / "r"))
+        run(spec(tmp_path / "r"))
     rec = json.loads((tmp_path / "r" / "run.json").read_text())
     assert rec["status"] == "failed" and "NaN" in rec["error"]
     assert len(list((tmp_path / "r" / "tokens.parquet").iterdir())) == 3
@@ -56,7 +63,7 @@ def test_nan_logprobs_fail_after_the_table_is_written(tmp_path):
 def test_engine_that_changes_the_prompt_ids_is_an_error(tmp_path):
     FakeEngine.echo_prompt_offset = 1
     with pytest.raises(DataError, match="different prompt token ids"):
-        run_compare(spec(tmp_path / "r"))
+        run(spec(tmp_path / "r"))
 
 
 def test_overwrite_refuses_a_directory_that_is_not_a_run(tmp_path):
@@ -65,5 +72,5 @@ def test_overwrite_refuses_a_directory_that_is_not_a_run(tmp_path):
     from mismatch_probe.errors import ConfigError
 
     with pytest.raises(ConfigError, match="holds no run"):
-        run_compare(s, overwrite=True)
+        run(s, overwrite=True)
     assert (tmp_path / "keep.txt").read_text() == "precious"

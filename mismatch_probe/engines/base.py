@@ -27,6 +27,14 @@ class Completion:
     experts: np.ndarray | None = None  # int16 [tokens, moe_layers, top_k]: routing behind each token
 
 
+@dataclass
+class ScoreRequest:
+    """Score ``token_ids[start:]``, each token given all the ids before it, in one prefill."""
+
+    token_ids: np.ndarray  # int32, the full sequence
+    start: int  # >= 1
+
+
 @runtime_checkable
 class Engine(Protocol):
     """What every engine adapter provides. One instance is reused for the whole run."""
@@ -55,4 +63,14 @@ class Engine(Protocol):
 
     def close(self) -> None:
         """Release the model and its memory (before the reference forward needs it)."""
+        ...
+
+
+class PrefillScorer(Protocol):
+    """Optional: engines that can re-score sequences with their own prefill (decode vs prefill)."""
+
+    def prefill_logprobs(
+        self, requests: Sequence[ScoreRequest], on_progress: Callable[[int], None] | None = None
+    ) -> list[np.ndarray]:
+        """Raw log-probs (log_softmax of the logits) of ``token_ids[start:]``, float32, per request."""
         ...

@@ -22,7 +22,10 @@ from ..hf_models import free_accelerator_memory, load_causal_lm, resolve_device,
 from ..routing import RouterRecorder
 from ..sampling import LogprobSemantics, processed_logits
 from ..spec import EngineSpec, SamplingSpec
-from .base import Completion, GenerationRequest
+from .base import Completion, GenerationRequest, ScoreRequest
+
+DEFAULT_ATTN_IMPLEMENTATION = "sdpa"
+DEFAULT_BATCH_SIZE = 32
 
 
 def batch_seed(seed: int, batch_key: int) -> int:
@@ -41,10 +44,11 @@ class HFEngine:
         self.spec = spec
         self.device = resolve_device(spec.device)
         self.dtype = resolve_dtype(spec.dtype, self.model_path)
+        self.batch_size = spec.batch_size or DEFAULT_BATCH_SIZE
         self.model = load_causal_lm(
             self.model_path,
             dtype=self.dtype,
-            attn_implementation=spec.attn_implementation,
+            attn_implementation=spec.attn_implementation or DEFAULT_ATTN_IMPLEMENTATION,
             device=self.device,
             trust_remote_code=trust_remote_code,
         )
@@ -64,7 +68,7 @@ class HFEngine:
             "engine": self.name,
             "dtype": self.dtype,
             "attn_implementation": self.model.config._attn_implementation,
-            "batch_size": self.spec.batch_size,
+            "batch_size": self.batch_size,
             "device": self.device,
             "logprobs_mode": self.spec.logprobs_mode,
             "kv_cache": "transformers.DynamicCache",
@@ -82,7 +86,7 @@ class HFEngine:
         on_progress: Callable[[int], None] | None = None,
     ) -> list[Completion]:
         out: list[Completion] = []
-        bs = self.spec.batch_size
+        bs = self.batch_size
         stops = torch.tensor(sorted(set(stop_token_ids)), device=self.device)
         for b, start in enumerate(range(0, len(requests), bs)):
             batch = requests[start : start + bs]
@@ -192,6 +196,34 @@ class HFEngine:
             )
             for i in range(n)
         ]
+
+    @torch.inference_mode()
+    def prefill_logprobs(
+        self, requests: Sequence[ScoreRequest], on_progress: Callable[[int], None] | None = None
+    ) -> list[np.ndarray]:
+        """Raw log-probs of ``token_ids[start:]`` from one right-padded full-sequence forward per batch,
+        with the engine's own dtype and attention: its prefill path, as opposed to its decode loop."""
+        out: list[np.ndarray] = []
+        bs = self.batch_size
+        for start in range(0, len(requests), bs):
+            batch = requests[start : start + bs]
+            lengths = [len(r.token_ids) for r in batch]
+            width = max(lengths)
+            input_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+            attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for i, r in enumerate(batch):
+                input_ids[i, : lengths[i]] = torch.from_numpy(r.token_ids.astype(np.int64))
+                attention_mask[i, : lengths[i]] = 1
+            input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+            logits = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+            for i, r in enumerate(batch):
+                rows = logits[i, r.start - 1 : lengths[i] - 1].float()
+                targets = input_ids[i, r.start : lengths[i]]
+                logp = torch.log_softmax(rows, dim=-1).gather(-1, targets[:, None]).squeeze(1)
+                out.append(logp.cpu().numpy().astype(np.float32))
+            if on_progress:
+                on_progress(len(batch))
+        return out
 
     def close(self) -> None:
         del self.model

@@ -1,0 +1,330 @@
+"""The ``vllm`` engine: vLLM's offline API (``vllm.LLM`` + ``SamplingParams``, token-id prompts).
+
+Runs inside the engine worker process (never in the CLI's own process). Every setting in
+:class:`~mismatch_probe.spec.EngineSpec` maps to the ``EngineArgs`` field of the same meaning;
+after start-up the configuration vLLM actually built is read back and compared with what was
+asked for, so a setting the installed build ignores or overrides on this platform is an error
+rather than a silent no-op.
+
+Log-probs: ``logprobs_mode`` raw -> ``raw_logprobs`` (log_softmax of the fp32 logits), processed ->
+``processed_logprobs`` (after temperature, top-k, top-p). The sampled token's log-prob is looked
+up by its id among the returned entries. The decode-vs-prefill re-score uses ``prompt_logprobs=0``,
+which vLLM always computes from the raw logits.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ConfigError
+from ..sampling import LogprobSemantics
+from ..spec import EngineSpec, SamplingSpec
+from .base import Completion, GenerationRequest, ScoreRequest
+from .hf import batch_seed
+
+LOGPROBS_MODE = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
+
+# EngineSpec field -> (EngineArgs field, how to read the value in effect from the VllmConfig)
+SETTINGS = {
+    "dtype": ("dtype", lambda c: str(c.model_config.dtype).removeprefix("torch.")),
+    "tensor_parallel_size": ("tensor_parallel_size", lambda c: c.parallel_config.tensor_parallel_size),
+    "enforce_eager": ("enforce_eager", lambda c: c.model_config.enforce_eager),
+    "chunked_prefill": ("enable_chunked_prefill", lambda c: c.scheduler_config.enable_chunked_prefill),
+    "prefix_caching": ("enable_prefix_caching", lambda c: c.cache_config.enable_prefix_caching),
+    "max_num_seqs": ("max_num_seqs", lambda c: c.scheduler_config.max_num_seqs),
+    "max_num_batched_tokens": ("max_num_batched_tokens", lambda c: c.scheduler_config.max_num_batched_tokens),
+    "gpu_memory_utilization": ("gpu_memory_utilization", lambda c: c.cache_config.gpu_memory_utilization),
+    "kv_cache_dtype": ("kv_cache_dtype", lambda c: c.cache_config.cache_dtype),
+    "quantization": ("quantization", lambda c: c.model_config.quantization),
+    "max_model_len": ("max_model_len", lambda c: c.model_config.max_model_len),
+}
+ENV_RECORDED = (
+    "VLLM_BATCH_INVARIANT", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "VLLM_ATTENTION_BACKEND",
+    "VLLM_USE_V2_MODEL_RUNNER", "VLLM_ENABLE_V1_MULTIPROCESSING", "CUDA_VISIBLE_DEVICES",
+)
+
+
+def cpu_thread_binding(tensor_parallel_size: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` giving each TP rank its own contiguous block of this process's cores.
+
+    vLLM's CPU build binds ranks to NUMA nodes by default, which fails when TP exceeds the NUMA
+    node count (a 2-core VM has one node but can run TP=2 with one core per rank).
+    """
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if len(cores) < tensor_parallel_size:
+        raise ConfigError(
+            f"tensor_parallel_size={tensor_parallel_size} needs at least one CPU core per rank; "
+            f"this process may use {len(cores)}",
+            hint="lower --tp, or set VLLM_CPU_OMP_THREADS_BIND yourself",
+        )
+    per = len(cores) // tensor_parallel_size
+    groups = [cores[i * per : (i + 1) * per] for i in range(tensor_parallel_size)]
+    return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+class VLLMEngine:
+    name = "vllm"
+
+    def __init__(self, model_path: str | Path, spec: EngineSpec, *, trust_remote_code: bool = False):
+        # Environment switches are read when vLLM is imported and by its engine-core processes,
+        # so they are set before the first import (this process has never imported vLLM).
+        os.environ["VLLM_BATCH_INVARIANT"] = "1" if spec.batch_invariant else "0"
+        import vllm
+        from vllm.platforms import current_platform
+
+        self.spec = spec
+        self.model_path = Path(model_path)
+        self.platform = str(getattr(current_platform, "device_type", "unknown"))
+        self.version = vllm.__version__
+        on_cpu = current_platform.is_cpu()
+        if spec.batch_invariant and on_cpu:
+            raise ConfigError(
+                "vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1) is only initialized by its GPU workers; "
+                f"this vLLM {self.version} runs on CPU, where the switch has no effect",
+                hint="drop --batch-invariant on CPU; on a GPU machine install mismatch-probe[vllm]",
+            )
+        if on_cpu and spec.tensor_parallel_size > 1 and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(spec.tensor_parallel_size)
+
+        self.requested = self._engine_args(spec, trust_remote_code)
+        self.llm = vllm.LLM(**self.requested)
+        self.config = self.llm.llm_engine.vllm_config
+        self.effective = self._effective()
+        self._check_effective(spec)
+
+    # ---- settings ------------------------------------------------------------------------
+    def _engine_args(self, spec: EngineSpec, trust_remote_code: bool) -> dict:
+        from vllm.engine.arg_utils import EngineArgs
+
+        known = {f for f in EngineArgs.__dataclass_fields__}
+        args: dict = {
+            "model": str(self.model_path),
+            "seed": 0,  # sampling is seeded per request; this only fixes engine-global randomness
+            "logprobs_mode": LOGPROBS_MODE[spec.logprobs_mode],
+            "trust_remote_code": trust_remote_code,
+        }
+        for field_name, (arg, _) in SETTINGS.items():
+            value = getattr(spec, field_name)
+            if value is not None and not (field_name == "dtype" and value == "auto"):
+                args[arg] = value
+        if spec.dtype == "auto":
+            args["dtype"] = "auto"
+        if spec.cascade_attn is not None:
+            if _version_tuple(self.version) >= (0, 32):
+                # vLLM 0.32 removed cascade attention (disable_cascade_attn is kept but ignored).
+                if spec.cascade_attn:
+                    raise ConfigError(
+                        f"vLLM {self.version} has no cascade attention (it was removed in 0.32), "
+                        "so --cascade-attn cannot be honored",
+                        hint="drop --cascade-attn, or use a vLLM older than 0.32 to measure it",
+                    )
+            else:
+                args["disable_cascade_attn"] = not spec.cascade_attn
+        for key, value in spec.extra_args.items():
+            if key not in known:
+                import difflib
+
+                close = difflib.get_close_matches(key, sorted(known), n=1)
+                raise ConfigError(
+                    f"engine.extra_args: vLLM {self.version} has no engine argument {key!r}",
+                    hint=f"did you mean {close[0]!r}?" if close else "see vllm.engine.arg_utils.EngineArgs",
+                )
+            if key in args:
+                raise ConfigError(f"engine.extra_args sets {key!r}, which mismatch-probe sets itself",
+                                  hint="use the dedicated engine setting (see mismatch-probe compare --help)")
+            args[key] = value
+        return args
+
+    def _effective(self) -> dict:
+        out = {}
+        for field_name, (_, read) in SETTINGS.items():
+            try:
+                out[field_name] = read(self.config)
+            except AttributeError:
+                out[field_name] = None
+        cc = self.config.compilation_config
+        out["compilation_mode"] = getattr(getattr(cc, "mode", None), "name", str(getattr(cc, "mode", None)))
+        out["cudagraph_mode"] = getattr(getattr(cc, "cudagraph_mode", None), "name", None)
+        out["cascade_attn"] = (
+            False if _version_tuple(self.version) >= (0, 32) else not self.config.model_config.disable_cascade_attn
+        )
+        out["logprobs_mode"] = self.config.model_config.logprobs_mode
+        out["kv_cache_memory_bytes"] = getattr(self.config.cache_config, "kv_cache_memory_bytes", None)
+        return out
+
+    def _check_effective(self, spec: EngineSpec) -> None:
+        """A setting vLLM silently changed on this platform is an error, not a footnote."""
+        for field_name, value in (
+            (f, getattr(spec, f)) for f in SETTINGS if getattr(spec, f) is not None
+        ):
+            if field_name == "dtype" and value == "auto":
+                continue
+            got = self.effective.get(field_name)
+            if got is not None and got != value:
+                raise ConfigError(
+                    f"vLLM {self.version} on {self.platform} runs with {field_name}={got!r}, not the requested {value!r}",
+                    hint="this build or platform overrides the setting; remove it to measure vLLM's default",
+                )
+
+    # ---- Engine protocol -----------------------------------------------------------------
+    def semantics(self, sampling: SamplingSpec) -> LogprobSemantics:
+        mode = self.spec.logprobs_mode if sampling.temperature > 0 else "raw"
+        return LogprobSemantics(mode, sampling.temperature, sampling.top_k, sampling.top_p)
+
+    def info(self) -> dict:
+        import torch
+        import transformers
+
+        return {
+            "engine": self.name,
+            "platform": self.platform,
+            "requested": {k: v for k, v in self.requested.items() if k != "model"},
+            **self.effective,
+            "batch_invariant": os.environ.get("VLLM_BATCH_INVARIANT") == "1",
+            "env": {k: os.environ[k] for k in ENV_RECORDED if k in os.environ},
+            "routing": None,
+            "routing_unavailable": "expert ids from vLLM (enable_return_routed_experts) need its V2 model runner; "
+            "not recorded yet",
+            "versions": {"vllm": self.version, "torch": torch.__version__, "transformers": transformers.__version__},
+        }
+
+    def generate(
+        self,
+        requests: Sequence[GenerationRequest],
+        sampling: SamplingSpec,
+        *,
+        stop_token_ids: Sequence[int],
+        seed: int,
+        on_progress: Callable[[int], None] | None = None,
+    ) -> list[Completion]:
+        from vllm import SamplingParams
+
+        params = [
+            SamplingParams(
+                n=1,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k if sampling.top_k > 0 else -1,
+                max_tokens=r.max_tokens,
+                logprobs=0,  # the sampled token's own log-prob (vLLM may add the top-1 entry)
+                seed=batch_seed(seed, i) % (2**31),  # per request: the same draw whatever the batching
+                stop_token_ids=list(stop_token_ids),
+                detokenize=False,
+                skip_special_tokens=False,
+                flat_logprobs=True,
+            )
+            for i, r in enumerate(requests)
+        ]
+        prompts = [{"prompt_token_ids": r.prompt_token_ids.tolist()} for r in requests]
+        outputs = self.llm.generate(prompts, params, use_tqdm=_progress_bar(on_progress))
+        completions = []
+        for r, out in zip(requests, outputs):
+            c = out.outputs[0]
+            tokens = np.asarray(c.token_ids, dtype=np.int32)
+            completions.append(Completion(
+                token_ids=tokens,
+                logprobs=sampled_logprobs(c.logprobs, tokens),
+                finish_reason=c.finish_reason or "length",
+                prompt_token_ids=np.asarray(out.prompt_token_ids, dtype=np.int32),
+            ))
+        return completions
+
+    def prefill_logprobs(
+        self, requests: Sequence[ScoreRequest], on_progress: Callable[[int], None] | None = None
+    ) -> list[np.ndarray]:
+        from vllm import SamplingParams
+
+        limit = self.effective.get("max_model_len") or 0
+        todo = [i for i, r in enumerate(requests) if not limit or len(r.token_ids) < limit]
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False, flat_logprobs=True)
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": requests[i].token_ids.tolist()} for i in todo], params,
+            use_tqdm=_progress_bar(on_progress),
+        )
+        # a sequence the engine cannot prefill (already max_model_len long) stays NaN
+        result = [np.full(len(r.token_ids) - r.start, np.nan, np.float32) for r in requests]
+        for i, out in zip(todo, outputs):
+            r = requests[i]
+            result[i] = sampled_logprobs(out.prompt_logprobs, r.token_ids, first=r.start)
+        if on_progress and len(todo) < len(requests):
+            on_progress(len(requests) - len(todo))
+        return result
+
+    def close(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            engine_core = getattr(llm.llm_engine, "engine_core", None)
+            if engine_core is not None and hasattr(engine_core, "shutdown"):
+                engine_core.shutdown()
+            del llm
+
+
+def sampled_logprobs(entries, token_ids: np.ndarray, first: int = 0) -> np.ndarray:
+    """Log-prob of ``token_ids[p]`` at each position ``p >= first``, looked up by id.
+
+    ``entries`` holds, per position, the returned (token id, log-prob) pairs: vLLM's
+    ``FlatLogprobs`` (flat arrays plus per-position start/end) or a list of ``{id: Logprob}``
+    dicts. A token missing from its position's entries is an engine bug and raises.
+    """
+    n = len(token_ids) - first
+    if n <= 0:
+        return np.zeros(0, np.float32)
+    if entries is None:
+        raise RuntimeError("vLLM returned no log-probs (logprobs/prompt_logprobs were requested)")
+    if hasattr(entries, "start_indices"):
+        starts = np.asarray(entries.start_indices[first:], dtype=np.int64)
+        ends = np.asarray(entries.end_indices[first:], dtype=np.int64)
+        ids = np.asarray(entries.token_ids, dtype=np.int64)
+        values = np.asarray(entries.logprobs, dtype=np.float64)
+        counts = ends - starts
+        owner = np.repeat(np.arange(n), counts)  # position (relative to first) of each entry
+        offsets = np.concatenate([[0], np.cumsum(counts)])
+        entry = starts[owner] + (np.arange(offsets[-1]) - offsets[owner])
+        match = ids[entry] == token_ids[first:][owner].astype(np.int64)
+        out = np.full(n, np.nan)
+        # the sampled token's entry comes first; reversed assignment keeps the first match
+        out[owner[match][::-1]] = values[entry[match]][::-1]
+    else:
+        out = np.array([
+            d[int(t)].logprob if d is not None and int(t) in d else np.nan
+            for d, t in zip(entries[first:], token_ids[first:])
+        ])
+    if np.isnan(out).any():
+        missing = int(np.flatnonzero(np.isnan(out))[0]) + first
+        raise RuntimeError(f"vLLM returned no log-prob for token {int(token_ids[missing])} at position {missing}")
+    return out.astype(np.float32)
+
+
+def _progress_bar(on_progress: Callable[[int], None] | None):
+    """A tqdm factory for ``LLM.generate(use_tqdm=...)`` that reports finished requests to us."""
+    if on_progress is None:
+        return False
+    from tqdm import tqdm
+
+    class _Forward(tqdm):
+        def __init__(self, *args, **kwargs):
+            kwargs["file"] = open(os.devnull, "w")  # noqa: SIM115 (closed in close())
+            super().__init__(*args, **kwargs)
+
+        def update(self, n=1):
+            on_progress(int(n))
+            return super().update(n)
+
+        def close(self):
+            fp = self.fp
+            super().close()
+            fp.close()
+
+    return _Forward

@@ -1,0 +1,110 @@
+"""The engine worker: ``python -m mismatch_probe.engines.worker --requests-fd R --replies-fd W``.
+
+Started by :class:`mismatch_probe.engines.process.EngineProcess`, possibly under another
+interpreter (``--engine-python``). It hosts one engine adapter for the whole run and answers
+requests on its own pipe pair; its stdout and stderr (the engine's logs) go to the run's
+``engine.log``, never into the protocol. It exits when asked to close or when the parent goes away.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import os
+import resource
+import sys
+import traceback
+
+from .. import __version__
+from ..errors import ProbeError
+from ..spec import EngineSpec, SamplingSpec
+from . import wire
+
+
+def _load(target: str):
+    module_name, _, class_name = target.partition(":")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def _peak_rss_mib() -> float:
+    # ru_maxrss is KiB on Linux; children counts the engine's own worker processes once reaped
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return round(max(own, children) / 1024, 1)
+
+
+def serve(requests, replies) -> None:
+    wire.send(replies, {
+        "op": "hello", "protocol": wire.PROTOCOL_VERSION, "version": __version__,
+        "python": sys.executable, "pid": os.getpid(),
+    })
+    engine = None
+    while True:
+        msg = wire.receive(requests)
+        if msg is None:  # the parent is gone: nothing left to answer
+            break
+        h = msg.header
+        op = h["op"]
+        try:
+            if op == "start":
+                spec = EngineSpec(**h["spec"])
+                engine = _load(h["target"])(h["model"], spec, trust_remote_code=h["trust_remote_code"])
+                wire.send(replies, {"op": "started", "prefill": hasattr(engine, "prefill_logprobs")})
+            elif op == "info":
+                wire.send(replies, {"op": "info", "info": engine.info()})
+            elif op == "semantics":
+                semantics = engine.semantics(SamplingSpec(**h["sampling"]))
+                wire.send(replies, {"op": "semantics", "semantics": dataclasses.asdict(semantics)})
+            elif op == "generate":
+                completions = engine.generate(
+                    wire.table_to_requests(msg.table),
+                    SamplingSpec(**h["sampling"]),
+                    stop_token_ids=h["stop_token_ids"],
+                    seed=h["seed"],
+                    on_progress=lambda n: wire.send(replies, {"op": "progress", "n": n}),
+                )
+                wire.send(replies, {"op": "generated"}, wire.completions_to_table(completions))
+            elif op == "prefill":
+                logprobs = engine.prefill_logprobs(
+                    wire.table_to_score_requests(msg.table),
+                    on_progress=lambda n: wire.send(replies, {"op": "progress", "n": n}),
+                )
+                wire.send(replies, {"op": "prefilled"}, wire.logprobs_to_table(logprobs))
+            elif op == "close":
+                if engine is not None:
+                    engine.close()
+                    engine = None
+                wire.send(replies, {"op": "closed", "peak_rss_mib": _peak_rss_mib()})
+                break
+            else:
+                raise ValueError(f"unknown request {op!r}")
+        except BaseException as exc:  # noqa: BLE001 (every failure is reported to the parent)
+            traceback.print_exc()  # the full story goes to engine.log
+            wire.send(replies, {
+                "op": "error",
+                "during": op,
+                "type": type(exc).__name__,
+                "message": str(getattr(exc, "message", exc))[:4000],
+                "probe_error": isinstance(exc, ProbeError),
+                "exit_code": getattr(exc, "exit_code", None),
+                "hint": getattr(exc, "hint", None),
+            })
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                break
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="mismatch_probe.engines.worker")
+    parser.add_argument("--requests-fd", type=int, required=True)
+    parser.add_argument("--replies-fd", type=int, required=True)
+    args = parser.parse_args(argv)
+    requests = os.fdopen(args.requests_fd, "rb")
+    replies = os.fdopen(args.replies_fd, "wb")
+    # Anything a library prints to stdout joins stderr (engine.log) instead of the protocol pipe.
+    os.dup2(2, 1)
+    serve(requests, replies)
+
+
+if __name__ == "__main__":  # the engine may spawn processes that re-import __main__
+    main()
