@@ -141,7 +141,7 @@ def compare(
     """Sample with an engine, score the same tokens with a training-style forward, report the mismatch."""
     from .pipeline import run_compare
     from .spec import ProbeSpec, apply_overrides, load_spec_file
-    from .summary import corrections_table, metrics_table, routing_line
+    from .summary import corrections_table, metrics_table, notes, routing_line, timing_line
 
     spec = load_spec_file(spec_file) if spec_file else ProbeSpec()
     apply_overrides(spec, {
@@ -171,6 +171,10 @@ def compare(
     out.print(metrics_table(result.record))
     out.print(corrections_table(result.record))
     if line := routing_line(result.record):
+        out.print(line)
+    for line in notes(result.record):
+        out.print(line)
+    if line := timing_line(result.record):
         out.print(line)
     out.print(f"run directory: {result.run_dir}")
     out.print(f"report: {result.run_dir / 'report.md'}")

@@ -222,7 +222,8 @@ def run_compare(
                         engine.close()  # returns once the worker, and the memory it held, is gone
                     record["engine_process"] = engine.describe()
         except BaseException as exc:
-            record["status"] = "failed"
+            interrupted = isinstance(exc, KeyboardInterrupt)
+            record["status"] = "interrupted" if interrupted else "failed"
             record["error"] = str(exc) or type(exc).__name__
             _write_record(out, record)
             raise

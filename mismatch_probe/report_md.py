@@ -6,7 +6,9 @@ user (model paths, ids) is escaped for Markdown table cells.
 
 from __future__ import annotations
 
-from .summary import fmt
+import re
+
+from .summary import fmt, notes
 
 METRIC_NOTES = (
     ("k3_kl", "mean K3 = ratio - delta - 1 over tokens; the 'vllm-kl' of the literature (H20 ~5e-4..1e-3, L20 ~1e-3..1e-2 in published runs)"),
@@ -24,6 +26,7 @@ METRIC_NOTES = (
     ("pearson_prob", "Pearson correlation of p_train and p_infer over tokens"),
     ("log_ppl_infer", "mean over sequences of -mean(logp_infer)"),
     ("log_ppl_train", "mean over sequences of -mean(logp_train)"),
+    ("n_zero_prob_train", "sampled tokens the reference gives probability 0 (delta = -inf)"),
     ("n_model_tokens", "tokens the policy generated (prompt and tool tokens excluded)"),
     ("n_sequences", "sequences (sample-turns in the per-turn columns) with at least one model token"),
 )
@@ -44,7 +47,11 @@ def render_markdown(record: dict) -> str:
     eng, ref = record.get("engine") or {}, record.get("reference") or {}
     by_turn = record.get("metrics_by_turn") or {}
     later = bool((by_turn.get("later") or {}).get("n_model_tokens"))
-    sem = (record.get("logprob_semantics") or {}).get("engine") or {}
+    semantics = record.get("logprob_semantics") or {}
+    sem = semantics.get("engine") or {}
+    ref_sem = semantics.get("reference") or sem
+    prefill = record.get("decode_vs_prefill") or {}
+    has_prefill = bool(prefill.get("n_model_tokens"))
     out = [
         f"# mismatch-probe run: {_cell(spec.get('name') or spec.get('engine', {}).get('name'))}",
         "",
@@ -61,25 +68,35 @@ def render_markdown(record: dict) -> str:
             ["model", (record.get("inputs") or {}).get("model")],
             ["prompts", f"{(record.get('inputs') or {}).get('prompts')} ({(record.get('inputs') or {}).get('n_prompts')} prompts, "
                         f"{(record.get('inputs') or {}).get('n_samples')} samples)"],
-            ["engine", ", ".join(f"{k}={v}" for k, v in eng.items() if k != "versions")],
+            ["engine", ", ".join(f"{k}={v}" for k, v in eng.items() if k not in ("versions", "requested", "routing_unavailable"))],
             ["reference", ", ".join(f"{k}={v}" for k, v in ref.items() if k != "versions")],
             ["sampling", ", ".join(f"{k}={v}" for k, v in (spec.get("sampling") or {}).items())],
-            ["log-probs compared", sem.get("distribution", "-") + f" ({sem.get('mode', '-')})"],
+            ["engine log-probs", sem.get("distribution", "-") + f" ({sem.get('mode', '-')})"],
+            ["reference log-probs", ref_sem.get("distribution", "-") + (
+                "" if semantics.get("matched", True) else " (deliberately not the engine's)")],
         ]),
         "",
         "## Headline metrics",
         "",
-        "`delta = logp_train - logp_infer`, `ratio = exp(delta)`, over model tokens only.",
+        "`delta = logp_train - logp_infer`, `ratio = exp(delta)`, over model tokens only. "
+        "The decode-vs-prefill column puts the engine's own full-sequence prefill log-prob in the "
+        "reference's place: mismatch inside the engine, before any trainer is involved.",
         "",
     ]
-    header = ["metric", "all", "first turn"] + (["later turns"] if later else []) + ["meaning"]
+    header = (["metric", "engine vs reference", "first turn"] + (["later turns"] if later else [])
+              + (["decode vs prefill"] if has_prefill else []) + ["meaning"])
     rows = []
     for key, note in METRIC_NOTES:
         row = [f"`{key}`", fmt(record["metrics"].get(key)), fmt((by_turn.get("first") or {}).get(key))]
         if later:
             row.append(fmt(by_turn["later"].get(key)))
+        if has_prefill:
+            row.append(fmt(prefill.get(key)) if key != "log_ppl_train" else "-")
         rows.append(row + [note])
     out += _table(header, rows)
+    remarks = [re.sub(r"\[/?[a-z ]*\]", "", line) for line in notes(record)]  # drop rich markup
+    if remarks:
+        out += [""] + [f"- {line}" for line in remarks]
 
     corr = record.get("corrections") or {}
     th = corr.get("thresholds") or {}

@@ -21,6 +21,7 @@ SUMMARY_ROWS = (
     ("pearson_prob", "Pearson r of token probs"),
     ("log_ppl_infer", "log-ppl (engine)"),
     ("log_ppl_train", "log-ppl (reference)"),
+    ("n_zero_prob_train", "tokens the reference gives p = 0"),
     ("n_model_tokens", "model tokens"),
     ("n_sequences", "sequences"),
 )
@@ -45,18 +46,59 @@ def fmt(value) -> str:
 def metrics_table(record: dict) -> Table:
     by_turn = record.get("metrics_by_turn") or {}
     has_later = bool((by_turn.get("later") or {}).get("n_model_tokens"))
+    prefill = record.get("decode_vs_prefill") or {}
+    has_prefill = bool(prefill.get("n_model_tokens"))
     table = Table(title=f"mismatch: {_title(record)}", title_justify="left")
     table.add_column("metric")
-    table.add_column("all", justify="right")
+    table.add_column("engine vs reference", justify="right")
     table.add_column("first turn", justify="right")
     if has_later:
         table.add_column("later turns", justify="right")
+    if has_prefill:
+        table.add_column("engine decode vs its prefill", justify="right")
     for key, label in SUMMARY_ROWS:
         row = [label, fmt(record["metrics"].get(key)), fmt((by_turn.get("first") or {}).get(key))]
         if has_later:
             row.append(fmt(by_turn["later"].get(key)))
+        if has_prefill:
+            row.append(fmt(prefill.get(key)) if key not in ("log_ppl_train",) else "-")
         table.add_row(*row)
     return table
+
+
+def notes(record: dict) -> list[str]:
+    """Things the numbers alone do not say: semantics, skipped checks, zero-probability tokens."""
+    out = []
+    sem = record.get("logprob_semantics") or {}
+    if sem and sem.get("matched") is False:
+        out.append(f"[yellow]note:[/] the reference scores {sem['reference']['distribution']} but the engine's log-probs "
+                   f"are {sem['engine']['distribution']} (reference.logprobs = {record['spec']['reference']['logprobs']!r}); "
+                   "the mismatch above includes that difference on purpose")
+    n_zero = (record.get("metrics") or {}).get("n_zero_prob_train")
+    if n_zero:
+        out.append(f"[yellow]note:[/] {n_zero} sampled token(s) have probability 0 under the reference "
+                   "(e.g. just outside its top-p/top-k set): their delta is -inf, so K3 and mean |delta| are inf; "
+                   "the quantiles and prob-diff columns still describe the rest")
+    prefill = record.get("decode_vs_prefill") or {}
+    if prefill.get("skipped"):
+        out.append(f"decode vs prefill: not measured, {prefill['skipped']}")
+    return out
+
+
+TIMING_LABELS = (
+    ("setup_s", "setup"), ("engine_start_s", "engine start"), ("generation_s", "generation"),
+    ("prefill_s", "engine prefill"), ("engine_stop_s", "engine stop"), ("reference_load_s", "reference load"),
+    ("scoring_s", "reference scoring"), ("metrics_s", "metrics"), ("report_s", "report"),
+)
+
+
+def timing_line(record: dict) -> str | None:
+    t = record.get("timings") or {}
+    total = t.get("total_s")
+    if not total:
+        return None
+    parts = [f"{label} {t[key]:.1f}s ({t[key] / total:.0%})" for key, label in TIMING_LABELS if key in t]
+    return f"time {total:.1f}s: " + ", ".join(parts)
 
 
 def corrections_table(record: dict) -> Table:

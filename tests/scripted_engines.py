@@ -63,3 +63,12 @@ class RaisesOnGenerate(_Scripted):
 class RefusesSetting(_Scripted):
     def __init__(self, model_path, spec, *, trust_remote_code=False):
         raise ConfigError("this build has no such kernel", hint="drop the flag")
+
+
+class KilledOnGenerate(_Scripted):
+    """Like the kernel's OOM killer: no message, just SIGKILL."""
+
+    def generate(self, requests, sampling, *, stop_token_ids, seed, on_progress=None):
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)

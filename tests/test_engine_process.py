@@ -27,7 +27,7 @@ def scripted(monkeypatch, tmp_path):
     """Register the scripted engines; the worker finds them through PYTHONPATH."""
     monkeypatch.setenv("PYTHONPATH", TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""))
     monkeypatch.setenv("MISMATCH_PROBE_TEST_CALLS", str(tmp_path / "calls"))
-    for name in ("DiesOnSecondShard", "RaisesOnGenerate", "RefusesSetting"):
+    for name in ("DiesOnSecondShard", "RaisesOnGenerate", "RefusesSetting", "KilledOnGenerate"):
         monkeypatch.setitem(engines.BUILTIN_ENGINES, name,
                             engines.EngineEntry(name, f"scripted_engines:{name}", (), "", "test"))
 
@@ -110,10 +110,33 @@ def test_an_engine_exception_arrives_with_its_own_message(tmp_path, scripted):
         run_compare(spec(tmp_path / "r", "RaisesOnGenerate"))
 
 
-def test_an_adapter_config_error_stays_a_config_error(tmp_path, scripted):
+def test_a_killed_worker_is_named_as_such(tmp_path, scripted):
+    with pytest.raises(EngineError, match=r"died during generate \(killed by SIGKILL \(out of memory\?\)\)"):
+        run_compare(spec(tmp_path / "r", "KilledOnGenerate"))
+    assert _worker_children() == []
+
+
+def _worker_children() -> list[str]:
+    """Command lines of this process's children that are engine workers."""
+    pids = []
+    for task in os.listdir(f"/proc/{os.getpid()}/task"):
+        with open(f"/proc/{os.getpid()}/task/{task}/children") as f:
+            pids += f.read().split()
+    cmds = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmds.append(f.read().replace(b"\0", b" ").decode())
+        except FileNotFoundError:
+            pass
+    return [c for c in cmds if "mismatch_probe.engines.worker" in c]
+
+
+def test_an_adapter_config_error_stays_a_config_error_and_the_worker_is_gone(tmp_path, scripted):
     with pytest.raises(ConfigError, match="no such kernel") as info:
         run_compare(spec(tmp_path / "r", "RefusesSetting"))
     assert info.value.hint == "drop the flag"
+    assert _worker_children() == []
 
 
 def test_engine_python_runs_the_worker_under_that_interpreter(tmp_path):

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from mismatch_probe.errors import ConfigError
-from mismatch_probe.spec import ProbeSpec, apply_overrides, load_spec_file, spec_from_dict
+from mismatch_probe.spec import EngineSpec, ProbeSpec, apply_overrides, load_spec_file, spec_from_dict
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -98,6 +98,31 @@ def test_fingerprint_ignores_output_location():
     assert a.fingerprint() != b.fingerprint()
 
 
-def test_demo_spec_is_valid():
-    spec = load_spec_file(Path(__file__).resolve().parent.parent / "probes" / "demo.toml").validate()
+@pytest.mark.parametrize("name", ["demo.toml", "demo-hf.toml"])
+def test_demo_specs_are_valid(name):
+    from mismatch_probe.engines import get_entry
+
+    spec = load_spec_file(Path(__file__).resolve().parent.parent / "probes" / name).validate()
     assert Path(spec.model).is_dir() and Path(spec.prompts).is_file()
+    get_entry(spec.engine.name).check_settings(spec.engine)
+
+
+def test_engine_python_and_extra_args_from_a_spec_file(tmp_path):
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    (tmp_path / "venv" / "bin" / "python").write_text("")
+    f = tmp_path / "p.toml"
+    f.write_text('model = "m"\nprompts = "p"\n[engine]\nname = "vllm"\npython = "venv/bin/python"\n'
+                 '[engine.extra_args]\nmax_logprobs = 5\n')
+    spec = load_spec_file(f).validate()
+    assert spec.engine.python == str(tmp_path / "venv" / "bin" / "python")
+    assert spec.engine.extra_args == {"max_logprobs": 5}
+
+
+def test_engine_settings_are_checked_per_engine():
+    from mismatch_probe.engines import get_entry
+
+    with pytest.raises(ConfigError, match=r"engine 'hf' has no setting engine.prefix_caching \(--prefix-caching\)"):
+        get_entry("hf").check_settings(EngineSpec(prefix_caching=False))
+    with pytest.raises(ConfigError, match="engine 'vllm' has no setting engine.attn_implementation"):
+        get_entry("vllm").check_settings(EngineSpec(name="vllm", attn_implementation="eager"))
+    get_entry("vllm").check_settings(EngineSpec(name="vllm", tensor_parallel_size=2, prefix_caching=False))

@@ -69,9 +69,15 @@ class EngineProcess:
         self._requests = os.fdopen(requests_w, "wb")
         self._replies = os.fdopen(replies_r, "rb")
 
+        try:
+            self._start(entry, model_path, spec, trust_remote_code)
+        except BaseException:
+            self._kill()  # a worker whose engine did not start must not linger
+            raise
+
+    def _start(self, entry, model_path, spec: EngineSpec, trust_remote_code: bool) -> None:
         hello = self._reply("start-up", expect="hello")
         if hello.header.get("protocol") != wire.PROTOCOL_VERSION:
-            self._kill()
             raise ConfigError(
                 f"the engine python {self.python} has mismatch-probe {hello.header.get('version')} "
                 f"(worker protocol {hello.header.get('protocol')}), this one is {__version__} "

@@ -1,0 +1,77 @@
+"""vLLM vs the HF reference on the fixture, over the settings that matter: TP=1/2, bf16/fp32 engine,
+dense/MoE. One `mismatch-probe compare` per cell (each starts its own engine, as a user's run does).
+
+    .venv/bin/python benchmarks/vllm_matrix.py [--out reports/vllm-matrix] [--prompts 32 --n 4]
+
+Prints one table: engine-vs-reference and decode-vs-prefill metrics, and the wall-time split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = {"dense": ROOT / "fixtures/models/tiny-qwen2", "moe": ROOT / "fixtures/models/tiny-qwen3-moe"}
+CELLS = [  # (model, tp, engine dtype)
+    ("dense", 1, "bfloat16"), ("dense", 2, "bfloat16"), ("dense", 1, "float32"),
+    ("moe", 1, "bfloat16"), ("moe", 2, "bfloat16"), ("moe", 1, "float32"),
+]
+TIMING_KEYS = ("setup_s", "engine_start_s", "generation_s", "prefill_s", "engine_stop_s", "reference_load_s",
+               "scoring_s", "metrics_s", "report_s")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "reports" / "vllm-matrix"))
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--n", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    args = ap.parse_args()
+    exe = Path(sys.executable).with_name("mismatch-probe")
+    rows = []
+    for model, tp, dtype in CELLS:
+        name = f"{model}-tp{tp}-{dtype}"
+        out = Path(args.out) / name
+        cmd = [str(exe), "compare", "--engine", "vllm", "--model", str(MODELS[model]),
+               "--prompts", str(ROOT / "fixtures/prompts/single_turn.jsonl"), "--out", str(out), "--overwrite",
+               "--max-prompts", str(args.prompts), "--n", str(args.n), "--max-tokens", str(args.max_tokens),
+               "--tp", str(tp), "--engine-dtype", dtype, "--train-dtype", "float32", "--logits-fp32",
+               "--enforce-eager", "--gpu-memory-utilization", "0.3", "--json"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(f"{name}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)
+            continue
+        rec = json.loads(proc.stdout)
+        rows.append((name, rec))
+        print(f"done {name}", file=sys.stderr)
+
+    print("| run | tokens | k3_kl | prob_diff_max | seq_max_mismatch_mean | decode-vs-prefill k3_kl | "
+          "decode-vs-prefill prob_diff_max |")
+    print("|---|---|---|---|---|---|---|")
+    for name, rec in rows:
+        m, d = rec["metrics"], rec.get("decode_vs_prefill") or {}
+        print(f"| {name} | {m['n_model_tokens']} | {_f(m['k3_kl'])} | {_f(m['prob_diff_max'])} | "
+              f"{_f(m['seq_max_mismatch_mean'])} | {_f(d.get('k3_kl'))} | {_f(d.get('prob_diff_max'))} |")
+    print()
+    print("| run | total s | " + " | ".join(k.removesuffix("_s") for k in TIMING_KEYS) + " |")
+    print("|---|---|" + "---|" * len(TIMING_KEYS))
+    for name, rec in rows:
+        t = rec["timings"]
+        shares = [f"{t.get(k, 0) / t['total_s']:.0%}" for k in TIMING_KEYS]
+        print(f"| {name} | {t['total_s']:.1f} | " + " | ".join(shares) + " |")
+
+
+def _f(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, str):
+        return v
+    return f"{v:.3g}"
+
+
+if __name__ == "__main__":
+    main()

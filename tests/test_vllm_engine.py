@@ -1,0 +1,164 @@
+"""The vLLM engine for real (the CPU build here; the same adapter runs the CUDA build on GPUs).
+
+One engine per module where the tests can share it (an engine start is ~40-80 s on 2 cores);
+the CLI tests start their own, as a user's run does.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+from conftest import DENSE, MOE, SINGLE_TURN, cli
+from test_reference import independent
+
+from mismatch_probe.engines import GenerationRequest, ScoreRequest, get_entry
+from mismatch_probe.engines.process import EngineProcess
+from mismatch_probe.errors import ConfigError
+from mismatch_probe.pipeline import run_compare
+from mismatch_probe.spec import EngineSpec, ProbeSpec, SamplingSpec
+from mismatch_probe.table import Rollout
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+# On vLLM's CPU build gpu_memory_utilization is the share of the NUMA node's memory for the KV
+# cache; the fixture needs little, and two engines may be alive at once during a test session.
+MEMORY = 0.2
+SAMPLING = SamplingSpec(temperature=0.7, top_p=0.9, top_k=0, max_tokens=48, seed=5)
+
+
+def dense_engine_spec(**kw) -> EngineSpec:
+    return EngineSpec(name="vllm", dtype="bfloat16", logprobs_mode="processed", enforce_eager=True,
+                      gpu_memory_utilization=MEMORY, **kw)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    """A dense bf16 engine with processed log-probs, shared by this module's tests."""
+    log = tmp_path_factory.mktemp("vllm") / "engine.log"
+    eng = EngineProcess(get_entry("vllm"), DENSE, dense_engine_spec(), log_path=log)
+    yield eng
+    eng.close()
+
+
+def probe(out, top_p: float = SAMPLING.top_p, logprobs: str = "engine") -> ProbeSpec:
+    s = ProbeSpec(model=str(DENSE), prompts=str(SINGLE_TURN), out=str(out), max_prompts=24, shard_size=16)
+    s.engine = dense_engine_spec()
+    s.sampling = SamplingSpec(**{**vars(SAMPLING), "top_p": top_p, "n": 2})
+    s.reference.dtype = "float32"
+    s.reference.logprobs = logprobs
+    return s
+
+
+def test_parent_process_never_imports_vllm(engine):
+    assert engine.info()["engine"] == "vllm"
+    assert "vllm" not in sys.modules
+
+
+def test_matched_logprob_semantics_sit_at_the_dtype_floor(engine, tmp_path):
+    """At T=0.7 vLLM returns processed log-probs (of logits / T). A reference scoring the same
+    distribution sits at the bf16-vs-fp32 floor; one scoring raw logits (a trainer that forgot the
+    temperature) is far off, although nothing about the engine changed."""
+    matched = run_compare(probe(tmp_path / "matched", top_p=1.0), engine=engine).record
+    raw = run_compare(probe(tmp_path / "raw", top_p=1.0, logprobs="raw"), engine=engine).record
+
+    assert matched["logprob_semantics"]["matched"] is True and raw["logprob_semantics"]["matched"] is False
+    assert matched["logprob_semantics"]["engine"]["mode"] == "processed"
+    k3_matched, k3_raw = matched["metrics"]["k3_kl"], raw["metrics"]["k3_kl"]
+    assert 0 < k3_matched < 5e-4, (k3_matched, k3_raw)
+    assert k3_raw > 20 * k3_matched, (k3_matched, k3_raw)
+    # same seeds, same engine: both runs scored the very same samples
+    assert matched["metrics"]["n_model_tokens"] == raw["metrics"]["n_model_tokens"]
+    # processed (T != 1) log-probs cannot be compared with raw prefill log-probs: said, not faked
+    assert "not comparable" in matched["decode_vs_prefill"]["skipped"]
+
+
+def test_top_p_semantics_and_the_nucleus_boundary(engine, tmp_path):
+    """With top-p the processed distributions match too, except that a token inside bf16's nucleus
+    can fall just outside fp32's: the reference then gives it probability 0 (logp_train = -inf),
+    counted in n_zero_prob_train rather than hidden."""
+    runs = {name: run_compare(probe(tmp_path / name, logprobs=name), engine=engine).record["metrics"]
+            for name in ("engine", "raw", "temperature")}
+    p99 = {name: m["abs_delta_p99"] for name, m in runs.items()}
+    assert p99["engine"] < 0.1 and p99["raw"] > 5 * p99["engine"] and p99["temperature"] > p99["engine"], p99
+    assert runs["raw"]["n_zero_prob_train"] == 0 and runs["temperature"]["n_zero_prob_train"] == 0
+    assert runs["engine"]["n_zero_prob_train"] <= 0.01 * runs["engine"]["n_model_tokens"]
+
+
+def test_sampled_tokens_carry_their_own_logprobs(engine):
+    prompts = [np.array([1, 7, 80 + k, 90], np.int32) for k in range(6)]
+    requests = [GenerationRequest(p, 24) for p in prompts]
+    a = engine.generate(requests, SAMPLING, stop_token_ids=[2], seed=1)
+    b = engine.generate(requests, SAMPLING, stop_token_ids=[2], seed=1)
+    c = engine.generate(requests, SAMPLING, stop_token_ids=[2], seed=2)
+    for x, y, p in zip(a, b, prompts):
+        assert np.array_equal(x.token_ids, y.token_ids) and np.array_equal(x.logprobs, y.logprobs)
+        assert np.array_equal(x.prompt_token_ids, p)
+        assert len(x.logprobs) == len(x.token_ids) and np.all(x.logprobs <= 0)
+        assert x.finish_reason in ("stop", "length")
+        if x.finish_reason == "stop":
+            assert x.token_ids[-1] == 2  # the stop token is part of the response
+        else:
+            assert len(x.token_ids) == 24
+    assert any(not np.array_equal(x.token_ids, z.token_ids) for x, z in zip(a, c))
+
+
+def test_prefill_scores_the_given_tokens_not_the_sampled_ones(engine):
+    """Prefill log-probs of arbitrary (never sampled) sequences agree with an fp32 HF forward to
+    bf16 precision: the engine really re-runs the sequence."""
+    rng = np.random.default_rng(3)
+    seqs = [rng.integers(3, 900, size=n).astype(np.int32) for n in (12, 30, 7)]
+    starts = [4, 10, 2]
+    got = engine.prefill_logprobs([ScoreRequest(s, k) for s, k in zip(seqs, starts)])
+    rollouts = [Rollout(i, "x", s, np.zeros(len(s), np.int16), np.arange(len(s)) >= k,
+                        np.zeros(len(s), np.float32), "stop") for i, (s, k) in enumerate(zip(seqs, starts))]
+    want, _ = independent(DENSE, rollouts)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        assert np.abs(g - w).max() < 0.25 and np.abs(g - w).mean() < 0.05  # bf16 weights vs fp32
+        assert np.all(g < 0)
+
+
+def test_unsupported_settings_fail_loudly(tmp_path):
+    log = tmp_path / "engine.log"
+    with pytest.raises(ConfigError, match="batch-invariant mode .* runs on CPU"):
+        EngineProcess(get_entry("vllm"), DENSE, dense_engine_spec(batch_invariant=True), log_path=log)
+    with pytest.raises(ConfigError, match="no cascade attention"):
+        EngineProcess(get_entry("vllm"), DENSE, dense_engine_spec(cascade_attn=True), log_path=log)
+    with pytest.raises(ConfigError, match="no engine argument 'enable_prefx_caching'.*enable_prefix_caching"):
+        EngineProcess(get_entry("vllm"), DENSE, dense_engine_spec(extra_args={"enable_prefx_caching": True}),
+                      log_path=log)
+
+
+def compare_cli(tmp_path, *args):
+    out = tmp_path / "run"
+    proc = cli("compare", "--engine", "vllm", "--prompts", str(SINGLE_TURN), "--out", str(out),
+               "--max-prompts", "16", "--n", "2", "--max-tokens", "48", "--seed", "3",
+               "--gpu-memory-utilization", str(MEMORY), "--enforce-eager", *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((out / "run.json").read_text())
+
+
+def test_fp32_engine_matches_fp32_reference(tmp_path):
+    """vLLM in fp32 against the fp32 reference: what is left is kernel order, far below bf16's."""
+    rec = compare_cli(tmp_path, "--model", str(DENSE), "--engine-dtype", "float32", "--train-dtype", "float32")
+    assert rec["engine"]["dtype"] == "float32"
+    assert rec["metrics"]["k3_kl"] < 1e-8 and rec["metrics"]["prob_diff_max"] < 1e-3
+    dvp = rec["decode_vs_prefill"]
+    assert dvp["n_model_tokens"] == rec["metrics"]["n_model_tokens"] and dvp["k3_kl"] < 1e-8
+
+
+def test_moe_at_tensor_parallel_2(tmp_path):
+    rec = compare_cli(tmp_path, "--model", str(MOE), "--tp", "2", "--train-dtype", "float32")
+    eng = rec["engine"]
+    assert eng["tensor_parallel_size"] == 2 and eng["dtype"] == "bfloat16" and eng["platform"] == "cpu"
+    assert eng["requested"]["tensor_parallel_size"] == 2
+    assert "VLLM_CPU_OMP_THREADS_BIND" in eng["env"]
+    m = rec["metrics"]
+    assert all(np.isfinite(m[k]) for k in ("k3_kl", "prob_diff_max", "seq_max_mismatch_mean"))
+    assert 0 < m["k3_kl"] < 0.05
+    assert rec["decode_vs_prefill"]["n_model_tokens"] == m["n_model_tokens"]
+    assert rec["engine_process"]["exit_code"] == 0
+    assert set(rec["timings"]) >= {"engine_start_s", "generation_s", "prefill_s", "scoring_s", "metrics_s", "report_s"}
