@@ -169,3 +169,21 @@ def test_a_setting_the_engine_does_not_have_is_refused(tmp_path):
     assert proc.returncode == 2
     assert "engine 'hf' has no setting engine.tensor_parallel_size (--tp)" in proc.stderr
     assert "it applies to: vllm" in proc.stderr
+
+
+def test_the_engine_cores_root_cause_is_found_in_its_log(tmp_path):
+    """vLLM's own exception says 'see root cause above'; the cause is a prefixed line in the log."""
+    from mismatch_probe.engines.process import log_errors
+
+    log = tmp_path / "engine.log"
+    log.write_text(
+        "(EngineCore pid=7) INFO 11-22 06:24:20 [core.py:1] starting\n"
+        "(VllmWorker-0 pid=9) ERROR 11-22 06:24:22 [multiproc_executor.py:953]     raise ValueError(\n"
+        "(VllmWorker-0 pid=9) ERROR 11-22 06:24:22 [multiproc_executor.py:953] ValueError: Available memory on "
+        "node 0 (14.69/16.34 GiB) on startup is less than desired CPU memory utilization (0.92, 15.03 GiB).\n"
+        "Traceback (most recent call last):\n"
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}\n"
+    )
+    found = log_errors(log, exclude="Engine core initialization failed. See root cause above. Failed core proc(s): {}")
+    assert found == ["ValueError: Available memory on node 0 (14.69/16.34 GiB) on startup is less than desired "
+                     "CPU memory utilization (0.92, 15.03 GiB)."]

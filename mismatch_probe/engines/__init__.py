@@ -93,7 +93,9 @@ def registered_engines() -> dict[str, EngineEntry]:
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         engines.setdefault(
             ep.name,
-            EngineEntry(ep.name, ep.value, (), f"installed by {ep.dist.name if ep.dist else 'a plugin'}", "plugin"),
+            # a plugin adapter gets every setting and is responsible for refusing what it lacks
+            EngineEntry(ep.name, ep.value, (), f"installed by {ep.dist.name if ep.dist else 'a plugin'}", "plugin",
+                        settings=frozenset(f.name for f in dataclasses.fields(EngineSpec))),
         )
     return engines
 

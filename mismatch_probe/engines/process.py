@@ -226,6 +226,7 @@ class EngineProcess:
                 pass
 
 
+_LOG_PREFIX = re.compile(r"^(\([^)]*\)\s*)?([A-Z]+ \d\d-\d\d [\d:.]+ \[[^\]]*\]\s*)?")
 _ERROR_LINE = re.compile(r"^(\S+(Error|Exception|Exit)|RuntimeError|Killed|Segmentation fault)\b.*")
 
 
@@ -244,8 +245,9 @@ def log_errors(path: Path, exclude: str | None = None, limit: int = 3) -> list[s
     """The last distinct exception lines of the engine log (the engine core's own error message)."""
     found: list[str] = []
     for line in reversed(log_tail(path, 400)):
-        # engine processes prefix their lines, e.g. "(EngineCore pid=12) ValueError: ..."
-        text = re.sub(r"^\([^)]*\)\s*", "", line).strip()
+        # engine processes prefix their lines, e.g.
+        # "(VllmWorker-0 pid=12) ERROR 11-22 06:24:22 [multiproc_executor.py:953] ValueError: ..."
+        text = _LOG_PREFIX.sub("", line).strip()
         if _ERROR_LINE.match(text) and text not in found and (not exclude or exclude[:200] not in text):
             found.append(text[:500])
             if len(found) == limit:
