@@ -15,6 +15,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from .errors import ProbeError
 
@@ -43,7 +44,7 @@ def friendly_errors(fn):
         except ProbeError as exc:
             if _debug():
                 raise
-            err.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True, soft_wrap=True)
+            err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, markup=True, soft_wrap=True)
             raise typer.Exit(exc.exit_code) from None
         except KeyboardInterrupt:
             err.print("interrupted: completed shards are kept; run the same command again to resume")
@@ -176,8 +177,8 @@ def compare(
         out.print(line)
     if line := timing_line(result.record):
         out.print(line)
-    out.print(f"run directory: {result.run_dir}")
-    out.print(f"report: {result.run_dir / 'report.md'}")
+    out.print(f"run directory: {escape(str(result.run_dir))}")
+    out.print(f"report: {escape(str(result.run_dir / 'report.md'))}")
 
 
 @app.command()
@@ -193,7 +194,7 @@ def engines() -> None:
         table.add_column(col)
     for name, entry in sorted(registered_engines().items()):
         missing = entry.missing()
-        status = "[green]yes[/]" if not missing else f"[red]no[/] (missing {', '.join(missing)}: {entry.install_hint})"
+        status = "[green]yes[/]" if not missing else f"[red]no[/] (missing {', '.join(missing)}: {escape(entry.install_hint)})"
         table.add_row(name, status, entry.description)
     out.print(table)
 

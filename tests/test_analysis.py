@@ -82,3 +82,36 @@ def test_groups_and_masks(run_dir):
 def test_json_safe():
     assert json_safe({"a": float("nan"), "b": [float("inf"), -np.inf], "c": np.int64(3), "d": np.float32(0.5)}) == {
         "a": None, "b": ["inf", "-inf"], "c": 3, "d": 0.5}
+
+
+def test_decode_vs_prefill_is_scored_on_model_tokens_with_a_prefill(tmp_path):
+    """delta = logp_prefill - logp_infer; K3 checked against a float64 hand computation; tokens the
+    engine did not re-score (NaN) are counted, not used; a run without prefill has no section."""
+    model = np.array([False, False, True, True, True, False, True])
+    li = np.array([np.nan, np.nan, -0.5, -1.0, -0.01, -9.0, -2.0], np.float32)
+    lp = np.array([np.nan, -3.0, -0.4, -1.2, -0.01, -7.0, np.nan], np.float32)  # prompt/tool values must be ignored
+    r = Rollout(0, "p", np.arange(7, dtype=np.int32), np.where(model, 0, -1).astype(np.int16), model,
+                np.where(model, li, np.nan).astype(np.float32), "stop", logp_prefill=lp)
+    lt = [np.where(model, li, np.nan).astype(np.float32)]
+    write_table_atomic(token_table([r], lt, [np.zeros(7, np.float32)]), tmp_path / TOKENS_DIR / shard_name(0))
+    out = analyze(tmp_path)["decode_vs_prefill"]
+    d = np.array([-0.4 - -0.5, -1.2 - -1.0, 0.0], np.float64)  # the three scored model tokens
+    assert out["n_model_tokens"] == 3 and out["n_unscored_tokens"] == 1
+    np.testing.assert_allclose(out["k3_kl"], np.mean(np.expm1(d) - d), rtol=1e-5)
+    np.testing.assert_allclose(out["prob_diff_max"], abs(np.exp(-1.2) - np.exp(-1.0)), rtol=1e-5)
+
+    r.logp_prefill = None
+    write_table_atomic(token_table([r], lt, [np.zeros(7, np.float32)]), tmp_path / TOKENS_DIR / shard_name(0))
+    assert analyze(tmp_path)["decode_vs_prefill"] is None
+
+
+def test_a_table_from_before_logp_prefill_still_analyzes(run_dir):
+    import pyarrow.parquet as pq
+
+    path, _ = run_dir
+    before = analyze(path)
+    for shard in (path / TOKENS_DIR).iterdir():
+        t = pq.read_table(shard)
+        pq.write_table(t.drop_columns(["logp_prefill"]), shard)  # schema version 1 had no such column
+    after = analyze(path)
+    assert after["metrics"] == before["metrics"] and after["decode_vs_prefill"] is None

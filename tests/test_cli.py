@@ -185,3 +185,10 @@ def test_import_is_light():
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_error_text_with_brackets_is_printed_verbatim(tmp_path):
+    """Messages carry things like mismatch-probe[vllm]; rich must not read them as markup."""
+    proc = cli("compare", "--model", str(DENSE), "--prompts", str(SINGLE_TURN), "--out", str(tmp_path / "r"),
+               "--engine", "vllm[cpu]")
+    assert proc.returncode == 2 and "unknown engine 'vllm[cpu]'" in proc.stderr
