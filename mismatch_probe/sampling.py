@@ -56,6 +56,12 @@ class LogprobSemantics:
         return d
 
 
+def engine_semantics(logprobs_mode: str, temperature: float, top_k: int, top_p: float) -> LogprobSemantics:
+    """What an engine's ``raw``/``processed`` log-probs describe under these sampling settings
+    (greedy decoding has no processed distribution: the log-probs are raw)."""
+    return LogprobSemantics(logprobs_mode if temperature > 0 else "raw", temperature, top_k, top_p)
+
+
 def reference_semantics(choice: str, engine: LogprobSemantics, temperature: float, top_k: int, top_p: float) -> LogprobSemantics:
     """The reference's distribution for ``reference.logprobs``: "engine" matches the engine;
     "raw", "temperature" (logits / T, what verl's actor scores) and "processed" (T, top-k, top-p)

@@ -20,7 +20,7 @@ import torch
 
 from ..hf_models import free_accelerator_memory, load_causal_lm, resolve_device, resolve_dtype
 from ..routing import RouterRecorder
-from ..sampling import LogprobSemantics, processed_logits
+from ..sampling import LogprobSemantics, engine_semantics, processed_logits
 from ..spec import EngineSpec, SamplingSpec
 from .base import Completion, GenerationRequest, ScoreRequest
 
@@ -58,8 +58,7 @@ class HFEngine:
             self.routing = None  # a dense model
 
     def semantics(self, sampling: SamplingSpec) -> LogprobSemantics:
-        mode = self.spec.logprobs_mode if sampling.temperature > 0 else "raw"
-        return LogprobSemantics(mode, sampling.temperature, sampling.top_k, sampling.top_p)
+        return engine_semantics(self.spec.logprobs_mode, sampling.temperature, sampling.top_k, sampling.top_p)
 
     def info(self) -> dict:
         import transformers

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ConfigError
-from ..sampling import LogprobSemantics
+from ..sampling import LogprobSemantics, engine_semantics
 from ..spec import EngineSpec, SamplingSpec
 from .base import Completion, GenerationRequest, ScoreRequest
 from .hf import batch_seed
@@ -180,8 +180,7 @@ class VLLMEngine:
 
     # ---- Engine protocol -----------------------------------------------------------------
     def semantics(self, sampling: SamplingSpec) -> LogprobSemantics:
-        mode = self.spec.logprobs_mode if sampling.temperature > 0 else "raw"
-        return LogprobSemantics(mode, sampling.temperature, sampling.top_k, sampling.top_p)
+        return engine_semantics(self.spec.logprobs_mode, sampling.temperature, sampling.top_k, sampling.top_p)
 
     def info(self) -> dict:
         import torch
