@@ -136,6 +136,7 @@ def compare(
     packing: Annotated[Optional[bool], typer.Option("--packing/--no-packing", help="Reference padding-free packing vs padded micro-batches.")] = None,
     micro_batch_size: Annotated[Optional[int], typer.Option(help="Reference sequences per forward.")] = None,
     max_prompts: Annotated[Optional[int], typer.Option(help="Use only the first N prompts.")] = None,
+    max_turns: Annotated[Optional[int], typer.Option(help="Assistant turns per sample; tool calls run between turns.")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing run in --out instead of resuming it.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the run record (run.json) to stdout.")] = False,
 ) -> None:
@@ -146,7 +147,7 @@ def compare(
 
     spec = load_spec_file(spec_file) if spec_file else ProbeSpec()
     apply_overrides(spec, {
-        "model": _path(model), "prompts": _path(prompts), "out": _path(out_dir), "max_prompts": max_prompts,
+        "model": _path(model), "prompts": _path(prompts), "out": _path(out_dir), "max_prompts": max_prompts, "max_turns": max_turns,
         "engine.name": engine, "engine.dtype": engine_dtype, "engine.logprobs_mode": logprobs_mode,
         "engine.batch_size": engine_batch_size, "engine.attn_implementation": engine_attn,
         # absolute, not resolved: a venv's bin/python is a symlink whose target is not the venv

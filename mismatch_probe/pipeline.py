@@ -157,11 +157,12 @@ def run_compare(
     previous = prepare_run_dir(spec, out, overwrite=overwrite)
 
     tokenizer = load_tokenizer(model_path, trust_remote_code=spec.trust_remote_code)
+    model_len = max_model_len(model_path, tokenizer)
     prompts = tokenize_prompts(
         spec.prompts,
         tokenizer,
         max_prompts=spec.max_prompts,
-        max_model_len=max_model_len(model_path, tokenizer),
+        max_model_len=model_len,
         max_new_tokens=spec.sampling.max_tokens,
     )
     stops = stop_token_ids(model_path, tokenizer)
@@ -215,7 +216,8 @@ def run_compare(
                     engine = EngineProcess(entry, model_path, spec.engine, log_path=out / ENGINE_LOG,
                                            trust_remote_code=spec.trust_remote_code)
             try:
-                _rollouts(spec, engine, record, prompts, shards, missing, stops, rollout_dir, timings, progress)
+                _rollouts(spec, engine, record, prompts, shards, missing, stops, rollout_dir, timings, progress,
+                          tokenizer, model_len)
             finally:
                 if owned:
                     with _timed(timings, "engine_stop_s"):
@@ -284,9 +286,11 @@ def run_compare(
     return RunResult(out, final)
 
 
-def _rollouts(spec, engine, record, prompts, shards, missing, stops, rollout_dir, timings, progress) -> None:
+def _rollouts(spec, engine, record, prompts, shards, missing, stops, rollout_dir, timings, progress,
+              tokenizer, model_len) -> None:
     """Sample the missing rollout shards (and re-score them with the engine's prefill)."""
-    from .engines import GenerationRequest, ScoreRequest
+    from .engines import ScoreRequest
+    from .multiturn import ToolTurnTemplate, roll_out
 
     semantics = engine.semantics(spec.sampling)
     s = spec.sampling
@@ -304,17 +308,24 @@ def _rollouts(spec, engine, record, prompts, shards, missing, stops, rollout_dir
     progress.stage("generate", sum(len(shards[i]) for i in missing))
     if prefill_skip is None:
         progress.stage("prefill", sum(len(shards[i]) for i in missing))
+    template = ToolTurnTemplate.from_tokenizer(tokenizer) if spec.max_turns > 1 else None
     for i in missing:
-        requests = [GenerationRequest(prompts[x.prompt_index].token_ids, s.max_tokens) for x in shards[i]]
+        shard = shards[i]
         with _timed(timings, "generation_s"):
-            completions = engine.generate(
-                requests,
+            conversations = roll_out(
+                engine,
+                [prompts[x.prompt_index].token_ids for x in shard],
+                [x.sample_id for x in shard],
                 s,
                 stop_token_ids=stops,
                 seed=s.seed * 1_000_003 + i,
+                max_turns=spec.max_turns,
+                max_model_len=model_len,
+                tokenizer=tokenizer,
+                template=template,
                 on_progress=lambda k: progress.advance("generate", k),
             )
-        rollouts = [_rollout(x, prompts[x.prompt_index], c) for x, c in zip(shards[i], completions)]
+        rollouts = [_rollout(x, prompts[x.prompt_index], c) for x, c in zip(shard, conversations)]
         if prefill_skip is None:
             n_prompt = [len(prompts[x.prompt_index].token_ids) for x in shards[i]]
             with _timed(timings, "prefill_s"):
@@ -342,24 +353,17 @@ def _prefill_skip_reason(spec: ProbeSpec, engine, semantics: LogprobSemantics) -
     return None
 
 
-def _rollout(sample: _Sample, prompt, completion) -> Rollout:
-    if completion.prompt_token_ids is not None and not np.array_equal(completion.prompt_token_ids, prompt.token_ids):
-        raise DataError(
-            f"sample {sample.sample_id} (prompt {prompt.id!r}): the engine reports different prompt token ids "
-            "than it was given; the two sides would score different sequences"
-        )
-    n_prompt, n_resp = len(prompt.token_ids), len(completion.token_ids)
-    if len(completion.logprobs) != n_resp:
-        raise DataError(f"sample {sample.sample_id}: {n_resp} tokens but {len(completion.logprobs)} log-probs")
+def _rollout(sample: _Sample, prompt, conversation) -> Rollout:
+    experts = conversation.experts
     return Rollout(
         sample_id=sample.sample_id,
         prompt_id=prompt.id,
-        token_ids=np.concatenate([prompt.token_ids, completion.token_ids]).astype(np.int32),
-        turn=np.concatenate([np.full(n_prompt, -1, np.int16), np.zeros(n_resp, np.int16)]),
-        is_model_token=np.concatenate([np.zeros(n_prompt, bool), np.ones(n_resp, bool)]),
-        logp_infer=np.concatenate([np.full(n_prompt, np.nan, np.float32), completion.logprobs.astype(np.float32)]),
-        finish_reason=completion.finish_reason,
-        experts_infer=completion.experts,
+        token_ids=np.concatenate(conversation.ids).astype(np.int32),
+        turn=np.concatenate(conversation.turn),
+        is_model_token=np.concatenate(conversation.model),
+        logp_infer=np.concatenate(conversation.logp),
+        finish_reason=conversation.finish_reason,
+        experts_infer=np.concatenate(experts) if experts else None,
     )
 
 

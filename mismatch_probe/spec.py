@@ -118,6 +118,7 @@ class ProbeSpec:
     name: str | None = None
     max_prompts: int | None = None
     shard_size: int = 256  # samples per rollout/token shard (the unit of resume)
+    max_turns: int = 1  # assistant turns per sample; > 1 runs tool calls between turns
     trust_remote_code: bool = False
     engine: EngineSpec = field(default_factory=EngineSpec)
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
@@ -174,6 +175,7 @@ class ProbeSpec:
         _check(r.micro_batch_size >= 1, f"reference.micro_batch_size must be >= 1, got {r.micro_batch_size}")
         _check(r.max_tokens_per_micro_batch >= 1, "reference.max_tokens_per_micro_batch must be >= 1")
         _check(self.shard_size >= 1, f"shard_size must be >= 1, got {self.shard_size}")
+        _check(self.max_turns >= 1, f"max_turns must be >= 1, got {self.max_turns}")
         _check(self.max_prompts is None or self.max_prompts >= 1, "max_prompts must be >= 1")
         if e.logprobs_mode == "processed" and s.temperature == 0:
             # Greedy decoding has no processed distribution; both sides then use raw logits.

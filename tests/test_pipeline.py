@@ -62,7 +62,7 @@ def test_nan_logprobs_fail_after_the_table_is_written(tmp_path):
 
 def test_engine_that_changes_the_prompt_ids_is_an_error(tmp_path):
     FakeEngine.echo_prompt_offset = 1
-    with pytest.raises(DataError, match="different prompt token ids"):
+    with pytest.raises(DataError, match="reports different token ids for turn 0.s context"):
         run(spec(tmp_path / "r"))
 
 

@@ -1,0 +1,161 @@
+"""Multi-turn tool-use rollouts over any engine, token in, token out.
+
+Each turn, the engine continues every live conversation from its exact token ids so far. When an
+assistant turn ends with the end-of-turn token and contains tool calls, the calls run and the tool
+response is appended as tokens (``turn = -1``, not model tokens) followed by the next assistant
+header; then the next turn is sampled. Model tokens are kept exactly as the engine produced them;
+only the tool block is tokenized, once, from text rendered by the model's own chat template.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .engines.base import Engine, GenerationRequest
+from .errors import ConfigError, DataError
+from .spec import SamplingSpec
+from .tools import parse_tool_calls, run_tool
+
+_MARK = "\u2063TOOL-RESULT\u2063"
+
+
+@dataclass(frozen=True)
+class ToolTurnTemplate:
+    """The text around a tool response, between the model's end-of-turn token and the next
+    assistant turn, as the chat template renders it (ChatML: ``\\n<|im_start|>tool\\n`` and
+    ``<|im_end|>\\n<|im_start|>assistant\\n``)."""
+
+    before: str
+    after: str
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer) -> ToolTurnTemplate:
+        eos = tokenizer.eos_token
+        base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+        try:
+            upto = tokenizer.apply_chat_template(base, tokenize=False)
+            full = tokenizer.apply_chat_template(
+                base + [{"role": "tool", "content": _MARK}], tokenize=False, add_generation_prompt=True
+            )
+        except Exception as exc:  # noqa: BLE001 (any template failure means: no tool role)
+            raise ConfigError(f"the model's chat template cannot render a tool message ({exc})",
+                              hint="multi-turn tool use needs a chat template with a 'tool' role") from None
+        if not full.startswith(upto) or _MARK not in full or not eos or eos not in upto:
+            raise ConfigError("the model's chat template does not render tool turns after the assistant's "
+                              "end-of-turn token the way mismatch-probe can splice them",
+                              hint="use a ChatML-style template with a 'tool' role")
+        after_eos = upto[upto.rindex(eos) + len(eos):]
+        suffix = full[len(upto):]
+        cut = suffix.index(_MARK)
+        return cls(before=after_eos + suffix[:cut], after=suffix[cut + len(_MARK):])
+
+    def token_ids(self, tokenizer, result: str) -> np.ndarray:
+        return np.asarray(tokenizer.encode(self.before + result + self.after, add_special_tokens=False), np.int32)
+
+
+@dataclass
+class Conversation:
+    """One sample being rolled out: parallel per-token arrays, grown turn by turn."""
+
+    sample_id: int
+    ids: list[np.ndarray]
+    turn: list[np.ndarray]
+    model: list[np.ndarray]
+    logp: list[np.ndarray]
+    experts: list[np.ndarray] = field(default_factory=list)
+    finish_reason: str = "length"
+    n_tool_calls: int = 0
+
+    @classmethod
+    def start(cls, sample_id: int, prompt_ids: np.ndarray) -> Conversation:
+        n = len(prompt_ids)
+        return cls(sample_id, [prompt_ids.astype(np.int32)], [np.full(n, -1, np.int16)], [np.zeros(n, bool)],
+                   [np.full(n, np.nan, np.float32)])
+
+    @property
+    def length(self) -> int:
+        return sum(len(x) for x in self.ids)
+
+    def token_ids(self) -> np.ndarray:
+        return np.concatenate(self.ids)
+
+    def add(self, ids: np.ndarray, turn: int, logp: np.ndarray | None) -> None:
+        model = logp is not None
+        self.ids.append(ids.astype(np.int32))
+        self.turn.append(np.full(len(ids), turn if model else -1, np.int16))
+        self.model.append(np.full(len(ids), model, bool))
+        self.logp.append(logp.astype(np.float32) if model else np.full(len(ids), np.nan, np.float32))
+
+
+def roll_out(
+    engine: Engine,
+    prompts: Sequence[np.ndarray],
+    sample_ids: Sequence[int],
+    sampling: SamplingSpec,
+    *,
+    stop_token_ids: Sequence[int],
+    seed: int,
+    max_turns: int,
+    max_model_len: int,
+    tokenizer=None,
+    template: ToolTurnTemplate | None = None,
+    on_progress: Callable[[int], None] | None = None,
+) -> list[Conversation]:
+    """Sample up to ``max_turns`` assistant turns per conversation (one turn needs no tokenizer)."""
+    convs = [Conversation.start(sid, p) for sid, p in zip(sample_ids, prompts)]
+    live = list(range(len(convs)))
+    stops = set(int(t) for t in stop_token_ids)
+    for turn in range(max_turns):
+        n_live = len(live)
+        budget = {i: min(sampling.max_tokens, max_model_len - convs[i].length) for i in live}
+        for i in [i for i in live if budget[i] < 1]:
+            convs[i].finish_reason = "context_full"
+        live = [i for i in live if budget[i] >= 1]
+        next_live = []
+        if live:
+            requests = [GenerationRequest(convs[i].token_ids(), budget[i]) for i in live]
+            # turn 0 keeps the single-turn seed, so a one-turn probe draws what it always drew
+            completions = engine.generate(requests, sampling, stop_token_ids=stop_token_ids,
+                                          seed=seed + turn * 7_919, on_progress=None)
+            for i, request, c in zip(live, requests, completions):
+                if _extend(convs[i], request, c, turn, turn == max_turns - 1, stops, tokenizer, template):
+                    next_live.append(i)
+        if on_progress:
+            on_progress(n_live - len(next_live))
+        live = next_live
+        if not live:
+            break
+    return convs
+
+
+def _extend(conv: Conversation, request: GenerationRequest, c, turn: int, last_turn: bool, stops: set,
+            tokenizer, template: ToolTurnTemplate | None) -> bool:
+    """Append one sampled turn (and the tool response it asks for); True if the conversation goes on."""
+    if c.prompt_token_ids is not None and not np.array_equal(c.prompt_token_ids, request.prompt_token_ids):
+        raise DataError(f"sample {conv.sample_id}: the engine reports different token ids for turn {turn}'s "
+                        "context than it was given; the two sides would score different sequences")
+    if len(c.logprobs) != len(c.token_ids):
+        raise DataError(f"sample {conv.sample_id}: {len(c.token_ids)} tokens but {len(c.logprobs)} log-probs")
+    conv.add(c.token_ids, turn, c.logprobs)
+    if c.experts is not None:
+        conv.experts.append(c.experts)
+    conv.finish_reason = c.finish_reason
+    ended_turn = c.finish_reason == "stop" and len(c.token_ids) > 0 and int(c.token_ids[-1]) in stops
+    if not ended_turn or template is None:
+        return False
+    calls = _calls(tokenizer, c.token_ids)
+    if not calls:
+        return False
+    if last_turn:
+        conv.finish_reason = "max_turns"  # it asked for a tool, but the turn budget is spent
+        return False
+    conv.n_tool_calls += len(calls)
+    conv.add(template.token_ids(tokenizer, "\n".join(run_tool(call) for call in calls)), turn, None)
+    return True
+
+
+def _calls(tokenizer, token_ids: np.ndarray):
+    return parse_tool_calls(tokenizer.decode(token_ids.tolist(), skip_special_tokens=False))

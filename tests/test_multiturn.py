@@ -1,0 +1,124 @@
+"""Multi-turn tool use: a hand-built conversation checked token by token, through the real pipeline."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import DENSE, MULTI_TURN
+
+from mismatch_probe.engines import Completion
+from mismatch_probe.multiturn import ToolTurnTemplate
+from mismatch_probe.pipeline import run_compare
+from mismatch_probe.sampling import LogprobSemantics
+from mismatch_probe.spec import ProbeSpec
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(DENSE))
+
+
+class ScriptedAssistant:
+    """Answers turn k with the k-th scripted text (tokenized here), log-prob -0.25 per token."""
+
+    name = "scripted"
+
+    def __init__(self, tokenizer, turns: list[str]):
+        self.tokenizer, self.turns, self.requests = tokenizer, turns, []
+
+    def semantics(self, sampling):
+        return LogprobSemantics("raw")
+
+    def info(self):
+        return {"engine": "scripted", "dtype": "float32", "routing": None}
+
+    def generate(self, requests, sampling, *, stop_token_ids, seed, on_progress=None):
+        out = []
+        for r in requests:
+            self.requests.append(r.prompt_token_ids.copy())
+            starts = sum(1 for t in r.prompt_token_ids if t == self.tokenizer.convert_tokens_to_ids("<|im_start|>"))
+            k = (starts - 3) // 2  # system, user, assistant; then a tool and an assistant header per turn
+            ids = np.array(self.tokenizer.encode(self.turns[min(k, len(self.turns) - 1)], add_special_tokens=False), np.int32)
+            out.append(Completion(ids, np.full(len(ids), -0.25, np.float32), "stop", prompt_token_ids=r.prompt_token_ids))
+        return out
+
+    def close(self):
+        pass
+
+
+def test_the_chat_template_gives_the_tool_block(tokenizer):
+    t = ToolTurnTemplate.from_tokenizer(tokenizer)
+    assert (t.before, t.after) == ("\n<|im_start|>tool\n", "<|im_end|>\n<|im_start|>assistant\n")
+
+
+def probe(tmp_path, max_turns):
+    s = ProbeSpec(model=str(DENSE), prompts=str(MULTI_TURN), out=str(tmp_path / f"run{max_turns}"), max_prompts=1,
+                  max_turns=max_turns)
+    s.reference.dtype = "float32"
+    return s
+
+
+def test_every_token_has_its_turn_and_mask(tmp_path, tokenizer):
+    import pyarrow.parquet as pq
+
+    turns = ["Let me calculate that. <tool_call>calculator(18 * 10 - 85)</tool_call><|im_end|>",
+             "<tool_call>calculator(95 / 0)</tool_call><|im_end|>",
+             "The answer is 95.<|im_end|>"]
+    engine = ScriptedAssistant(tokenizer, turns)
+    result = run_compare(probe(tmp_path, 4), engine=engine)
+
+    enc = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    prompt = list(engine.requests[0])
+    segments = [  # (ids, turn, is_model_token), as the conversation must be laid out
+        (prompt, -1, False),
+        (enc(turns[0]), 0, True), (enc("\n<|im_start|>tool\n95<|im_end|>\n<|im_start|>assistant\n"), -1, False),
+        (enc(turns[1]), 1, True),
+        (enc("\n<|im_start|>tool\nerror: division by zero<|im_end|>\n<|im_start|>assistant\n"), -1, False),
+        (enc(turns[2]), 2, True),
+    ]
+    want_ids = np.concatenate([np.array(ids) for ids, _, _ in segments])
+    want_turn = np.concatenate([np.full(len(ids), t) for ids, t, _ in segments])
+    want_model = np.concatenate([np.full(len(ids), m) for ids, _, m in segments])
+
+    table = pq.read_table(result.run_dir / "tokens.parquet")
+    assert np.array_equal(table.column("token_id").to_numpy(), want_ids)
+    assert np.array_equal(table.column("turn").to_numpy(), want_turn)
+    assert np.array_equal(table.column("is_model_token").to_numpy(), want_model)
+    logp = table.column("logp_infer").to_numpy(zero_copy_only=False)
+    assert np.all(logp[want_model] == -0.25) and np.all(np.isnan(logp[~want_model]))
+    # token in, token out: each turn's request is exactly everything before it
+    ends = np.cumsum([len(ids) for ids, _, _ in segments])
+    assert [len(r) for r in engine.requests] == [ends[0], ends[2], ends[4]]
+    assert all(np.array_equal(r, want_ids[: len(r)]) for r in engine.requests)
+
+    rec = result.record
+    n_first, n_later = len(enc(turns[0])), len(enc(turns[1])) + len(enc(turns[2]))
+    assert rec["metrics"]["n_model_tokens"] == n_first + n_later
+    assert rec["metrics_by_turn"]["first"]["n_model_tokens"] == n_first
+    assert rec["metrics_by_turn"]["later"]["n_model_tokens"] == n_later
+    assert rec["metrics_by_turn"]["later"]["n_sequences"] == 2  # sample-turns
+    assert rec["samples"]["finish_reasons"] == {"stop": 1}
+
+
+def test_a_tool_call_in_the_last_allowed_turn_ends_with_max_turns(tmp_path, tokenizer):
+    engine = ScriptedAssistant(tokenizer, ["<tool_call>calculator(1+1)</tool_call><|im_end|>"])
+    rec = run_compare(probe(tmp_path, 2), engine=engine).record
+    assert len(engine.requests) == 2
+    assert rec["samples"]["finish_reasons"] == {"max_turns": 1}
+    assert rec["metrics_by_turn"]["later"]["n_model_tokens"] > 0
+
+
+@pytest.mark.slow
+def test_fixture_tool_use_with_the_hf_engine(tmp_path):
+    s = ProbeSpec(model=str(DENSE), prompts=str(MULTI_TURN), out=str(tmp_path / "r"), max_prompts=8, max_turns=4)
+    s.engine.dtype = "bfloat16"
+    s.reference.dtype = "float32"
+    s.sampling.max_tokens = 64
+    rec = run_compare(s).record
+    first, later = rec["metrics_by_turn"]["first"], rec["metrics_by_turn"]["later"]
+    assert first["n_model_tokens"] > 0 and later["n_model_tokens"] > 0  # the fixture model calls its tool
+    assert first["n_model_tokens"] + later["n_model_tokens"] == rec["metrics"]["n_model_tokens"]
+    assert np.isfinite(later["k3_kl"]) and later["k3_kl"] > 0
+    assert rec["decode_vs_prefill"]["n_model_tokens"] == rec["metrics"]["n_model_tokens"]
