@@ -28,7 +28,7 @@ TURN_GROUPS = {"first": lambda turn: turn == 0, "later": lambda turn: turn >= 1}
 def analyze(
     run_dir: str | Path, thresholds: CorrectionThresholds | None = None, routing: dict | None = None
 ) -> dict:
-    """``metrics``, ``metrics_by_turn``, ``corrections``, ``breakdowns``, ``routing`` for MoE runs whose
+    """``metrics``, ``metrics_by_turn`` (first / later), ``metrics_by_turn_index``, ``corrections``, ``breakdowns``, ``routing`` for MoE runs whose
     table has expert ids (``routing`` describes the layers, as the engine recorded them), and
     ``decode_vs_prefill``: the same metrics with the engine's prefill log-probs in the reference's
     place (``delta = logp_prefill - logp_infer``), where the table has them."""
@@ -39,6 +39,7 @@ def analyze(
     # decode vs prefill: the engine's sampled log-prob against its own full-sequence prefill
     prefill = MetricsAccumulator(thresholds)
     n_unscored = 0
+    by_index: dict[int, MetricsAccumulator] = {}
     for shard in iter_model_tokens(Path(run_dir)):
         sample, turn = shard["sample_id"], shard["turn"]
         lt, li, pos = shard["logp_train"], shard["logp_infer"], shard["position"]
@@ -50,6 +51,10 @@ def analyze(
             n_unscored += int((~scored).sum())
             if scored.any():
                 prefill.add(lp[scored], li[scored], segment_starts(sample[scored]), pos[scored])
+        for t in np.unique(turn):  # per assistant-turn index (0 = first); sequences are sample-turns
+            keep = turn == t
+            acc = by_index.setdefault(int(t), MetricsAccumulator(thresholds))
+            acc.add(lt[keep], li[keep], segment_starts(sample[keep]), pos[keep])
         groups = {"all": np.ones(len(lt), dtype=bool)}
         for name, select in TURN_GROUPS.items():
             keep = select(turn)
@@ -65,6 +70,7 @@ def analyze(
     out = {
         "metrics": overall.metrics(),
         "metrics_by_turn": {name: acc.metrics() for name, acc in by_turn.items()},
+        "metrics_by_turn_index": {str(t): by_index[t].metrics() for t in sorted(by_index)},
         "corrections": overall.corrections(),
         "corrections_by_turn": {name: acc.corrections() for name, acc in by_turn.items()},
         "breakdowns": overall.breakdowns(),

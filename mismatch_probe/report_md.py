@@ -116,6 +116,17 @@ def render_markdown(record: dict) -> str:
          fmt(r.get("abs_delta_max")), fmt(r.get("k3_mean"))]
         for r in bd.get("p_infer_buckets") or []
     ])
+    by_index = record.get("metrics_by_turn_index") or {}
+    if len(by_index) > 1:
+        out += ["", "## By assistant turn", "",
+                "Turn 0 answers the prompt; each later turn follows a tool response.", ""]
+        out += _table(["turn", "model tokens", "sample-turns", "k3_kl", "mean prob diff", "max prob diff",
+                       "p99 abs delta", "log-ppl engine", "log-ppl reference"], [
+            [t, m.get("n_model_tokens"), m.get("n_sequences"), fmt(m.get("k3_kl")), fmt(m.get("prob_diff_mean")),
+             fmt(m.get("prob_diff_max")), fmt(m.get("abs_delta_p99")), fmt(m.get("log_ppl_infer")),
+             fmt(m.get("log_ppl_train"))]
+            for t, m in by_index.items()
+        ])
     out += ["", "## By response length", ""]
     out += _table(["model tokens", "sequences", "seq max mismatch (mean)", "share > 0.5", "seq mean mismatch"], [
         [f"[{r['length_lo']}, {r['length_hi'] or 'inf'})", r["count"], fmt(r["seq_max_mismatch_mean"]),

@@ -99,6 +99,11 @@ def test_every_token_has_its_turn_and_mask(tmp_path, tokenizer):
     assert rec["metrics_by_turn"]["first"]["n_model_tokens"] == n_first
     assert rec["metrics_by_turn"]["later"]["n_model_tokens"] == n_later
     assert rec["metrics_by_turn"]["later"]["n_sequences"] == 2  # sample-turns
+    by_index = rec["metrics_by_turn_index"]
+    assert list(by_index) == ["0", "1", "2"]
+    assert [by_index[k]["n_model_tokens"] for k in by_index] == [len(enc(t)) for t in turns]
+    assert all(by_index[k]["n_sequences"] == 1 for k in by_index)
+    assert "## By assistant turn" in (result.run_dir / "report.md").read_text()
     assert rec["samples"]["finish_reasons"] == {"stop": 1}
 
 

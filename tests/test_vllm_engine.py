@@ -162,3 +162,16 @@ def test_moe_at_tensor_parallel_2(tmp_path):
     assert rec["decode_vs_prefill"]["n_model_tokens"] == m["n_model_tokens"]
     assert rec["engine_process"]["exit_code"] == 0
     assert set(rec["timings"]) >= {"engine_start_s", "generation_s", "prefill_s", "scoring_s", "metrics_s", "report_s"}
+
+
+def test_multi_turn_tool_use_continues_from_token_ids(engine, tmp_path):
+    """vLLM continues each conversation from its exact ids across tool turns; later turns are scored."""
+    from conftest import MULTI_TURN
+
+    s = probe(tmp_path / "mt", top_p=1.0)
+    s.prompts, s.max_turns, s.max_prompts = str(MULTI_TURN), 4, 16
+    rec = run_compare(s, engine=engine).record
+    first, later = rec["metrics_by_turn"]["first"], rec["metrics_by_turn"]["later"]
+    assert first["n_model_tokens"] > 0 and later["n_model_tokens"] > 0
+    assert first["n_model_tokens"] + later["n_model_tokens"] == rec["metrics"]["n_model_tokens"]
+    assert 0 < later["k3_kl"] < 5e-4 and 0 < first["k3_kl"] < 5e-4
