@@ -69,8 +69,8 @@ def test_matched_logprob_semantics_sit_at_the_dtype_floor(engine, tmp_path):
     k3_matched, k3_raw = matched["metrics"]["k3_kl"], raw["metrics"]["k3_kl"]
     assert 0 < k3_matched < 5e-4, (k3_matched, k3_raw)
     assert k3_raw > 20 * k3_matched, (k3_matched, k3_raw)
-    # same seeds, same engine: both runs scored the very same samples
-    assert matched["metrics"]["n_model_tokens"] == raw["metrics"]["n_model_tokens"]
+    if matched["engine"]["per_request_seeds"]:  # same seeds, same engine: the very same samples
+        assert matched["metrics"]["n_model_tokens"] == raw["metrics"]["n_model_tokens"]
     # processed (T != 1) log-probs cannot be compared with raw prefill log-probs: said, not faked
     assert "not comparable" in matched["decode_vs_prefill"]["skipped"]
 
@@ -93,8 +93,10 @@ def test_sampled_tokens_carry_their_own_logprobs(engine):
     a = engine.generate(requests, SAMPLING, stop_token_ids=[2], seed=1)
     b = engine.generate(requests, SAMPLING, stop_token_ids=[2], seed=1)
     c = engine.generate(requests, SAMPLING, stop_token_ids=[2], seed=2)
+    seeded = engine.info()["per_request_seeds"]
     for x, y, p in zip(a, b, prompts):
-        assert np.array_equal(x.token_ids, y.token_ids) and np.array_equal(x.logprobs, y.logprobs)
+        if seeded:
+            assert np.array_equal(x.token_ids, y.token_ids) and np.array_equal(x.logprobs, y.logprobs)
         assert np.array_equal(x.prompt_token_ids, p)
         assert len(x.logprobs) == len(x.token_ids) and np.all(x.logprobs <= 0)
         assert x.finish_reason in ("stop", "length")
@@ -102,7 +104,10 @@ def test_sampled_tokens_carry_their_own_logprobs(engine):
             assert x.token_ids[-1] == 2  # the stop token is part of the response
         else:
             assert len(x.token_ids) == 24
-    assert any(not np.array_equal(x.token_ids, z.token_ids) for x, z in zip(a, c))
+    if seeded:
+        assert any(not np.array_equal(x.token_ids, z.token_ids) for x, z in zip(a, c))
+    else:  # vLLM's CPU build: a known engine limitation, stated in run.json
+        assert "CPU Generator does not use offset" in engine.info()["per_request_seeds_off_because"]
 
 
 def test_prefill_scores_the_given_tokens_not_the_sampled_ones(engine):
@@ -165,11 +170,13 @@ def test_moe_at_tensor_parallel_2(tmp_path):
 
 
 def test_multi_turn_tool_use_continues_from_token_ids(engine, tmp_path):
-    """vLLM continues each conversation from its exact ids across tool turns; later turns are scored."""
+    """vLLM continues each conversation from its exact ids across tool turns; later turns are scored.
+    32 conversations of 100+ tokens exceed one step's token budget, so chunked prefill splits prompts
+    (the case that kills per-request seeded sampling on vLLM's CPU build)."""
     from conftest import MULTI_TURN
 
     s = probe(tmp_path / "mt", top_p=1.0)
-    s.prompts, s.max_turns, s.max_prompts = str(MULTI_TURN), 4, 16
+    s.prompts, s.max_turns, s.max_prompts = str(MULTI_TURN), 4, 32
     rec = run_compare(s, engine=engine).record
     first, later = rec["metrics_by_turn"]["first"], rec["metrics_by_turn"]["later"]
     assert first["n_model_tokens"] > 0 and later["n_model_tokens"] > 0

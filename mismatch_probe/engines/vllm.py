@@ -89,6 +89,10 @@ class VLLMEngine:
         self.platform = str(getattr(current_platform, "device_type", "unknown"))
         self.version = vllm.__version__
         on_cpu = current_platform.is_cpu()
+        # vLLM 0.32's CPU runner rewinds a seeded request's generator when it discards a sampled
+        # token (a prompt split by chunked prefill), which CPU generators cannot do: the engine dies
+        # with "CPU Generator does not use offset". On CPU, sampling uses the engine's global seed.
+        self.per_request_seeds = not on_cpu
         if spec.batch_invariant and on_cpu:
             raise ConfigError(
                 "vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1) is only initialized by its GPU workers; "
@@ -192,6 +196,10 @@ class VLLMEngine:
             "requested": {k: v for k, v in self.requested.items() if k != "model"},
             **self.effective,
             "batch_invariant": os.environ.get("VLLM_BATCH_INVARIANT") == "1",
+            "per_request_seeds": self.per_request_seeds,
+            **({} if self.per_request_seeds else {"per_request_seeds_off_because": (
+                "vLLM's CPU runner cannot rewind a seeded generator after a chunked-prefill discard "
+                "('CPU Generator does not use offset'); sampling uses the engine seed")}),
             "env": {k: os.environ[k] for k in ENV_RECORDED if k in os.environ},
             "routing": None,
             "routing_unavailable": "expert ids from vLLM (enable_return_routed_experts) need its V2 model runner; "
@@ -218,7 +226,8 @@ class VLLMEngine:
                 top_k=sampling.top_k if sampling.top_k > 0 else -1,
                 max_tokens=r.max_tokens,
                 logprobs=0,  # the sampled token's own log-prob (vLLM may add the top-1 entry)
-                seed=batch_seed(seed, i) % (2**31),  # per request: the same draw whatever the batching
+                # per request: the same draw whatever the batching (not on CPU, see __init__)
+                seed=batch_seed(seed, i) % (2**31) if self.per_request_seeds else None,
                 stop_token_ids=list(stop_token_ids),
                 detokenize=False,
                 skip_special_tokens=False,
