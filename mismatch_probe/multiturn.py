@@ -24,21 +24,21 @@ _MARK = "\u2063TOOL-RESULT\u2063"
 
 @dataclass(frozen=True)
 class ToolTurnTemplate:
-    """The text around a tool response, between the model's end-of-turn token and the next
-    assistant turn, as the chat template renders it (ChatML: ``\\n<|im_start|>tool\\n`` and
-    ``<|im_end|>\\n<|im_start|>assistant\\n``)."""
+    """The text the chat template puts between the model's end-of-turn token and the next
+    assistant turn: for ChatML and one tool message, ``\n<|im_start|>tool\n`` + result +
+    ``<|im_end|>\n<|im_start|>assistant\n``."""
 
-    before: str
-    after: str
+    before: str  # for one tool message: everything up to its content
+    after: str  # and everything after it, through the next assistant header
+    after_eos: str  # what the template writes right after the assistant's end-of-turn token
 
     @classmethod
     def from_tokenizer(cls, tokenizer) -> ToolTurnTemplate:
         eos = tokenizer.eos_token
-        base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
         try:
-            upto = tokenizer.apply_chat_template(base, tokenize=False)
+            upto = tokenizer.apply_chat_template(_BASE, tokenize=False)
             full = tokenizer.apply_chat_template(
-                base + [{"role": "tool", "content": _MARK}], tokenize=False, add_generation_prompt=True
+                _BASE + [{"role": "tool", "content": _MARK}], tokenize=False, add_generation_prompt=True
             )
         except Exception as exc:  # noqa: BLE001 (any template failure means: no tool role)
             raise ConfigError(f"the model's chat template cannot render a tool message ({exc})",
@@ -50,10 +50,24 @@ class ToolTurnTemplate:
         after_eos = upto[upto.rindex(eos) + len(eos):]
         suffix = full[len(upto):]
         cut = suffix.index(_MARK)
-        return cls(before=after_eos + suffix[:cut], after=suffix[cut + len(_MARK):])
+        return cls(before=after_eos + suffix[:cut], after=suffix[cut + len(_MARK):], after_eos=after_eos)
 
     def token_ids(self, tokenizer, result: str) -> np.ndarray:
+        """One tool message carrying ``result``."""
         return np.asarray(tokenizer.encode(self.before + result + self.after, add_special_tokens=False), np.int32)
+
+    def block_ids(self, tokenizer, messages: list[dict]) -> np.ndarray:
+        """Any recorded messages between two assistant turns (tool outputs, a user follow-up), rendered
+        by the chat template as it would render them after an assistant turn."""
+        upto = tokenizer.apply_chat_template(_BASE, tokenize=False)
+        full = tokenizer.apply_chat_template(_BASE + messages, tokenize=False, add_generation_prompt=True)
+        if not full.startswith(upto):
+            raise ConfigError("the chat template renders earlier turns differently once later messages follow; "
+                              "recorded turns cannot be spliced token by token")
+        return np.asarray(tokenizer.encode(self.after_eos + full[len(upto):], add_special_tokens=False), np.int32)
+
+
+_BASE = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
 
 
 @dataclass
@@ -102,13 +116,21 @@ def roll_out(
     max_model_len: int,
     tokenizer=None,
     template: ToolTurnTemplate | None = None,
+    recorded: Sequence[list[list[dict]] | None] | None = None,
     on_progress: Callable[[int], None] | None = None,
 ) -> list[Conversation]:
-    """Sample up to ``max_turns`` assistant turns per conversation (one turn needs no tokenizer)."""
+    """Sample the assistant turns of every conversation (one turn needs no tokenizer).
+
+    A live conversation runs its tool calls for up to ``max_turns`` turns. A recorded one
+    (``recorded[i]``: the message blocks between its assistant turns) gets its recorded blocks
+    instead, whatever the generated turn said, for as many turns as it recorded.
+    """
     convs = [Conversation.start(sid, p) for sid, p in zip(sample_ids, prompts)]
+    recorded = list(recorded) if recorded is not None else [None] * len(convs)
+    limits = [len(r) + 1 if r else max_turns for r in recorded]
     live = list(range(len(convs)))
     stops = set(int(t) for t in stop_token_ids)
-    for turn in range(max_turns):
+    for turn in range(max(limits, default=0)):
         n_live = len(live)
         budget = {i: min(sampling.max_tokens, max_model_len - convs[i].length) for i in live}
         for i in [i for i in live if budget[i] < 1]:
@@ -121,7 +143,7 @@ def roll_out(
             completions = engine.generate(requests, sampling, stop_token_ids=stop_token_ids,
                                           seed=seed + turn * 7_919, on_progress=None)
             for i, request, c in zip(live, requests, completions):
-                if _extend(convs[i], request, c, turn, turn == max_turns - 1, stops, tokenizer, template):
+                if _extend(convs[i], request, c, turn, turn == limits[i] - 1, stops, tokenizer, template, recorded[i]):
                     next_live.append(i)
         if on_progress:
             on_progress(n_live - len(next_live))
@@ -132,7 +154,7 @@ def roll_out(
 
 
 def _extend(conv: Conversation, request: GenerationRequest, c, turn: int, last_turn: bool, stops: set,
-            tokenizer, template: ToolTurnTemplate | None) -> bool:
+            tokenizer, template: ToolTurnTemplate | None, recorded: list[list[dict]] | None) -> bool:
     """Append one sampled turn (and the tool response it asks for); True if the conversation goes on."""
     if c.prompt_token_ids is not None and not np.array_equal(c.prompt_token_ids, request.prompt_token_ids):
         raise DataError(f"sample {conv.sample_id}: the engine reports different token ids for turn {turn}'s "
@@ -146,6 +168,11 @@ def _extend(conv: Conversation, request: GenerationRequest, c, turn: int, last_t
     ended_turn = c.finish_reason == "stop" and len(c.token_ids) > 0 and int(c.token_ids[-1]) in stops
     if not ended_turn or template is None:
         return False
+    if recorded is not None:  # replay: the recorded messages follow, whatever this turn said
+        if last_turn:
+            return False
+        conv.add(template.block_ids(tokenizer, recorded[turn]), turn, None)
+        return True
     calls = _calls(tokenizer, c.token_ids)
     if not calls:
         return False

@@ -308,7 +308,8 @@ def _rollouts(spec, engine, record, prompts, shards, missing, stops, rollout_dir
     progress.stage("generate", sum(len(shards[i]) for i in missing))
     if prefill_skip is None:
         progress.stage("prefill", sum(len(shards[i]) for i in missing))
-    template = ToolTurnTemplate.from_tokenizer(tokenizer) if spec.max_turns > 1 else None
+    replay = any(prompts[x.prompt_index].recorded for shard in shards for x in shard)
+    template = ToolTurnTemplate.from_tokenizer(tokenizer) if spec.max_turns > 1 or replay else None
     for i in missing:
         shard = shards[i]
         with _timed(timings, "generation_s"):
@@ -323,6 +324,7 @@ def _rollouts(spec, engine, record, prompts, shards, missing, stops, rollout_dir
                 max_model_len=model_len,
                 tokenizer=tokenizer,
                 template=template,
+                recorded=[prompts[x.prompt_index].recorded for x in shard],
                 on_progress=lambda k: progress.advance("generate", k),
             )
         rollouts = [_rollout(x, prompts[x.prompt_index], c) for x, c in zip(shard, conversations)]

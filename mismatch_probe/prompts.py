@@ -27,6 +27,29 @@ class Prompt:
     id: str
     token_ids: np.ndarray  # int32
     line: int
+    # a recorded conversation: the messages between its assistant turns (tool outputs, user
+    # follow-ups), replayed while the engine generates every assistant turn anew
+    recorded: list[list[dict]] | None = None
+
+
+def split_recorded(messages: list[dict]) -> tuple[list[dict], list[list[dict]]]:
+    """``(prompt messages, blocks)``: the messages before the first assistant message, and the
+    non-assistant messages following each assistant message (a trailing empty block dropped)."""
+    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
+    if first is None:
+        return messages, []
+    blocks: list[list[dict]] = []
+    for m in messages[first:]:
+        if m["role"] == "assistant":
+            blocks.append([])
+        else:
+            blocks[-1].append(m)
+    if not blocks[-1]:
+        blocks.pop()
+    if any(not b for b in blocks):
+        raise ConfigError("two assistant messages in a row: a recorded conversation needs the tool or user "
+                          "messages between its assistant turns")
+    return messages[:first], blocks
 
 
 def _parse_line(obj: object, where: str) -> tuple[str, object]:
@@ -97,10 +120,17 @@ def tokenize_prompts(
     out = []
     for lineno, pid, kind, value in read_prompt_records(p, max_prompts):
         where = f"{p}:{lineno}"
+        recorded: list[list[dict]] = []
         if kind == "messages":
             if not getattr(tokenizer, "chat_template", None):
                 raise ConfigError(f"{where}: chat messages given but the tokenizer has no chat template",
                                   hint="use 'prompt' (raw text) lines for a base model")
+            try:
+                value, recorded = split_recorded(value)
+            except ConfigError as exc:
+                raise ConfigError(f"{where}: {exc}") from None
+            if not value:
+                raise ConfigError(f"{where}: a recorded conversation must start with the prompt messages")
             try:
                 text = tokenizer.apply_chat_template(value, tokenize=False, add_generation_prompt=True)
             except Exception as exc:  # a template error is the user's data meeting the model's template
@@ -119,5 +149,6 @@ def tokenize_prompts(
                 f"but the model's context is {max_model_len}",
                 hint="shorten the prompt or lower --max-tokens",
             )
-        out.append(Prompt(id=pid or f"{p.stem}-{lineno}", token_ids=np.asarray(ids, dtype=np.int32), line=lineno))
+        out.append(Prompt(id=pid or f"{p.stem}-{lineno}", token_ids=np.asarray(ids, dtype=np.int32), line=lineno,
+                          recorded=recorded if kind == "messages" and recorded else None))
     return out

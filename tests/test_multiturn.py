@@ -127,3 +127,52 @@ def test_fixture_tool_use_with_the_hf_engine(tmp_path):
     assert first["n_model_tokens"] + later["n_model_tokens"] == rec["metrics"]["n_model_tokens"]
     assert np.isfinite(later["k3_kl"]) and later["k3_kl"] > 0
     assert rec["decode_vs_prefill"]["n_model_tokens"] == rec["metrics"]["n_model_tokens"]
+
+
+def test_a_recorded_conversation_is_replayed_with_fresh_assistant_turns(tmp_path, tokenizer):
+    """Given tool outputs (and a user follow-up) are spliced in as recorded; every assistant turn is
+    generated anew, whatever the recorded assistant said and whether or not it called a tool."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    record = {"id": "trace-1", "messages": [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "What is 18 * 30?"},
+        {"role": "assistant", "content": "<tool_call>calculator(18 * 30)</tool_call>"},
+        {"role": "tool", "content": "540"},
+        {"role": "assistant", "content": "It is 540."},
+        {"role": "user", "content": "And 2 + 2?"},
+        {"role": "assistant", "content": "4."},
+    ]}
+    prompts = tmp_path / "trace.jsonl"
+    prompts.write_text(json.dumps(record) + "\n")
+    turns = ["I think it is 540.<|im_end|>", "The answer is 540.<|im_end|>", "It is 4.<|im_end|>"]
+    engine = ScriptedAssistant(tokenizer, turns)
+    s = ProbeSpec(model=str(DENSE), prompts=str(prompts), out=str(tmp_path / "r"))
+    s.reference.dtype = "float32"
+    result = run_compare(s, engine=engine)
+
+    enc = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    prompt = enc(tokenizer.apply_chat_template(record["messages"][:2], tokenize=False, add_generation_prompt=True))
+    segments = [(prompt, -1), (enc(turns[0]), 0), (enc("\n<|im_start|>tool\n540<|im_end|>\n<|im_start|>assistant\n"), -1),
+                (enc(turns[1]), 1), (enc("\n<|im_start|>user\nAnd 2 + 2?<|im_end|>\n<|im_start|>assistant\n"), -1),
+                (enc(turns[2]), 2)]
+    table = pq.read_table(result.run_dir / "tokens.parquet")
+    assert table.column("token_id").to_pylist() == [t for ids, _ in segments for t in ids]
+    assert table.column("turn").to_pylist() == [k for ids, k in segments for _ in ids]
+    assert len(engine.requests) == 3
+    assert list(result.record["metrics_by_turn_index"]) == ["0", "1", "2"]
+
+
+def test_recorded_messages_are_split_at_assistant_turns():
+    from mismatch_probe.errors import ConfigError
+    from mismatch_probe.prompts import split_recorded
+
+    u, a, t = {"role": "user", "content": "q"}, {"role": "assistant", "content": "x"}, {"role": "tool", "content": "1"}
+    assert split_recorded([u]) == ([u], [])
+    assert split_recorded([u, a]) == ([u], [])
+    assert split_recorded([u, a, t]) == ([u], [[t]])
+    assert split_recorded([u, a, t, t, a, u, a]) == ([u], [[t, t], [u]])
+    with pytest.raises(ConfigError, match="two assistant messages in a row"):
+        split_recorded([u, a, a, t])
