@@ -245,6 +245,16 @@ class _Moments:
         return self.cxy / math.sqrt(self.m2x * self.m2y)
 
 
+def pearson(x: np.ndarray, y: np.ndarray) -> float | None:
+    """Pearson correlation in float64; None for fewer than two points, a constant side, or non-finite values."""
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    if len(x) < 2 or not (np.isfinite(x).all() and np.isfinite(y).all()):
+        return None
+    dx, dy = x - x.mean(), y - y.mean()
+    denom = np.sqrt((dx * dx).sum() * (dy * dy).sum())
+    return float((dx * dy).sum() / denom) if denom > 0 else None
+
+
 def _share(count: int, total: int) -> float | None:
     return count / total if total else None
 
@@ -330,6 +340,11 @@ class MetricsAccumulator:
             sums["prob_diff"] += np.bincount(bucket, weights=t.prob_diff, minlength=size)
             sums["k3"] += np.bincount(bucket, weights=t.k3, minlength=size)
 
+    def sequence_log_ppl(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per sequence (sample-turn in the per-turn groups): log-ppl under the engine and the reference."""
+        seq = self._sequences()
+        return seq.log_ppl_infer, seq.log_ppl_train
+
     def _sequences(self) -> SequenceTerms:
         return SequenceTerms(**{k: (np.concatenate(v) if v else np.zeros(0)) for k, v in self._seq.items()})
 
@@ -374,6 +389,7 @@ class MetricsAccumulator:
             log_ppl_train=float(seq.log_ppl_train.mean()),
             log_ppl_diff_mean=float(log_ppl_diff.mean()),
             log_ppl_abs_diff_mean=float(np.abs(log_ppl_diff).mean()),
+            pearson_log_ppl=pearson(seq.log_ppl_infer, seq.log_ppl_train),
             seq_max_mismatch_mean=float(seq.max_mismatch.mean()),
             seq_max_mismatch_gt_0_5_share=gt / n_seq,
             seq_max_mismatch_gt_0_5_count=gt,
@@ -485,7 +501,7 @@ class MetricsAccumulator:
 _EXTRA_KEYS = (
     "k2_kl", "abs_delta_p50", "abs_delta_p90", "abs_delta_max", "log_ppl_diff_mean",
     "log_ppl_abs_diff_mean", "seq_mean_mismatch_mean", "seq_log_ratio_mean", "seq_geo_ratio_mean",
-    "seq_min_token_ratio_min",
+    "seq_min_token_ratio_min", "pearson_log_ppl",
 )
 
 

@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from . import __version__
-from .analysis import analyze, json_safe
+from .analysis import TurnPoints, analyze, json_safe
+from .figures import write_turn_figures
 from .engines.base import Engine
 from .errors import ConfigError, DataError
 from .report_md import render_markdown
@@ -261,7 +262,8 @@ def run_compare(
     # ---- 3. metrics -----------------------------------------------------------------------
     with _timed(timings, "metrics_s"):
         try:
-            sections = analyze(out, spec.corrections, (record.get("engine") or {}).get("routing"))
+            points = TurnPoints()
+            sections = analyze(out, spec.corrections, (record.get("engine") or {}).get("routing"), points)
         except DataError as exc:
             record["status"] = "failed"
             record["error"] = str(exc)
@@ -271,6 +273,8 @@ def run_compare(
         sections["decode_vs_prefill"] = (record.get("decode_vs_prefill") or None)
     record.update(sections)
     record["samples"] = _sample_summary(out)
+    with _timed(timings, "figures_s"):
+        record["figures"] = write_turn_figures(out, record, points)
     record["status"] = "complete"
     record["completed_at"] = _now()
     timings["total_s"] = round(time.perf_counter() - t_start, 3)

@@ -116,6 +116,11 @@ def render_markdown(record: dict) -> str:
          fmt(r.get("abs_delta_max")), fmt(r.get("k3_mean"))]
         for r in bd.get("p_infer_buckets") or []
     ])
+    figures = record.get("figures") or {}
+    if figures:
+        out += ["", "## First vs later turns", "",
+                "Each point is a sample-turn (left) or a token (right); the dashed line is agreement.", "",
+                f"![log-ppl per sample-turn]({figures['log_ppl']}) ![token probabilities]({figures['probs']})"]
     by_index = record.get("metrics_by_turn_index") or {}
     if len(by_index) > 1:
         out += ["", "## By assistant turn", "",

@@ -274,3 +274,19 @@ def test_thresholds_validate():
         CorrectionThresholds(token_tis=0.5)
     with pytest.raises(ValueError, match="token_mask_low"):
         CorrectionThresholds(token_mask_low=1.5)
+
+
+def test_pearson_of_sequence_log_ppl_matches_numpy():
+    from mismatch_probe.metrics import compute_metrics, pearson
+
+    rng = np.random.default_rng(5)
+    lt = np.log(rng.uniform(0.05, 1, 40))
+    li = lt + rng.normal(0, 0.1, 40)
+    starts = np.array([0, 7, 15, 22, 30, 36])
+    m, _ = compute_metrics(lt, li, starts)
+    ends = np.r_[starts[1:], 40]
+    ppl_i = np.array([-li[a:b].mean() for a, b in zip(starts, ends)])
+    ppl_t = np.array([-lt[a:b].mean() for a, b in zip(starts, ends)])
+    np.testing.assert_allclose(m["pearson_log_ppl"], np.corrcoef(ppl_i, ppl_t)[0, 1], rtol=1e-12)
+    assert pearson(np.array([1.0]), np.array([2.0])) is None  # one point
+    assert pearson(np.array([1.0, 1.0]), np.array([2.0, 3.0])) is None  # a constant side
