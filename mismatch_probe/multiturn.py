@@ -82,6 +82,9 @@ class Conversation:
     experts: list[np.ndarray] = field(default_factory=list)
     finish_reason: str = "length"
     n_tool_calls: int = 0
+    # the same conversation as chat messages (assistant turns decoded), for the re-tokenization check
+    messages: list[dict] = field(default_factory=list)
+    ended_cleanly: bool = False  # its last assistant turn ended with the end-of-turn token
 
     @classmethod
     def start(cls, sample_id: int, prompt_ids: np.ndarray) -> Conversation:
@@ -166,12 +169,17 @@ def _extend(conv: Conversation, request: GenerationRequest, c, turn: int, last_t
         conv.experts.append(c.experts)
     conv.finish_reason = c.finish_reason
     ended_turn = c.finish_reason == "stop" and len(c.token_ids) > 0 and int(c.token_ids[-1]) in stops
+    conv.ended_cleanly = ended_turn
+    if tokenizer is not None:
+        body = c.token_ids[:-1] if ended_turn else c.token_ids
+        conv.messages.append({"role": "assistant", "content": tokenizer.decode(body.tolist(), skip_special_tokens=False)})
     if not ended_turn or template is None:
         return False
     if recorded is not None:  # replay: the recorded messages follow, whatever this turn said
         if last_turn:
             return False
         conv.add(template.block_ids(tokenizer, recorded[turn]), turn, None)
+        conv.messages.extend(recorded[turn])
         return True
     calls = _calls(tokenizer, c.token_ids)
     if not calls:
@@ -180,8 +188,53 @@ def _extend(conv: Conversation, request: GenerationRequest, c, turn: int, last_t
         conv.finish_reason = "max_turns"  # it asked for a tool, but the turn budget is spent
         return False
     conv.n_tool_calls += len(calls)
-    conv.add(template.token_ids(tokenizer, "\n".join(run_tool(call) for call in calls)), turn, None)
+    result = "\n".join(run_tool(call) for call in calls)
+    conv.add(template.token_ids(tokenizer, result), turn, None)
+    conv.messages.append({"role": "tool", "content": result})
     return True
+
+
+@dataclass
+class RetokenizationCheck:
+    """Transcript ids against a fresh tokenization of the same chat through the chat template.
+
+    A difference means a trainer that re-tokenizes the conversation text would score other token
+    ids than the engine sampled: a silent source of mismatch in multi-turn RL.
+    """
+
+    n_checked: int = 0
+    n_differing: int = 0
+    n_unchecked: int = 0  # no chat messages, or the last turn was cut off (its text has no end)
+    examples: list[dict] = field(default_factory=list)
+
+    def add(self, conv: Conversation, prompt_messages: list[dict] | None, tokenizer) -> None:
+        if not prompt_messages or not conv.ended_cleanly or tokenizer is None:
+            self.n_unchecked += 1
+            return
+        text = tokenizer.apply_chat_template(prompt_messages + conv.messages, tokenize=False)
+        fresh = np.asarray(tokenizer.encode(text, add_special_tokens=False), np.int64)
+        ids = conv.token_ids().astype(np.int64)
+        self.n_checked += 1
+        n = min(len(ids), len(fresh))
+        diff = np.flatnonzero(ids[:n] != fresh[:n])
+        # the template closes the last assistant turn after its end-of-turn token; that tail is not a difference
+        if len(diff) == 0 and len(fresh) >= len(ids):
+            return
+        self.n_differing += 1
+        if len(self.examples) < 5:
+            self.examples.append({
+                "sample_id": conv.sample_id, "first_difference_at": int(diff[0]) if len(diff) else n,
+                "transcript_tokens": len(ids), "retokenized_tokens": len(fresh),
+            })
+
+    def merge(self, previous: dict | None) -> dict:
+        prev = previous or {}
+        return {
+            "n_checked": self.n_checked + prev.get("n_checked", 0),
+            "n_differing": self.n_differing + prev.get("n_differing", 0),
+            "n_unchecked": self.n_unchecked + prev.get("n_unchecked", 0),
+            "examples": (prev.get("examples") or []) + self.examples,
+        }
 
 
 def _calls(tokenizer, token_ids: np.ndarray):

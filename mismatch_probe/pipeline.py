@@ -194,6 +194,7 @@ def run_compare(
         "reference": (previous or {}).get("reference"),
         "logprob_semantics": (previous or {}).get("logprob_semantics"),
         "decode_vs_prefill": (previous or {}).get("decode_vs_prefill"),
+        "tokenization_check": (previous or {}).get("tokenization_check"),
         "timings": timings,
     }
     _write_record(out, record)
@@ -294,7 +295,7 @@ def _rollouts(spec, engine, record, prompts, shards, missing, stops, rollout_dir
               tokenizer, model_len) -> None:
     """Sample the missing rollout shards (and re-score them with the engine's prefill)."""
     from .engines import ScoreRequest
-    from .multiturn import ToolTurnTemplate, roll_out
+    from .multiturn import RetokenizationCheck, ToolTurnTemplate, roll_out
 
     semantics = engine.semantics(spec.sampling)
     s = spec.sampling
@@ -313,6 +314,7 @@ def _rollouts(spec, engine, record, prompts, shards, missing, stops, rollout_dir
     if prefill_skip is None:
         progress.stage("prefill", sum(len(shards[i]) for i in missing))
     replay = any(prompts[x.prompt_index].recorded for shard in shards for x in shard)
+    check, previous_check = RetokenizationCheck(), record.get("tokenization_check")
     template = ToolTurnTemplate.from_tokenizer(tokenizer) if spec.max_turns > 1 or replay else None
     for i in missing:
         shard = shards[i]
@@ -332,6 +334,9 @@ def _rollouts(spec, engine, record, prompts, shards, missing, stops, rollout_dir
                 on_progress=lambda k: progress.advance("generate", k),
             )
         rollouts = [_rollout(x, prompts[x.prompt_index], c) for x, c in zip(shard, conversations)]
+        if template is not None:
+            for x, c in zip(shard, conversations):
+                check.add(c, prompts[x.prompt_index].messages, tokenizer)
         if prefill_skip is None:
             n_prompt = [len(prompts[x.prompt_index].token_ids) for x in shards[i]]
             with _timed(timings, "prefill_s"):
@@ -345,6 +350,9 @@ def _rollouts(spec, engine, record, prompts, shards, missing, stops, rollout_dir
                                     f"{len(r.token_ids) - n} response tokens")
                 r.logp_prefill = np.concatenate([np.full(n, np.nan, np.float32), lp.astype(np.float32)])
         write_table_atomic(rollouts_to_table(rollouts), rollout_dir / shard_name(i))
+        if template is not None:
+            record["tokenization_check"] = check.merge(previous_check)
+            _write_record(rollout_dir.parent, record)
 
 
 def _prefill_skip_reason(spec: ProbeSpec, engine, semantics: LogprobSemantics) -> str | None:

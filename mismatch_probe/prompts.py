@@ -30,6 +30,7 @@ class Prompt:
     # a recorded conversation: the messages between its assistant turns (tool outputs, user
     # follow-ups), replayed while the engine generates every assistant turn anew
     recorded: list[list[dict]] | None = None
+    messages: list[dict] | None = None  # the chat the prompt ids were rendered from, if any
 
 
 def split_recorded(messages: list[dict]) -> tuple[list[dict], list[list[dict]]]:
@@ -150,5 +151,6 @@ def tokenize_prompts(
                 hint="shorten the prompt or lower --max-tokens",
             )
         out.append(Prompt(id=pid or f"{p.stem}-{lineno}", token_ids=np.asarray(ids, dtype=np.int32), line=lineno,
-                          recorded=recorded if kind == "messages" and recorded else None))
+                          recorded=recorded if kind == "messages" and recorded else None,
+                          messages=value if kind == "messages" else None))
     return out

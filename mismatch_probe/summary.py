@@ -79,6 +79,11 @@ def notes(record: dict) -> list[str]:
         out.append(f"[yellow]note:[/] {n_zero} sampled token(s) have probability 0 under the reference "
                    "(e.g. just outside its top-p/top-k set): their delta is -inf, so K3 and mean |delta| are inf; "
                    "the quantiles and prob-diff columns still describe the rest")
+    check = record.get("tokenization_check") or {}
+    if check.get("n_checked"):
+        out.append(f"tokenization check: {check['n_differing']} of {check['n_checked']} conversations get other token ids "
+                   "when their chat is re-rendered and re-tokenized"
+                   + (" (a trainer that re-tokenizes would score different tokens)" if check["n_differing"] else ""))
     prefill = record.get("decode_vs_prefill") or {}
     if prefill.get("skipped"):
         out.append(f"decode vs prefill: not measured, {prefill['skipped']}")

@@ -184,3 +184,30 @@ def test_recorded_messages_are_split_at_assistant_turns():
     assert split_recorded([u, a, t, t, a, u, a]) == ([u], [[t, t], [u]])
     with pytest.raises(ConfigError, match="two assistant messages in a row"):
         split_recorded([u, a, a, t])
+
+
+class CharByChar(ScriptedAssistant):
+    """Emits its text one character-token at a time: valid ids, but not what the tokenizer would produce."""
+
+    def generate(self, requests, sampling, *, stop_token_ids, seed, on_progress=None):
+        out = []
+        for r in requests:
+            self.requests.append(r.prompt_token_ids.copy())
+            ids = [i for ch in "The answer is 95." for i in self.tokenizer.encode(ch, add_special_tokens=False)]
+            ids = np.array(ids + [stop_token_ids[0]], np.int32)
+            out.append(Completion(ids, np.full(len(ids), -0.25, np.float32), "stop", prompt_token_ids=r.prompt_token_ids))
+        return out
+
+
+def test_retokenization_check_counts_what_a_trainer_would_see_differently(tmp_path, tokenizer):
+    clean = run_compare(probe(tmp_path, 2), engine=ScriptedAssistant(tokenizer, ["The answer is 95.<|im_end|>"]))
+    assert clean.record["tokenization_check"] == {"n_checked": 1, "n_differing": 0, "n_unchecked": 0, "examples": []}
+
+    s = probe(tmp_path, 3)
+    engine = CharByChar(tokenizer, [])
+    rec = run_compare(s, engine=engine).record
+    check = rec["tokenization_check"]
+    assert check["n_checked"] == 1 and check["n_differing"] == 1
+    n_prompt = len(engine.requests[0])
+    assert check["examples"][0]["first_difference_at"] >= n_prompt  # the prompt itself round-trips
+    assert check["examples"][0]["retokenized_tokens"] < check["examples"][0]["transcript_tokens"]
