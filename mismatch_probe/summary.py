@@ -93,7 +93,7 @@ def notes(record: dict) -> list[str]:
 TIMING_LABELS = (
     ("setup_s", "setup"), ("engine_start_s", "engine start"), ("generation_s", "generation"),
     ("prefill_s", "engine prefill"), ("engine_stop_s", "engine stop"), ("reference_load_s", "reference load"),
-    ("scoring_s", "reference scoring"), ("metrics_s", "metrics"), ("report_s", "report"),
+    ("scoring_s", "reference scoring"), ("metrics_s", "metrics"), ("figures_s", "figures"), ("report_s", "report"),
 )
 
 
