@@ -31,6 +31,7 @@ class ToolTurnTemplate:
     before: str  # for one tool message: everything up to its content
     after: str  # and everything after it, through the next assistant header
     after_eos: str  # what the template writes right after the assistant's end-of-turn token
+    base: str  # the rendering of _BASE, the prefix every spliced block is cut from
 
     @classmethod
     def from_tokenizer(cls, tokenizer) -> ToolTurnTemplate:
@@ -50,7 +51,7 @@ class ToolTurnTemplate:
         after_eos = upto[upto.rindex(eos) + len(eos):]
         suffix = full[len(upto):]
         cut = suffix.index(_MARK)
-        return cls(before=after_eos + suffix[:cut], after=suffix[cut + len(_MARK):], after_eos=after_eos)
+        return cls(before=after_eos + suffix[:cut], after=suffix[cut + len(_MARK):], after_eos=after_eos, base=upto)
 
     def token_ids(self, tokenizer, result: str) -> np.ndarray:
         """One tool message carrying ``result``."""
@@ -59,12 +60,11 @@ class ToolTurnTemplate:
     def block_ids(self, tokenizer, messages: list[dict]) -> np.ndarray:
         """Any recorded messages between two assistant turns (tool outputs, a user follow-up), rendered
         by the chat template as it would render them after an assistant turn."""
-        upto = tokenizer.apply_chat_template(_BASE, tokenize=False)
         full = tokenizer.apply_chat_template(_BASE + messages, tokenize=False, add_generation_prompt=True)
-        if not full.startswith(upto):
+        if not full.startswith(self.base):
             raise ConfigError("the chat template renders earlier turns differently once later messages follow; "
                               "recorded turns cannot be spliced token by token")
-        return np.asarray(tokenizer.encode(self.after_eos + full[len(upto):], add_special_tokens=False), np.int32)
+        return np.asarray(tokenizer.encode(self.after_eos + full[len(self.base):], add_special_tokens=False), np.int32)
 
 
 _BASE = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
