@@ -86,6 +86,7 @@ def write_synthetic(run_dir: Path, tokens: int, shard_tokens: int, seed: int = 0
             pa.array(sid), pa.array(np.repeat(np.array([f"p{i}" for i in range(sample, sample + len(lengths))]), lengths)),
             pa.array(turn), pa.array(pos.astype(np.int32)), pa.array(rng.integers(0, 150000, n).astype(np.int32)),
             pa.array(model), pa.array(li, mask=~model), pa.array(lt, mask=~model), pa.array(np.zeros(n, np.float32)),
+            pa.nulls(n, pa.float32()),  # logp_prefill: no engine re-score
             *_experts(model, *moe, 0.002, rng),
         ], schema=TOKEN_SCHEMA)
         write_table_atomic(t, run_dir / TOKENS_DIR / shard_name(shard))
