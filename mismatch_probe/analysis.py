@@ -8,11 +8,11 @@ it on a copied run directory.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from .distributions import DistributionAccumulator
 from .metrics import (
     CorrectionThresholds,
     MetricsAccumulator,
@@ -26,45 +26,17 @@ from .table import iter_model_tokens
 TURN_GROUPS = {"first": lambda turn: turn == 0, "later": lambda turn: turn >= 1}
 
 
-@dataclass
-class TurnPoints:
-    """What the first-vs-later figures plot: per sample-turn log-ppl (engine, reference) and token
-    probabilities (p_infer, p_train), per group, thinned to a bounded number of points by a
-    deterministic stride so a 10M-token run still draws a readable figure."""
-
-    max_points: int = 5_000
-    log_ppl: dict = field(default_factory=dict)  # group -> (infer, train)
-    probs: dict = field(default_factory=dict)  # group -> (p_infer, p_train)
-    _tokens: dict = field(default_factory=dict)
-
-    def add_tokens(self, group: str, li: np.ndarray, lt: np.ndarray) -> None:
-        self._tokens.setdefault(group, []).append((np.exp(li[:: self._stride]), np.exp(lt[:: self._stride])))
-
-    def finish(self, by_turn: dict) -> None:
-        for group, acc in by_turn.items():
-            self.log_ppl[group] = tuple(_thin(a, self.max_points) for a in acc.sequence_log_ppl())
-            parts = self._tokens.get(group, [])
-            self.probs[group] = tuple(
-                _thin(np.concatenate([p[k] for p in parts]) if parts else np.zeros(0), self.max_points) for k in (0, 1)
-            )
-
-    _stride: int = 1
-
-
-def _thin(a: np.ndarray, n: int) -> np.ndarray:
-    return a[:: max(1, -(-len(a) // n))]
-
-
 def analyze(
     run_dir: str | Path,
     thresholds: CorrectionThresholds | None = None,
     routing: dict | None = None,
-    points: TurnPoints | None = None,
+    distributions: DistributionAccumulator | None = None,
 ) -> dict:
     """``metrics``, ``metrics_by_turn`` (first / later), ``metrics_by_turn_index``, ``corrections``, ``breakdowns``, ``routing`` for MoE runs whose
     table has expert ids (``routing`` describes the layers, as the engine recorded them), and
     ``decode_vs_prefill``: the same metrics with the engine's prefill log-probs in the reference's
-    place (``delta = logp_prefill - logp_infer``), where the table has them."""
+    place (``delta = logp_prefill - logp_infer``), where the table has them. ``distributions``, when
+    given, is fed in the same pass and finished at the end (its ``result`` is what the report draws)."""
     thresholds = thresholds or CorrectionThresholds()
     overall = MetricsAccumulator(thresholds)
     by_turn = {name: MetricsAccumulator(thresholds) for name in TURN_GROUPS}
@@ -73,18 +45,13 @@ def analyze(
     prefill = MetricsAccumulator(thresholds)
     n_unscored = 0
     by_index: dict[int, MetricsAccumulator] = {}
-    if points is not None:  # keep about 4x the plotted tokens while streaming, thin at the end
-        import pyarrow.parquet as pq
-
-        from .table import TOKENS_DIR, shard_paths
-
-        rows = sum(pq.ParquetFile(p).metadata.num_rows for p in shard_paths(Path(run_dir), TOKENS_DIR))
-        points._stride = max(1, rows // (4 * points.max_points))
     for shard in iter_model_tokens(Path(run_dir)):
         sample, turn = shard["sample_id"], shard["turn"]
         lt, li, pos = shard["logp_train"], shard["logp_infer"], shard["position"]
         ei, et = shard["experts_infer"], shard["experts_train"]
         overall.add(lt, li, segment_starts(sample), pos)
+        if distributions is not None:
+            distributions.add(lt, li, sample, turn)
         lp = shard["logp_prefill"]
         if lp is not None:
             scored = ~np.isnan(lp)
@@ -101,8 +68,6 @@ def analyze(
             groups[name] = keep
             if keep.any():
                 by_turn[name].add(lt[keep], li[keep], segment_starts(sample[keep], turn[keep]), pos[keep])
-                if points is not None:
-                    points.add_tokens(name, li[keep], lt[keep])
         if ei is not None and et is not None and routing:
             n_layers, top_k = len(routing["moe_layers"]), routing["top_k"]
             cmp = compare_routing(ei, et, n_layers, top_k)  # once per shard, shared by the groups
@@ -120,8 +85,8 @@ def analyze(
         "routing": None,
         "decode_vs_prefill": None,
     }
-    if points is not None:
-        points.finish(by_turn)
+    if distributions is not None:
+        distributions.finish(overall, by_turn)
     if prefill.n_tokens:
         out["decode_vs_prefill"] = prefill.metrics() | {"n_unscored_tokens": n_unscored}
     if router_acc:

@@ -179,7 +179,21 @@ def compare(
     if line := timing_line(result.record):
         out.print(line)
     out.print(f"run directory: {escape(str(result.run_dir))}")
-    out.print(f"report: {escape(str(result.run_dir / 'report.md'))}")
+    out.print(f"report: {escape(str(result.run_dir / 'report.html'))} (also report.md)")
+
+
+@app.command()
+@friendly_errors
+def report(
+    run_dirs: Annotated[list[Path], typer.Argument(help="Run directories written by compare; two or more are compared side by side.", show_default=False)],
+    out_file: Annotated[Optional[Path], typer.Option("--out", help="HTML file to write (default: <run>/report.html for one run, compare.html for several).")] = None,
+) -> None:
+    """Render the HTML report of a run, or compare runs (grouped by GPU type); needs no engine and no GPU."""
+    from .report_html import write_report
+
+    written = write_report(run_dirs, out_file)
+    what = "comparison of {} runs".format(written.n_runs) if written.n_runs > 1 else "report"
+    out.print(f"{what}: {escape(str(written.path))} ({written.n_bytes / 1e6:.2f} MB, rendered in {written.seconds:.1f} s)")
 
 
 @app.command()

@@ -340,18 +340,14 @@ class MetricsAccumulator:
             sums["prob_diff"] += np.bincount(bucket, weights=t.prob_diff, minlength=size)
             sums["k3"] += np.bincount(bucket, weights=t.k3, minlength=size)
 
-    def sequence_log_ppl(self) -> tuple[np.ndarray, np.ndarray]:
-        """Per sequence (sample-turn in the per-turn groups): log-ppl under the engine and the reference."""
-        seq = self._sequences()
-        return seq.log_ppl_infer, seq.log_ppl_train
-
-    def _sequences(self) -> SequenceTerms:
+    def sequences(self) -> SequenceTerms:
+        """Per-sequence terms (sample-turns in the per-turn groups), in the order they were added."""
         return SequenceTerms(**{k: (np.concatenate(v) if v else np.zeros(0)) for k, v in self._seq.items()})
 
     def metrics(self) -> dict:
         """Batch-level metrics under the canonical keys of DESIGN §4 (plus a few extras)."""
         n = self._n
-        seq = self._sequences()
+        seq = self.sequences()
         n_seq = len(seq.n_tokens)
         out: dict = {"n_model_tokens": n, "n_sequences": n_seq, "n_zero_prob_train": self._counts["zero_prob_train"]}
         if n == 0:
@@ -403,7 +399,7 @@ class MetricsAccumulator:
     def corrections(self) -> dict:
         """Share of data each published correction would clip or drop, with its thresholds."""
         n = self._n
-        seq = self._sequences()
+        seq = self.sequences()
         n_seq = len(seq.n_tokens)
         th = self.thresholds
         out = {
@@ -477,7 +473,7 @@ class MetricsAccumulator:
         return rows
 
     def _length_table(self) -> list[dict]:
-        seq = self._sequences()
+        seq = self.sequences()
         if not len(seq.n_tokens):
             return []
         edges = LENGTH_BUCKET_EDGES + (None,)

@@ -7,7 +7,8 @@ Stages, each resumable from what is on disk:
    (the engine runs in a worker process, started only if a shard is missing and stopped before
    the reference loads, so its memory is free again);
 3. for each missing token shard, the reference scores the exact same ids;
-4. metrics stream over the token shards; run.json is written last.
+4. metrics and the report's distributions stream over the token shards in one pass; run.json
+   is written, then the reports are rendered from it (figures/, report.md, report.html).
 
 run.json is rewritten at each stage with ``status`` ``running``/``complete``, so an interrupted run
 says how far it got, and a re-run with the same spec (same fingerprint) picks up from there.
@@ -26,8 +27,9 @@ from pathlib import Path
 import numpy as np
 
 from . import __version__
-from .analysis import TurnPoints, analyze, json_safe
-from .figures import write_turn_figures
+from .analysis import analyze, json_safe
+from .distributions import DISTRIBUTIONS_JSON, DistributionAccumulator, worst_sequences
+from .distributions import save as save_distributions
 from .engines.base import Engine
 from .errors import ConfigError, DataError
 from .report_md import render_markdown
@@ -263,8 +265,8 @@ def run_compare(
     # ---- 3. metrics -----------------------------------------------------------------------
     with _timed(timings, "metrics_s"):
         try:
-            points = TurnPoints()
-            sections = analyze(out, spec.corrections, (record.get("engine") or {}).get("routing"), points)
+            distributions = DistributionAccumulator()
+            sections = analyze(out, spec.corrections, (record.get("engine") or {}).get("routing"), distributions)
         except DataError as exc:
             record["status"] = "failed"
             record["error"] = str(exc)
@@ -274,21 +276,55 @@ def run_compare(
         sections["decode_vs_prefill"] = (record.get("decode_vs_prefill") or None)
     record.update(sections)
     record["samples"] = _sample_summary(out)
-    with _timed(timings, "figures_s"):
-        record["figures"] = write_turn_figures(out, record, points)
+    with _timed(timings, "metrics_s"):
+        dist = distributions.result
+        dist["worst_sequences"] = worst_sequences(out, dist["worst"], tokenizer)
+        save_distributions(out, dist)
+    record["distributions"] = DISTRIBUTIONS_JSON
     record["status"] = "complete"
     record["completed_at"] = _now()
     timings["total_s"] = round(time.perf_counter() - t_start, 3)
     _write_record(out, record)
 
-    # ---- 4. report ------------------------------------------------------------------------
+    # ---- 4. reports, rendered from what is on disk, as `mismatch-probe report` would ---------
+    from .plots import run_figures
+
+    with _timed(timings, "figures_s"):
+        figures = run_figures(json.loads((out / RUN_JSON).read_text()), dist)
+        record["figures"] = _write_figure_files(out, figures)
     with _timed(timings, "report_s"):
-        (out / REPORT_MD).write_text(render_markdown(json.loads((out / RUN_JSON).read_text())))
+        _write_reports(out, dist, figures)
     timings["total_s"] = round(time.perf_counter() - t_start, 3)
     _write_record(out, record)
-    final = json.loads((out / RUN_JSON).read_text())
-    (out / REPORT_MD).write_text(render_markdown(final))  # again, so its timing table is complete
+    final = _write_reports(out, dist, figures)  # again, so their timing tables are complete
     return RunResult(out, final)
+
+
+FIGURES_DIR = "figures"
+
+
+def _write_figure_files(run_dir: Path, figures: list[dict]) -> list[dict]:
+    """The report's figures as PNG files too, for report.md and for slides."""
+    d = run_dir / FIGURES_DIR
+    d.mkdir(exist_ok=True)
+    for stale in d.glob("*"):  # figures of an earlier version of the report
+        if stale.is_file():
+            stale.unlink()
+    for f in figures:
+        (d / f"{f['id']}.png").write_bytes(f["png"])
+    return [{"id": f["id"], "title": f["title"], "path": f"{FIGURES_DIR}/{f['id']}.png"} for f in figures]
+
+
+def _write_reports(run_dir: Path, dist: dict, figures: list[dict]) -> dict:
+    from .report_html import REPORT_HTML, RunData, render_run
+
+    record = json.loads((run_dir / RUN_JSON).read_text())
+    (run_dir / REPORT_MD).write_text(render_markdown(record))
+    html = render_run(RunData(run_dir, record, dist), figures)
+    tmp = run_dir / (REPORT_HTML + ".tmp")
+    tmp.write_text(html, encoding="utf-8")
+    tmp.replace(run_dir / REPORT_HTML)
+    return record
 
 
 def _rollouts(spec, engine, record, prompts, shards, missing, stops, rollout_dir, timings, progress,

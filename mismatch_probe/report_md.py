@@ -8,29 +8,8 @@ from __future__ import annotations
 
 import re
 
+from .metric_docs import METRIC_DOCS
 from .summary import fmt, notes
-
-METRIC_NOTES = (
-    ("k3_kl", "mean K3 = ratio - delta - 1 over tokens; the 'vllm-kl' of the literature (H20 ~5e-4..1e-3, L20 ~1e-3..1e-2 in published runs)"),
-    ("k1_kl", "mean of -delta = logp_infer - logp_train; unbiased KL(mu||pi) estimate, can be negative"),
-    ("abs_delta_mean", "mean |logp_train - logp_infer|"),
-    ("abs_delta_p99", "99th percentile of |delta| over tokens"),
-    ("prob_diff_mean", "mean |p_train - p_infer| (the TIS paper's token mismatch)"),
-    ("prob_diff_max", "largest |p_train - p_infer| of any token"),
-    ("seq_max_mismatch_mean", "per sequence, the max |p_train - p_infer|; averaged over sequences"),
-    ("seq_max_mismatch_gt_0_5_share", "share of sequences with a token whose probability moved by more than 0.5"),
-    ("mult_prob_error", "mean exp(|delta|); NeMo-RL's token_mult_prob_error, 1.0 is perfect, its threshold 1.05"),
-    ("chi2_token", "mean(ratio^2) - 1; variance of token IS weights"),
-    ("chi2_seq", "mean(exp(2 * clamp(sum delta, +-20))) - 1; variance of sequence IS weights"),
-    ("ess", "effective sample size of token ratios, 1 / mean((w / mean w)^2); 1.0 is perfect"),
-    ("pearson_prob", "Pearson correlation of p_train and p_infer over tokens"),
-    ("log_ppl_infer", "mean over sequences of -mean(logp_infer)"),
-    ("log_ppl_train", "mean over sequences of -mean(logp_train)"),
-    ("n_zero_prob_train", "sampled tokens the reference gives probability 0 (delta = -inf)"),
-    ("n_model_tokens", "tokens the policy generated (prompt and tool tokens excluded)"),
-    ("n_sequences", "sequences (sample-turns in the per-turn columns) with at least one model token"),
-)
-
 
 def _cell(value) -> str:
     return str(value).replace("|", "\\|").replace("\n", " ")
@@ -86,7 +65,8 @@ def render_markdown(record: dict) -> str:
     header = (["metric", "engine vs reference", "first turn"] + (["later turns"] if later else [])
               + (["decode vs prefill"] if has_prefill else []) + ["meaning"])
     rows = []
-    for key, note in METRIC_NOTES:
+    for doc in METRIC_DOCS:
+        key, note = doc.key, doc.meaning + (f" ({doc.reference})" if doc.reference and doc.better else "")
         row = [f"`{key}`", fmt(record["metrics"].get(key)), fmt((by_turn.get("first") or {}).get(key))]
         if later:
             row.append(fmt(by_turn["later"].get(key)))
@@ -116,11 +96,6 @@ def render_markdown(record: dict) -> str:
          fmt(r.get("abs_delta_max")), fmt(r.get("k3_mean"))]
         for r in bd.get("p_infer_buckets") or []
     ])
-    figures = record.get("figures") or {}
-    if figures:
-        out += ["", "## First vs later turns", "",
-                "Each point is a sample-turn (left) or a token (right); the dashed line is agreement.", "",
-                f"![log-ppl per sample-turn]({figures['log_ppl']}) ![token probabilities]({figures['probs']})"]
     by_index = record.get("metrics_by_turn_index") or {}
     if len(by_index) > 1:
         out += ["", "## By assistant turn", "",
@@ -160,6 +135,11 @@ def render_markdown(record: dict) -> str:
              fmt(routing[name]["prob_diff_max"]), fmt(routing[name]["k3_mean"])]
             for name in ("flipped", "agreed")
         ])
+    figures = record.get("figures") or []
+    if isinstance(figures, list) and figures:
+        out += ["", "## Figures", "", "The same figures, with captions and the worst sequences token by token, are in "
+                "`report.html`.", ""]
+        out += [f"![{f['title']}]({f['path']})" for f in figures]
     timings = record.get("timings") or {}
     out += ["", "## Timings", ""]
     out += _table(["stage", "seconds"], [[k.removesuffix("_s"), f"{v:.2f}"] for k, v in timings.items()])

@@ -104,14 +104,14 @@ def test_every_token_has_its_turn_and_mask(tmp_path, tokenizer):
     assert [by_index[k]["n_model_tokens"] for k in by_index] == [len(enc(t)) for t in turns]
     assert all(by_index[k]["n_sequences"] == 1 for k in by_index)
     assert "## By assistant turn" in (result.run_dir / "report.md").read_text()
-    import xml.etree.ElementTree as ET
+    from mismatch_probe.distributions import load
 
-    for rel in rec["figures"].values():  # well-formed SVG, one dot per sample-turn / token, two colors
-        root = ET.parse(result.run_dir / rel).getroot()
-        fills = [g.get("fill") for g in root.iter("{http://www.w3.org/2000/svg}g")]
-        assert fills == ["#1f77b4", "#d62728"]
-    dots = ET.parse(result.run_dir / rec["figures"]["log_ppl"]).getroot().iter("{http://www.w3.org/2000/svg}circle")
-    assert sum(1 for c in dots if c.get("r") == "2") == 3  # one first-turn and two later sample-turns
+    dist = load(result.run_dir)  # what the first-vs-later figure draws: one point per sample-turn
+    assert len(dist["groups"]["first"]["log_ppl_infer"]) == 1 and len(dist["groups"]["later"]["log_ppl_infer"]) == 2
+    assert dist["groups"]["later"]["n_tokens"] == n_later
+    assert all((result.run_dir / f["path"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for f in rec["figures"])
+    html = (result.run_dir / "report.html").read_text()
+    assert 'id="turns"' in html and "tool output" in html
     assert rec["samples"]["finish_reasons"] == {"stop": 1}
 
 

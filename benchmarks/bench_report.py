@@ -1,0 +1,98 @@
+"""Size and render time of the HTML report for a large synthetic run.
+
+    python benchmarks/bench_report.py [--tokens 10000000]
+
+Writes a synthetic run (the per-token table of bench_metrics.py: responses of 50-2000 tokens,
+two turns, 30% prompt/tool tokens) plus its run.json, then measures, in one process:
+
+- the analysis pass that ``compare`` makes (metrics and the report's distributions together),
+  against the metrics alone, so the distributions' own cost shows;
+- rendering report.html from the run directory (what ``mismatch-probe report RUN`` does);
+- the same for a run without distributions.json (recomputed from the table);
+- a comparison of two such runs;
+and prints the HTML sizes, which must stay under 5 MB whatever the token count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_metrics import write_synthetic  # noqa: E402
+
+from mismatch_probe.analysis import analyze, json_safe  # noqa: E402
+from mismatch_probe.distributions import DistributionAccumulator, save, worst_sequences  # noqa: E402
+from mismatch_probe.environment import fingerprint  # noqa: E402
+from mismatch_probe.report_html import write_report  # noqa: E402
+from mismatch_probe.spec import ProbeSpec  # noqa: E402
+
+LIMIT_BYTES = 5 * 10**6
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def make_run(run: Path, tokens: int, seed: int) -> dict:
+    write_synthetic(run, tokens, 1_000_000, seed=seed)
+    _, t_metrics = timed(lambda: analyze(run))
+    acc = DistributionAccumulator()
+    sections, t_both = timed(lambda: analyze(run, distributions=acc))
+    t_metrics = min(t_metrics, timed(lambda: analyze(run))[1])  # both orders, so the page cache favours neither
+    dist = acc.result
+    dist["worst_sequences"], t_worst = timed(lambda: worst_sequences(run, dist["worst"]))
+    save(run, dist)
+    spec = ProbeSpec()
+    spec.name = f"synthetic-{seed}"
+    record = {"status": "complete", "spec": spec.to_dict(), "environment": fingerprint(),
+              "inputs": {"model": "synthetic", "prompts": "synthetic", "n_prompts": 0, "n_samples": 0},
+              "engine": {"engine": "synthetic", "dtype": "bfloat16"}, "reference": {"dtype": "float32"}, **sections}
+    (run / "run.json").write_text(json.dumps(json_safe(record)))
+    return {"metrics_s": t_metrics, "metrics_and_distributions_s": t_both, "worst_sequences_s": t_worst,
+            "n_model_tokens": sections["metrics"]["n_model_tokens"],
+            "distributions_json_bytes": (run / "distributions.json").stat().st_size}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=10_000_000)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        a, b = Path(tmp) / "a", Path(tmp) / "b"
+        stats = make_run(a, args.tokens, 0)
+        make_run(b, args.tokens, 1)
+        print(f"synthetic run: {args.tokens:,} rows, {stats['n_model_tokens']:,} model tokens")
+        print(f"analysis pass: metrics alone {stats['metrics_s']:.2f} s, metrics + distributions "
+              f"{stats['metrics_and_distributions_s']:.2f} s ({stats['metrics_and_distributions_s'] / stats['metrics_s']:.2f}x); "
+              f"worst sequences {stats['worst_sequences_s']:.2f} s; distributions.json "
+              f"{stats['distributions_json_bytes'] / 1e3:.0f} kB")
+        one = write_report([a], Path(tmp) / "one.html")
+        print(f"report.html from the run directory: {one.n_bytes / 1e6:.2f} MB in {one.seconds:.2f} s")
+        old = Path(tmp) / "old"
+        shutil.copytree(a, old)
+        (old / "distributions.json").unlink()
+        again = write_report([old], Path(tmp) / "old.html")
+        print(f"report.html of a run without distributions.json (recomputed from the table): "
+              f"{again.n_bytes / 1e6:.2f} MB in {again.seconds:.2f} s")
+        both = write_report([a, b], Path(tmp) / "compare.html")
+        print(f"comparison of two runs: {both.n_bytes / 1e6:.2f} MB in {both.seconds:.2f} s")
+        print(f"peak RSS of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
+        for name, r in (("report", one), ("comparison", both)):
+            if r.n_bytes > LIMIT_BYTES:
+                sys.exit(f"{name} is {r.n_bytes / 1e6:.2f} MB, over the 5 MB budget")
+
+
+if __name__ == "__main__":
+    main()

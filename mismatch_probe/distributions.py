@@ -1,0 +1,248 @@
+"""The distributions a report draws, computed once from the per-token table.
+
+Saved as ``<run>/distributions.json`` next to run.json. Everything in it has a fixed size whatever
+the run's length: histograms over fixed edges (a 10M-token run gives the same file size as a
+1k-token one), per sequence-turn points thinned to a bounded count, and the worst sequences with
+a bounded window of their tokens. Computing only: :mod:`.plots` and :mod:`.report_html` draw it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .metrics import MetricsAccumulator, segment_starts
+
+DISTRIBUTIONS_JSON = "distributions.json"
+DISTRIBUTIONS_VERSION = 1
+GROUPS = ("first", "later")  # turn 0, turns >= 1; "all" is their sum
+
+PROB_BINS = 100  # per axis of the p_infer x p_train density, linear on [0, 1]
+# Log-ratio edges, symmetric and logarithmic in |x|: 5 bins a decade from 1e-7 to 1e2 on each side,
+# one central bin (-1e-7, 1e-7), open ends. bf16 deltas sit around 1e-3, fp32 ones around 1e-7,
+# so linear bins would put a whole run into one bin. delta = -inf (p_train = 0) lands in the first.
+_MAGNITUDES = np.logspace(-7, 2, 46)
+LOG_RATIO_EDGES = np.concatenate([[-np.inf], -_MAGNITUDES[::-1], _MAGNITUDES, [np.inf]])
+SEQ_MAX_MISMATCH_EDGES = np.linspace(0.0, 1.0, 51)
+# response length (model tokens) x per-sequence max |p_train - p_infer|, both logarithmic;
+# the first mismatch bin [0, 1e-8) holds the exact zeros
+LENGTH_EDGES = np.logspace(0, 5, 41)
+MISMATCH_LOG_EDGES = np.concatenate([[0.0], np.logspace(-8, 0, 41)])
+MISMATCH_LOG_EDGES[-1] = 1.0 + 1e-12  # |dp| = 1 exactly belongs to the last bin
+
+
+def bin_index(values: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """Index of the half-open bin [edges[i], edges[i+1]) of each value; values outside fall into
+    the first or last bin."""
+    return np.clip(np.searchsorted(edges, values, side="right") - 1, 0, len(edges) - 2)
+
+
+def _sparse(hist: np.ndarray) -> dict:
+    i, j = np.nonzero(hist)
+    return {"shape": list(hist.shape), "i": i.tolist(), "j": j.tolist(), "count": hist[i, j].tolist()}
+
+
+def dense(sparse: dict) -> np.ndarray:
+    """A histogram stored by :func:`_sparse` as a dense int64 array."""
+    out = np.zeros(sparse["shape"], dtype=np.int64)
+    out[np.asarray(sparse["i"], dtype=np.int64), np.asarray(sparse["j"], dtype=np.int64)] = sparse["count"]
+    return out
+
+
+def _thin(a: np.ndarray, n: int) -> np.ndarray:
+    return a[:: max(1, -(-len(a) // n))]
+
+
+@dataclass
+class DistributionAccumulator:
+    """Streams shards of model tokens (whole sequences per shard) into the report's histograms and
+    keeps the ``worst_k`` samples with the largest token probability gap."""
+
+    worst_k: int = 12
+    max_points: int = 5_000
+    result: dict | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        n_ratio = len(LOG_RATIO_EDGES) - 1
+        self._prob = {g: np.zeros(PROB_BINS * PROB_BINS, dtype=np.int64) for g in GROUPS}
+        self._delta = {g: np.zeros(n_ratio, dtype=np.int64) for g in GROUPS}
+        self._worst_gap = np.zeros(0)
+        self._worst_sample = np.zeros(0, dtype=np.int64)
+
+    def add(self, logp_train: np.ndarray, logp_infer: np.ndarray, sample_id: np.ndarray, turn: np.ndarray) -> None:
+        if len(logp_train) == 0:
+            return
+        lt = np.asarray(logp_train, dtype=np.float64)
+        li = np.asarray(logp_infer, dtype=np.float64)
+        p_train, p_infer = np.exp(lt), np.exp(li)
+        cell = (np.minimum((p_infer * PROB_BINS).astype(np.int64), PROB_BINS - 1) * PROB_BINS
+                + np.minimum((p_train * PROB_BINS).astype(np.int64), PROB_BINS - 1))
+        with np.errstate(invalid="ignore"):
+            ratio_bin = bin_index(lt - li, LOG_RATIO_EDGES)
+        for group, keep in (("first", turn == 0), ("later", turn >= 1)):
+            if keep.all():
+                self._prob[group] += np.bincount(cell, minlength=PROB_BINS * PROB_BINS)
+                self._delta[group] += np.bincount(ratio_bin, minlength=len(self._delta[group]))
+            elif keep.any():
+                self._prob[group] += np.bincount(cell[keep], minlength=PROB_BINS * PROB_BINS)
+                self._delta[group] += np.bincount(ratio_bin[keep], minlength=len(self._delta[group]))
+        starts = segment_starts(sample_id)
+        gap = np.maximum.reduceat(np.abs(p_train - p_infer), starts)
+        gaps = np.concatenate([self._worst_gap, gap])
+        samples = np.concatenate([self._worst_sample, np.asarray(sample_id)[starts]])
+        if len(gaps) > self.worst_k:
+            keep_idx = np.argpartition(-gaps, self.worst_k - 1)[: self.worst_k]
+            gaps, samples = gaps[keep_idx], samples[keep_idx]
+        self._worst_gap, self._worst_sample = gaps, samples
+
+    def finish(self, overall: MetricsAccumulator, by_turn: dict[str, MetricsAccumulator]) -> dict:
+        """The stored form (JSON-safe apart from NaN/inf, which :func:`save` converts)."""
+        groups = {}
+        for g in GROUPS:
+            turn_seq = by_turn[g].sequences()
+            groups[g] = {
+                "n_tokens": int(self._delta[g].sum()),
+                "prob_hist": _sparse(self._prob[g].reshape(PROB_BINS, PROB_BINS)),
+                "log_ratio_hist": self._delta[g].tolist(),
+                # one point per sample-turn, thinned by a deterministic stride
+                "log_ppl_infer": _thin(turn_seq.log_ppl_infer, self.max_points).tolist(),
+                "log_ppl_train": _thin(turn_seq.log_ppl_train, self.max_points).tolist(),
+            }
+        seq = overall.sequences()
+        length_hist = np.zeros((len(LENGTH_EDGES) - 1, len(MISMATCH_LOG_EDGES) - 1), dtype=np.int64)
+        if len(seq.n_tokens):
+            np.add.at(length_hist, (bin_index(seq.n_tokens, LENGTH_EDGES),
+                                    bin_index(seq.max_mismatch, MISMATCH_LOG_EDGES)), 1)
+        with np.errstate(invalid="ignore"):
+            seq_ratio_bin = bin_index(seq.log_ratio, LOG_RATIO_EDGES)
+        order = np.lexsort((self._worst_sample, -self._worst_gap))  # worst first, ties by sample id
+        self.result = {
+            "version": DISTRIBUTIONS_VERSION,
+            "edges": {
+                "prob_bins": PROB_BINS,
+                "log_ratio": LOG_RATIO_EDGES.tolist(),
+                "seq_max_mismatch": SEQ_MAX_MISMATCH_EDGES.tolist(),
+                "length": LENGTH_EDGES.tolist(),
+                "mismatch_log": MISMATCH_LOG_EDGES.tolist(),
+            },
+            "groups": groups,
+            "sequences": {
+                "n_sequences": int(len(seq.n_tokens)),
+                "max_mismatch_hist": np.bincount(bin_index(seq.max_mismatch, SEQ_MAX_MISMATCH_EDGES),
+                                                 minlength=len(SEQ_MAX_MISMATCH_EDGES) - 1).tolist(),
+                "log_ratio_hist": np.bincount(seq_ratio_bin, minlength=len(LOG_RATIO_EDGES) - 1).tolist(),
+                "length_vs_max_mismatch": _sparse(length_hist),
+            },
+            "worst": [{"sample_id": int(s), "max_prob_diff": float(g)}
+                      for s, g in zip(self._worst_sample[order], self._worst_gap[order])],
+        }
+        return self.result
+
+
+WORST_COLUMNS = ["sample_id", "prompt_id", "turn", "position", "token_id", "is_model_token", "logp_infer", "logp_train"]
+
+
+def worst_sequences(run_dir: str | Path, worst: list[dict], tokenizer=None, *, head: int = 48,
+                    window: int = 320) -> list[dict]:
+    """The tokens of the worst samples, for the report: the first ``head`` tokens (the start of the
+    prompt) and ``window`` tokens centred on the model token with the largest probability gap, so a
+    16k-token sequence costs the report as much as a short one. Token text comes from
+    ``tokenizer`` (one token at a time, so a character split across tokens shows as U+FFFD);
+    without one it is null and the report shows ids.
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from .table import TOKENS_DIR, shard_paths
+
+    wanted = [w["sample_id"] for w in worst]
+    if not wanted:
+        return []
+    parts = []
+    for path in shard_paths(Path(run_dir), TOKENS_DIR):
+        t = pq.read_table(path, columns=WORST_COLUMNS)
+        t = t.filter(pc.is_in(t.column("sample_id"), value_set=pa.array(wanted, pa.int64())))
+        if t.num_rows:
+            parts.append(t)
+    if not parts:
+        return []
+    table = pa.concat_tables(parts)
+    cols = {c: table.column(c).to_numpy(zero_copy_only=False) for c in WORST_COLUMNS}
+    out = []
+    for item in worst:
+        rows = np.flatnonzero(cols["sample_id"] == item["sample_id"])
+        rows = rows[np.argsort(cols["position"][rows], kind="stable")]
+        if not len(rows):
+            continue
+        model = cols["is_model_token"][rows].astype(bool)
+        with np.errstate(invalid="ignore"):
+            p_infer = np.where(model, np.exp(cols["logp_infer"][rows].astype(np.float64)), np.nan)
+            p_train = np.where(model, np.exp(cols["logp_train"][rows].astype(np.float64)), np.nan)
+            gap = np.where(model, np.abs(p_train - p_infer), -1.0)
+        worst_at = int(np.argmax(gap))
+        n = len(rows)
+        lo = max(0, min(worst_at - window // 2, n - window))
+        shown = np.unique(np.concatenate([np.arange(min(head, n)), np.arange(lo, min(n, lo + window))]))
+        sel = rows[shown]
+        ids = cols["token_id"][sel].astype(np.int64)
+        text = [tokenizer.decode([int(i)], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+                for i in ids] if tokenizer is not None else None
+        delta = np.log(p_train[model]) - np.log(p_infer[model]) if model.any() else np.zeros(0)
+        out.append({
+            "sample_id": int(item["sample_id"]),
+            "prompt_id": str(cols["prompt_id"][rows[0]]),
+            "n_tokens": int(n),
+            "n_model_tokens": int(model.sum()),
+            "n_turns": int(len(np.unique(cols["turn"][rows][model]))),
+            "max_prob_diff": float(gap[worst_at]),
+            "worst_position": int(cols["position"][rows[worst_at]]),
+            "log_ratio": float(np.sum(delta)) if len(delta) else None,
+            "tokens": {
+                "position": cols["position"][sel].astype(int).tolist(),
+                "token_id": ids.tolist(),
+                "text": text,
+                "turn": cols["turn"][sel].astype(int).tolist(),
+                "is_model": model[shown].tolist(),
+                "p_infer": p_infer[shown].tolist(),
+                "p_train": p_train[shown].tolist(),
+            },
+        })
+    return out
+
+
+def save(run_dir: str | Path, distributions: dict) -> Path:
+    from .analysis import json_safe
+
+    path = Path(run_dir) / DISTRIBUTIONS_JSON
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(json_safe(distributions), separators=(",", ":"), allow_nan=False))
+    tmp.replace(path)
+    return path
+
+
+def _float(v) -> float:
+    """Undo :func:`.analysis.json_safe`: null is NaN, "inf" / "-inf" are infinities."""
+    return float("nan") if v is None else float(v)
+
+
+def load(run_dir: str | Path) -> dict | None:
+    """The stored distributions with their infinities and NaNs restored, or None when the run has
+    none (written before they existed) or an older version of them."""
+    path = Path(run_dir) / DISTRIBUTIONS_JSON
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    if data.get("version") != DISTRIBUTIONS_VERSION:
+        return None
+    data["edges"]["log_ratio"] = [_float(v) for v in data["edges"]["log_ratio"]]
+    for group in data["groups"].values():  # a sequence whose reference p is 0 has log-ppl inf
+        for key in ("log_ppl_infer", "log_ppl_train"):
+            group[key] = [_float(v) for v in group[key]]
+    for seq in data.get("worst_sequences") or []:
+        for key in ("p_infer", "p_train"):
+            seq["tokens"][key] = [_float(v) for v in seq["tokens"][key]]
+    return data

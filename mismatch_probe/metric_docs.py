@@ -1,0 +1,109 @@
+"""What each metric means, which direction is better, and the published points to read it against.
+
+One table used by every renderer (Markdown, HTML, comparison highlighting), so a definition is
+written once. Sources of the reference points:
+
+- mismatch-KL by GPU type: Liu, Li et al., "When Speed Kills Stability: Demystifying RL Collapse
+  from the Training-Inference Mismatch" (2025): H20 ~5e-4..1e-3, L20 ~1e-3..1e-2, A100 up to 1e-1
+  until cascade attention was disabled.
+- NeMo-RL's ``token_mult_prob_error`` (mean exp|delta|) and its 1.05 threshold.
+- verl's rollout correction defaults: ``rollout_is_threshold`` 2.0, geometric bounds "typically
+  1.0002 - 1.001", token veto "typically 1e-4 to 1e-6".
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+
+class MetricDoc(NamedTuple):
+    key: str
+    label: str
+    meaning: str
+    reference: str  # a published point or the ideal value; "" when there is none
+    better: str | None  # "lower", "higher", "zero" (closest to 0), or None (not a quality)
+
+
+METRIC_DOCS = (
+    MetricDoc("k3_kl", "K3 KL (mismatch-KL)",
+              "mean of ratio − δ − 1 over tokens, the 'vllm-kl' of the literature; ≥ 0, 0 is perfect",
+              "published: H20 ~5e-4–1e-3, L20 ~1e-3–1e-2, A100 up to 1e-1 with cascade attention", "lower"),
+    MetricDoc("k1_kl", "K1 KL", "mean of −δ = logp_infer − logp_train; unbiased KL(μ‖π) estimate, can be negative",
+              "0 is perfect", "zero"),
+    MetricDoc("abs_delta_mean", "mean |δ|", "mean |logp_train − logp_infer|", "0 is perfect", "lower"),
+    MetricDoc("abs_delta_p99", "p99 |δ|", "99th percentile of |δ| over tokens", "0 is perfect", "lower"),
+    MetricDoc("prob_diff_mean", "mean |Δp|", "mean |p_train − p_infer|, the TIS paper's token mismatch",
+              "0 is perfect", "lower"),
+    MetricDoc("prob_diff_max", "max |Δp|", "largest |p_train − p_infer| of any sampled token", "0 is perfect",
+              "lower"),
+    MetricDoc("seq_max_mismatch_mean", "seq max mismatch (mean)",
+              "per sequence the largest |Δp|, averaged over sequences", "0 is perfect", "lower"),
+    MetricDoc("seq_max_mismatch_gt_0_5_share", "sequences with max |Δp| > 0.5",
+              "share of sequences holding a token whose probability moved by more than 0.5",
+              "the parallelism study's headline number; 0 is perfect", "lower"),
+    MetricDoc("mult_prob_error", "token mult. prob error", "mean exp(|δ|); 1.0 is perfect",
+              "NeMo-RL's token_mult_prob_error; its threshold is 1.05", "lower"),
+    MetricDoc("chi2_token", "χ² (token)", "mean(ratio²) − 1: variance of token importance weights", "0 is perfect",
+              "lower"),
+    MetricDoc("chi2_seq", "χ² (sequence)", "mean(exp(2·clamp(Σδ, ±20))) − 1: variance of sequence importance weights",
+              "0 is perfect", "lower"),
+    MetricDoc("ess", "ESS (normalized)", "effective sample size of token ratios, 1 / mean((w / mean w)²)",
+              "1.0 is perfect", "higher"),
+    MetricDoc("pearson_prob", "Pearson r of token probs", "correlation of p_train and p_infer over tokens",
+              "1.0 is perfect", "higher"),
+    MetricDoc("log_ppl_infer", "log-ppl (engine)", "mean over sequences of −mean(logp_infer)", "", None),
+    MetricDoc("log_ppl_train", "log-ppl (reference)", "mean over sequences of −mean(logp_train)", "", None),
+    MetricDoc("n_zero_prob_train", "tokens with p_train = 0",
+              "sampled tokens the reference gives probability 0 (δ = −inf, K3 = inf)", "0", "lower"),
+    MetricDoc("n_model_tokens", "model tokens", "tokens the policy generated; prompt and tool tokens are excluded",
+              "", None),
+    MetricDoc("n_sequences", "sequences", "sequences with at least one model token (sample-turns per turn group)",
+              "", None),
+)
+METRIC_DOC = {d.key: d for d in METRIC_DOCS}
+
+CORRECTION_DOCS = {
+    "token_tis_clipped_share": ("token TIS", "tokens whose ratio exceeds C and gets clipped to C"),
+    "token_mask_share": ("token mask (IcePop)", "tokens whose ratio falls outside [low, high] and get masked"),
+    "seq_tis_clipped_share": ("sequence TIS", "sequences whose sequence ratio exceeds C and gets clipped"),
+    "seq_mis_masked_share": ("sequence MIS", "sequences whose sequence ratio exceeds C and get masked"),
+    "geo_rejected_share": ("geometric rejection", "sequences whose geometric-mean ratio leaves [1 − ε, 1 + ε]"),
+    "worst_token_rejected_share": ("worst-token rejection", "sequences holding a token with ratio below τ"),
+}
+
+
+def k3_context(value) -> str:
+    """One line placing a mismatch-KL among the published per-GPU ranges."""
+    if value is None:
+        return ""
+    if isinstance(value, str) or math.isinf(value):
+        return "infinite: the reference gives some sampled token probability 0 (see n_zero_prob_train)"
+    if value < 5e-4:
+        return "below the published H20 range (5e-4–1e-3)"
+    if value < 1e-3:
+        return "inside the published H20 range (5e-4–1e-3)"
+    if value < 1e-2:
+        return "inside the published L20 range (1e-3–1e-2), where runs without correction collapsed"
+    return "at the level published for A100 with cascade attention on (up to 1e-1), where runs collapsed"
+
+
+def rank(values: list, better: str | None) -> tuple[set[int], set[int]]:
+    """Indices of the best and of the worst values (None and NaN are skipped; ties share a place).
+    Empty when fewer than two values are comparable or all of them are equal."""
+    if better is None:
+        return set(), set()
+    scored = []
+    for i, v in enumerate(values):
+        if isinstance(v, str):
+            v = float(v)  # "inf" / "-inf" as stored in run.json
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            continue
+        score = {"lower": v, "higher": -v, "zero": abs(v)}[better]
+        scored.append((score, i))
+    if len(scored) < 2:
+        return set(), set()
+    lo, hi = min(s for s, _ in scored), max(s for s, _ in scored)
+    if lo == hi:
+        return set(), set()
+    return {i for s, i in scored if s == lo}, {i for s, i in scored if s == hi}

@@ -1,0 +1,530 @@
+"""The HTML reports: one run (``report.html`` in its directory) and several runs side by side.
+
+Built from run directories alone (run.json and distributions.json; the per-token table only for
+runs written before distributions.json existed), so it needs no engine and no GPU. This module
+shapes the records into what the templates show; the templates (``templates/*.j2``, Jinja2 with
+autoescape on) lay it out; :mod:`.plots` draws the figures. No number is computed here.
+
+The page is self-contained and inert: figures are embedded PNG data URIs, styles are inline,
+there is no script at all, and a Content-Security-Policy forbids scripts and network loads
+anyway, so a prompt or a model output that smuggled markup past escaping still could not run.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as _dt
+import functools
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import __version__
+from .errors import ConfigError
+from .metric_docs import CORRECTION_DOCS, METRIC_DOC, METRIC_DOCS, k3_context, rank
+
+RUN_JSON = "run.json"
+REPORT_HTML = "report.html"
+# token colour classes by |p_train - p_infer|: upper bounds of g0 .. g4, g5 above
+GAP_CLASSES = (1e-4, 1e-3, 1e-2, 0.1, 0.5)
+
+
+@dataclass
+class RunData:
+    path: Path
+    record: dict
+    dist: dict
+    label: str = ""
+    color: str = ""
+    figures: list = field(default_factory=list)
+
+
+def load_run(run_dir: str | Path) -> RunData:
+    """A finished run's record and distributions (computed from its table if it predates them)."""
+    from . import distributions
+
+    run_dir = Path(run_dir)
+    path = run_dir / RUN_JSON
+    if not path.is_file():
+        raise ConfigError(f"{run_dir} is not a run directory: it has no {RUN_JSON}",
+                          hint="pass the directory that `mismatch-probe compare` wrote (its --out)")
+    try:
+        record = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path} is not valid JSON ({exc})") from None
+    if record.get("status") != "complete" or not record.get("metrics"):
+        why = f": {record['error']}" if record.get("error") else ""
+        raise ConfigError(f"run {run_dir} is {record.get('status', 'incomplete')}{why}; it has no metrics to report",
+                          hint="finish it by running the same compare command again (it resumes)")
+    dist = distributions.load(run_dir)
+    if dist is None:
+        dist = compute_distributions(run_dir, record)
+    return RunData(run_dir, record, dist)
+
+
+def compute_distributions(run_dir: Path, record: dict, tokenizer=None) -> dict:
+    """Distributions from the per-token table, with the worst sequences' text when a tokenizer is
+    given or the run's model directory is still where run.json says."""
+    from .analysis import analyze
+    from .distributions import DistributionAccumulator, worst_sequences
+    from .metrics import CorrectionThresholds
+
+    thresholds = CorrectionThresholds(**((record.get("spec") or {}).get("corrections") or {}))
+    acc = DistributionAccumulator()
+    analyze(run_dir, thresholds, (record.get("engine") or {}).get("routing"), acc)
+    dist = acc.result
+    if tokenizer is None:
+        tokenizer = _tokenizer_if_present(record)
+    dist["worst_sequences"] = worst_sequences(run_dir, dist["worst"], tokenizer)
+    return dist
+
+
+def _tokenizer_if_present(record: dict):
+    model = (record.get("inputs") or {}).get("model")
+    if not model or not Path(model, "config.json").is_file():
+        return None
+    try:
+        from .hf_models import load_tokenizer
+
+        return load_tokenizer(Path(model), trust_remote_code=bool((record.get("spec") or {}).get("trust_remote_code")))
+    except Exception:  # token ids are shown instead of text
+        return None
+
+
+# ---- labels ---------------------------------------------------------------------------------
+
+
+def gpu_type(record: dict) -> str:
+    env = record.get("environment") or {}
+    names = list(dict.fromkeys(g.get("name") for g in env.get("gpus") or [] if g.get("name")))
+    if names and ((record.get("reference") or {}).get("device") != "cpu" or (record.get("engine") or {}).get("platform") != "cpu"):
+        return " + ".join(names)
+    return f"CPU: {env.get('cpu_model') or env.get('device_name') or 'unknown'}"
+
+
+def engine_label(record: dict) -> str:
+    eng = record.get("engine") or {}
+    spec = (record.get("spec") or {}).get("engine") or {}
+    parts = [eng.get("engine") or spec.get("name") or "?", _short_dtype(eng.get("dtype") or spec.get("dtype"))]
+    if eng.get("tensor_parallel_size"):
+        parts.append(f"TP{eng['tensor_parallel_size']}")
+    if eng.get("enforce_eager") is True:
+        parts.append("eager")
+    elif eng.get("enforce_eager") is False:
+        parts.append("compiled")
+    if eng.get("kv_cache_dtype") not in (None, "auto"):
+        parts.append(f"kv {eng['kv_cache_dtype']}")
+    if eng.get("quantization"):
+        parts.append(str(eng["quantization"]))
+    if eng.get("batch_invariant"):
+        parts.append("batch-invariant")
+    if eng.get("cascade_attn"):
+        parts.append("cascade-attn")
+    return " ".join(p for p in parts if p)
+
+
+def reference_label(record: dict) -> str:
+    ref = record.get("reference") or {}
+    spec = (record.get("spec") or {}).get("reference") or {}
+    dtype = ref.get("dtype") or spec.get("dtype")
+    parts = ["HF", _short_dtype(dtype)]
+    if ref.get("logits_fp32") and dtype != "float32":
+        parts.append("+fp32 head")
+    if ref.get("attn_implementation"):
+        parts.append(ref["attn_implementation"])
+    if ref.get("packing"):
+        parts.append(ref["packing"])
+    return " ".join(p for p in parts if p)
+
+
+def _short_dtype(dtype) -> str:
+    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, dtype or "")
+
+
+def run_label(record: dict, path: Path) -> str:
+    return (record.get("spec") or {}).get("name") or path.name
+
+
+# ---- formatting -----------------------------------------------------------------------------
+
+
+def fmt(value) -> str:
+    from .summary import fmt as summary_fmt
+
+    if isinstance(value, float) and math.isnan(value):
+        return "NaN"
+    if isinstance(value, float) and 0.9999 < abs(value) < 1.0001 and abs(value) != 1.0:
+        return f"{value:.7f}"  # ESS, Pearson r and the multiplicative error sit next to 1
+    return summary_fmt(value)
+
+
+def pct(value) -> str:
+    if value is None:
+        return "-"
+    return f"{100 * value:.3g}%"
+
+
+def _data_uri(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+
+
+def _gap_class(gap: float) -> str:
+    for k, bound in enumerate(GAP_CLASSES):
+        if gap < bound:
+            return f"g{k}"
+    return f"g{len(GAP_CLASSES)}"
+
+
+def token_view(seq: dict) -> list[dict]:
+    """The shown tokens of one worst sequence as spans: text, CSS class, hover title; a gap entry
+    where tokens were left out."""
+    t = seq["tokens"]
+    texts = t.get("text")
+    spans, previous = [], None
+    seen_model = False
+    for k, pos in enumerate(t["position"]):
+        if previous is not None and pos > previous + 1:
+            spans.append({"gap": pos - previous - 1})
+        previous = pos
+        tid = t["token_id"][k]
+        text = texts[k] if texts is not None else f"⟨{tid}⟩"
+        if t["is_model"][k]:
+            seen_model = True
+            p_i, p_t = t["p_infer"][k], t["p_train"][k]
+            gap = abs(p_t - p_i)
+            delta = math.log(p_t) - math.log(p_i) if p_t > 0 else -math.inf
+            cls = _gap_class(gap) + (" wt" if pos == seq["worst_position"] else "")
+            title = (f"p_infer {p_i:.4g} · p_train {p_t:.4g} · |Δp| {gap:.3g} · δ {delta:+.3g} · "
+                     f"token {tid} · position {pos} · turn {t['turn'][k]}")
+        else:
+            cls = "tool" if seen_model else "prompt"
+            title = f"{'tool output' if seen_model else 'prompt'} token {tid} · position {pos} (not scored)"
+        spans.append({"text": text if text != "" else "∅", "cls": cls, "title": title})
+    n_last = seq["n_tokens"] - 1
+    if previous is not None and previous < n_last:
+        spans.append({"gap": n_last - previous})
+    return spans
+
+
+# ---- one run --------------------------------------------------------------------------------
+
+
+def _environment_rows(record: dict) -> list[tuple[str, str]]:
+    env = record.get("environment") or {}
+    gpus = env.get("gpus") or []
+    eng, ref = record.get("engine") or {}, record.get("reference") or {}
+    inputs = record.get("inputs") or {}
+    skip_engine = {"engine", "requested", "versions", "routing", "routing_unavailable", "env",
+                   "per_request_seeds_off_because"}
+    versions = {**(env.get("packages") or {}), **(eng.get("versions") or {})}
+    rows = [
+        ("hardware", gpu_type(record)),
+        ("GPUs", ", ".join(f"{g.get('name')} ({g.get('memory_gib', '?')} GiB)" for g in gpus) or "none"),
+        ("CPU", f"{env.get('cpu_model') or '-'} ({env.get('cpu_count') or '?'} cores, {env.get('memory_gib') or '?'} GiB)"),
+        ("driver / CUDA", f"{env.get('nvidia_driver') or '-'} / {env.get('cuda') or '-'}"),
+        ("libraries", ", ".join(f"{k} {v}" for k, v in versions.items())),
+        ("python / platform", f"{env.get('python') or '-'} / {env.get('platform') or '-'}"),
+        ("mismatch-probe", f"{(env.get('mismatch_probe') or {}).get('version') or record.get('probe_version')} "
+                           f"({(env.get('mismatch_probe') or {}).get('git_commit') or 'no git'})"),
+        ("model", inputs.get("model") or "-"),
+        ("prompts", f"{inputs.get('prompts')} ({inputs.get('n_prompts')} prompts, {inputs.get('n_samples')} samples)"),
+        ("engine", engine_label(record)),
+        ("engine settings", ", ".join(f"{k}={v}" for k, v in eng.items() if k not in skip_engine)),
+        ("reference", reference_label(record)),
+        ("reference settings", ", ".join(f"{k}={v}" for k, v in ref.items() if k != "versions")),
+        ("sampling", ", ".join(f"{k}={v}" for k, v in ((record.get("spec") or {}).get("sampling") or {}).items())),
+    ]
+    semantics = record.get("logprob_semantics") or {}
+    if semantics:
+        sem = semantics.get("engine") or {}
+        ref_sem = semantics.get("reference") or sem
+        rows.append(("log-prob semantics",
+                     f"engine: {sem.get('distribution', '-')} ({sem.get('mode', '-')}); reference: "
+                     f"{ref_sem.get('distribution', '-')}" + ("" if semantics.get("matched", True)
+                                                            else " — deliberately not the engine's")))
+    return rows
+
+
+def _metric_rows(record: dict) -> tuple[list[str], list[dict]]:
+    by_turn = record.get("metrics_by_turn") or {}
+    prefill = record.get("decode_vs_prefill") or {}
+    columns = [("all", record.get("metrics") or {})]
+    if (by_turn.get("later") or {}).get("n_model_tokens"):
+        columns += [("first turn", by_turn.get("first") or {}), ("later turns", by_turn["later"])]
+    if prefill.get("n_model_tokens"):
+        columns.append(("decode vs prefill", prefill))
+    rows = []
+    for doc in METRIC_DOCS:
+        values = []
+        for name, m in columns:
+            if name == "decode vs prefill" and doc.key == "log_ppl_train":
+                values.append("-")
+            else:
+                values.append(fmt(m.get(doc.key)))
+        rows.append({"key": doc.key, "label": doc.label, "values": values, "meaning": doc.meaning,
+                     "reference": doc.reference})
+    return [name for name, _ in columns], rows
+
+
+def _headline(record: dict) -> list[dict]:
+    m = record.get("metrics") or {}
+    cards = [
+        {"label": "K3 KL (mismatch-KL)", "value": fmt(m.get("k3_kl")), "note": k3_context(m.get("k3_kl"))},
+        {"label": "max token |Δp|", "value": fmt(m.get("prob_diff_max")),
+         "note": f"mean {fmt(m.get('prob_diff_mean'))}; per-sequence max averages {fmt(m.get('seq_max_mismatch_mean'))}"},
+        {"label": "sequences with max |Δp| > 0.5", "value": pct(m.get("seq_max_mismatch_gt_0_5_share")),
+         "note": f"{fmt(m.get('seq_max_mismatch_gt_0_5_count'))} of {fmt(m.get('n_sequences'))} sequences"},
+        {"label": "token mult. prob error", "value": fmt(m.get("mult_prob_error")),
+         "note": _mult_note(m.get("mult_prob_error"))},
+    ]
+    prefill = record.get("decode_vs_prefill") or {}
+    if prefill.get("n_model_tokens"):
+        cards.append({"label": "decode vs prefill K3", "value": fmt(prefill.get("k3_kl")),
+                      "note": "inside the engine: its sampled log-probs against its own full-sequence prefill"})
+    later = (record.get("metrics_by_turn") or {}).get("later") or {}
+    first = (record.get("metrics_by_turn") or {}).get("first") or {}
+    if later.get("n_model_tokens") and first.get("k3_kl") and later.get("k3_kl") is not None:
+        ratio = _ratio(later.get("k3_kl"), first.get("k3_kl"))
+        cards.append({"label": "later / first turn K3", "value": ratio,
+                      "note": f"first {fmt(first.get('k3_kl'))}, later {fmt(later.get('k3_kl'))}"})
+    return cards
+
+
+def _ratio(a, b) -> str:
+    try:
+        return f"{float(a) / float(b):.3g}×"
+    except (TypeError, ValueError, ZeroDivisionError):
+        return "-"
+
+
+def _mult_note(v) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, str) or v > 1.05:
+        return "above NeMo-RL's 1.05 threshold"
+    return "below NeMo-RL's 1.05 threshold (1.0 is perfect)"
+
+
+def _correction_rows(record: dict) -> list[dict]:
+    corr = record.get("corrections") or {}
+    by_turn = record.get("corrections_by_turn") or {}
+    has_later = bool(((record.get("metrics_by_turn") or {}).get("later") or {}).get("n_model_tokens"))
+    th = corr.get("thresholds") or {}
+    rows = []
+    for key, (name, what) in CORRECTION_DOCS.items():
+        row = {"name": name, "key": key, "what": what,
+               "threshold": ", ".join(f"{a.replace('_', ' ')} {b:g}" for a, b in (th.get(key) or {}).items()),
+               "values": [pct(corr.get(key))]}
+        if has_later:
+            row["values"] += [pct((by_turn.get("first") or {}).get(key)), pct((by_turn.get("later") or {}).get(key))]
+        rows.append(row)
+    return rows
+
+
+def _notes(record: dict) -> list[str]:
+    import re
+
+    from .summary import notes
+
+    return [re.sub(r"\[/?[a-z ]*\]", "", line) for line in notes(record)]
+
+
+@functools.cache
+def _templates():
+    from jinja2 import Environment, PackageLoader, StrictUndefined
+
+    env = Environment(loader=PackageLoader("mismatch_probe", "templates"), autoescape=True,
+                      undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+    env.filters["fmt"] = fmt
+    env.filters["pct"] = pct
+    return env
+
+
+def render_run(run: RunData, figures: list[dict] | None = None) -> str:
+    """The one-run report as an HTML string (figures drawn here unless given)."""
+    from .plots import run_figures
+
+    record, dist = run.record, run.dist
+    if figures is None:
+        figures = run_figures(record, dist)
+    columns, metric_rows = _metric_rows(record)
+    bd = record.get("breakdowns") or {}
+    routing = record.get("routing")
+    context = {
+        "title": f"mismatch-probe: {run_label(record, run.path)}",
+        "run_name": run_label(record, run.path),
+        "subtitle": f"{engine_label(record)}  vs  {reference_label(record)}  on  {gpu_type(record)}",
+        "record": record,
+        "status": record.get("status"),
+        "headline": _headline(record),
+        "notes": _notes(record),
+        "environment": _environment_rows(record),
+        "metric_columns": columns,
+        "metric_rows": metric_rows,
+        "figures": [{**f, "src": _data_uri(f["png"])} for f in figures],
+        "corrections": _correction_rows(record),
+        "correction_columns": ["all"] + (["first turn", "later turns"] if len(_correction_rows(record)[0]["values"]) > 1 else []),
+        "p_buckets": bd.get("p_infer_buckets") or [],
+        "by_turn_index": (record.get("metrics_by_turn_index") or {}) if len(record.get("metrics_by_turn_index") or {}) > 1 else {},
+        "routing": routing if routing and routing.get("n_tokens") else None,
+        "routing_layers": list(zip(routing["moe_layers"], routing["set_agreement_by_layer"], routing["overlap_by_layer"]))
+        if routing and routing.get("n_tokens") else [],
+        "worst": [{**seq, "spans": token_view(seq)} for seq in dist.get("worst_sequences") or []],
+        "worst_has_text": any((s["tokens"].get("text") is not None) for s in dist.get("worst_sequences") or []),
+        "timings": record.get("timings") or {},
+        "samples": record.get("samples") or {},
+        "tokenization_check": record.get("tokenization_check"),
+        "gap_classes": [("g0", f"< {GAP_CLASSES[0]:g}")] + [
+            (f"g{k + 1}", f"{GAP_CLASSES[k]:g} – {GAP_CLASSES[k + 1]:g}") for k in range(len(GAP_CLASSES) - 1)
+        ] + [(f"g{len(GAP_CLASSES)}", f"≥ {GAP_CLASSES[-1]:g}")],
+        "version": __version__,
+        "generated_at": _now(),
+    }
+    return _templates().get_template("run.html.j2").render(**context)
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+# ---- several runs ---------------------------------------------------------------------------
+
+COMPARISON_EXTRA_ROWS = (  # (section, key, label, better)
+    ("metrics_by_turn.later", "k3_kl", "K3 KL, later turns", "lower"),
+    ("decode_vs_prefill", "k3_kl", "K3 KL, decode vs prefill", "lower"),
+)
+
+
+def _settings(record: dict) -> dict[str, str]:
+    """Flat settings of a run, for the table of what differs between runs."""
+    flat = {"hardware": gpu_type(record)}
+    env = record.get("environment") or {}
+    inputs = record.get("inputs") or {}
+    flat["model"] = inputs.get("model")
+    flat["prompts"] = f"{inputs.get('prompts')} ({inputs.get('n_prompts')} × {(record.get('spec') or {}).get('sampling', {}).get('n')})"
+    flat["driver / CUDA"] = f"{env.get('nvidia_driver') or '-'} / {env.get('cuda') or '-'}"
+    for k, v in {**(env.get("packages") or {}), **((record.get("engine") or {}).get("versions") or {})}.items():
+        flat[k] = v
+    skip = {"requested", "versions", "routing", "routing_unavailable", "per_request_seeds_off_because"}
+    for k, v in (record.get("engine") or {}).items():
+        if k not in skip:
+            flat[f"engine.{k}"] = v
+    for k, v in (record.get("reference") or {}).items():
+        if k != "versions":
+            flat[f"reference.{k}"] = v
+    for k, v in ((record.get("spec") or {}).get("sampling") or {}).items():
+        flat[f"sampling.{k}"] = v
+    sem = record.get("logprob_semantics") or {}
+    flat["reference log-probs"] = (sem.get("reference") or {}).get("distribution")
+    return {k: (json.dumps(v) if isinstance(v, (dict, list)) else ("-" if v is None else str(v))) for k, v in flat.items()}
+
+
+def _lookup(record: dict, dotted: str) -> dict:
+    node = record
+    for part in dotted.split("."):
+        node = (node or {}).get(part) or {}
+    return node
+
+
+def render_comparison(runs: list[RunData]) -> str:
+    """Several runs side by side, grouped by hardware type: settings that differ, every headline
+    metric with the best and the worst run marked, and overlaid distributions."""
+    from .plots import RUN_COLORS, comparison_figures
+
+    names = [run_label(r.record, r.path) for r in runs]
+    for k, run in enumerate(runs):
+        # runs of one probe spec share its name; their directories tell them apart
+        run.label = names[k] if names.count(names[k]) == 1 else run.path.name
+        run.color = RUN_COLORS[k % len(RUN_COLORS)]
+    labels = [r.label for r in runs]
+    for k, run in enumerate(runs):
+        if labels.count(run.label) > 1:
+            run.label = f"{run.label} ({k + 1})"
+    # group by hardware type, keeping the order in which types first appear
+    order = list(dict.fromkeys(gpu_type(r.record) for r in runs))
+    runs = sorted(runs, key=lambda r: order.index(gpu_type(r.record)))
+    groups = [{"name": g, "runs": [r for r in runs if gpu_type(r.record) == g]} for g in order]
+
+    settings = [_settings(r.record) for r in runs]
+    keys = list(dict.fromkeys(k for s in settings for k in s))
+    differing = [{"key": k, "values": [s.get(k, "-") for s in settings]} for k in keys
+                 if len({s.get(k, "-") for s in settings}) > 1]
+
+    metric_rows = []
+    for doc in METRIC_DOCS:
+        values = [(r.record.get("metrics") or {}).get(doc.key) for r in runs]
+        best, worst = rank(values, doc.better)
+        metric_rows.append({"label": doc.label, "key": doc.key, "meaning": doc.meaning,
+                            "cells": [{"text": fmt(v), "best": i in best, "worst": i in worst}
+                                      for i, v in enumerate(values)]})
+    for section, key, label, better in COMPARISON_EXTRA_ROWS:
+        values = [_lookup(r.record, section).get(key) for r in runs]
+        if all(v is None for v in values):
+            continue
+        best, worst = rank(values, better)
+        metric_rows.append({"label": label, "key": f"{section}.{key}", "meaning": METRIC_DOC[key].meaning,
+                            "cells": [{"text": fmt(v), "best": i in best, "worst": i in worst}
+                                      for i, v in enumerate(values)]})
+    correction_rows = []
+    for key, (name, what) in CORRECTION_DOCS.items():
+        values = [(r.record.get("corrections") or {}).get(key) for r in runs]
+        best, worst = rank(values, "lower")
+        correction_rows.append({"label": name, "key": key, "meaning": what,
+                                "cells": [{"text": pct(v), "best": i in best, "worst": i in worst}
+                                          for i, v in enumerate(values)]})
+
+    warnings = []
+    for what in ("model", "prompts"):
+        if len({s.get(what) for s in settings}) > 1:
+            warnings.append(f"The runs use different {what}; their numbers measure different things.")
+    thresholds = {json.dumps((r.record.get("corrections") or {}).get("thresholds"), sort_keys=True) for r in runs}
+    if len(thresholds) > 1:
+        warnings.append("The runs use different correction thresholds; their what-if shares are not comparable.")
+
+    figure_runs = [{"label": r.label, "color": r.color, "record": r.record, "dist": r.dist} for r in runs]
+    context = {
+        "title": f"mismatch-probe: {len(runs)} runs compared",
+        "runs": [{"label": r.label, "color": r.color, "path": str(r.path), "hardware": gpu_type(r.record),
+                  "engine": engine_label(r.record), "reference": reference_label(r.record),
+                  "tokens": (r.record.get("metrics") or {}).get("n_model_tokens"),
+                  "sequences": (r.record.get("metrics") or {}).get("n_sequences"),
+                  "created_at": r.record.get("created_at"),
+                  "notes": _notes(r.record)} for r in runs],
+        "groups": [{"name": g["name"], "span": len(g["runs"])} for g in groups],
+        "differing": differing,
+        "metric_rows": metric_rows,
+        "correction_rows": correction_rows,
+        "warnings": warnings,
+        "figures": [{**f, "src": _data_uri(f["png"])} for f in comparison_figures(figure_runs)],
+        "version": __version__,
+        "generated_at": _now(),
+    }
+    return _templates().get_template("compare.html.j2").render(**context)
+
+
+@dataclass
+class WrittenReport:
+    path: Path
+    n_bytes: int
+    seconds: float
+    n_runs: int
+
+
+def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> WrittenReport:
+    """Render the report of one run (default ``<run>/report.html``) or the comparison of several
+    (default ``compare.html``) and write it atomically."""
+    if not run_dirs:
+        raise ConfigError("no run directories given", hint="mismatch-probe report RUN_DIR [RUN_DIR ...]")
+    t0 = time.perf_counter()
+    runs = [load_run(d) for d in run_dirs]
+    html = render_run(runs[0]) if len(runs) == 1 else render_comparison(runs)
+    target = Path(out) if out else (runs[0].path / REPORT_HTML if len(runs) == 1 else Path("compare.html"))
+    if target.is_dir():
+        raise ConfigError(f"--out {target} is a directory", hint="give a file name, e.g. --out compare.html")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(html, encoding="utf-8")
+    tmp.replace(target)
+    return WrittenReport(target, len(html.encode("utf-8")), time.perf_counter() - t0, len(runs))

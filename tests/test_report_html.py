@@ -1,0 +1,186 @@
+"""The HTML report: structure, escaping and self-containment, best/worst marking and grouping in
+comparisons, and the ``report`` command's errors. The browser test is test_report_browser.py."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import re
+import shutil
+from html.parser import HTMLParser
+
+import pytest
+from conftest import cli
+
+from mismatch_probe.distributions import load
+from mismatch_probe.metric_docs import k3_context, rank
+from mismatch_probe.report_html import RunData, load_run, render_comparison, render_run
+
+PAYLOAD = "<script>alert(1)</script>"
+ATTR_PAYLOAD = '"><img src=x onerror=alert(2)>'
+
+
+class Elements(HTMLParser):
+    """Every start tag with its attributes, as a browser's parser would see them."""
+
+    def __init__(self, html: str):
+        super().__init__()
+        self.tags: list[tuple[str, dict]] = []
+        self.text: list[str] = []
+        self.feed(html)
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append((tag, dict(attrs)))
+
+    def handle_data(self, data):
+        self.text.append(data)
+
+
+def assert_inert_and_self_contained(html: str) -> Elements:
+    doc = Elements(html)
+    tags = [t for t, _ in doc.tags]
+    assert "script" not in tags and "iframe" not in tags and "object" not in tags and "link" not in tags
+    for tag, attrs in doc.tags:
+        assert not any(name.startswith("on") for name in attrs), (tag, attrs)
+        for name in ("src", "href"):
+            if name in attrs:  # embedded data or an anchor on the page, never a fetch
+                assert attrs[name].startswith(("data:image/png;base64,", "#")), (tag, attrs[name][:80])
+    assert "url(" not in html.split("</style>")[0]  # no fonts or images pulled in by the CSS
+    csp = [a for t, a in doc.tags if t == "meta" and a.get("http-equiv") == "Content-Security-Policy"]
+    assert csp and "default-src 'none'" in csp[0]["content"]
+    return doc
+
+
+@pytest.mark.slow
+def test_compare_writes_a_report_and_report_rebuilds_it_from_the_directory(bf16_run, tmp_path):
+    html = (bf16_run / "report.html").read_text()
+    doc = assert_inert_and_self_contained(html)
+    for section in ("summary", "setup", "metrics", "figures", "corrections", "worst", "run"):
+        assert f'id="{section}"' in html, section
+    images = [a for t, a in doc.tags if t == "img"]
+    assert len(images) == 7 and all(a["src"].startswith("data:image/png;base64,iVBORw0KGgo") for a in images)
+    rec = json.loads((bf16_run / "run.json").read_text())
+    assert [f["path"] for f in rec["figures"]] == [f"figures/{f['id']}.png" for f in rec["figures"]]
+    text = " ".join(doc.text)
+    assert rec["environment"]["cpu_model"] in text and "torch " + rec["environment"]["packages"]["torch"] in text
+    assert "NeMo-RL" in text and "H20" in text  # published reference points
+    dist = load(bf16_run)
+    worst = dist["worst_sequences"]
+    assert len(worst) == 12 and worst[0]["tokens"]["text"]  # tokens decoded at compare time
+    assert html.count('class="seq"') == 12
+    shown = [t for t, a in doc.tags if t == "span" and "title" in a and a["title"].startswith("p_infer")]
+    assert len(shown) == sum(sum(w["tokens"]["is_model"]) for w in worst)
+
+    out = tmp_path / "again.html"
+    proc = cli("report", str(bf16_run), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "report: " in proc.stdout and "MB" in proc.stdout
+    strip = re.compile(r"generated [^·]*·")
+    assert strip.sub("", out.read_text()) == strip.sub("", html)  # same page, from the directory alone
+
+
+@pytest.mark.slow
+def test_a_run_without_distributions_is_reported_from_its_table(bf16_run, tmp_path):
+    run = tmp_path / "old"
+    shutil.copytree(bf16_run, run)
+    stored = load(run)
+    (run / "distributions.json").unlink()
+    recomputed = load_run(run).dist
+    assert recomputed["groups"] == stored["groups"] and recomputed["sequences"] == stored["sequences"]
+    assert recomputed["worst"] == stored["worst"]
+    assert [w["tokens"]["text"] for w in recomputed["worst_sequences"]] == [w["tokens"]["text"] for w in stored["worst_sequences"]]
+
+
+@pytest.mark.slow
+def test_prompt_and_model_text_is_escaped_everywhere(bf16_run):
+    run = load_run(bf16_run)
+    rec, dist = copy.deepcopy(run.record), copy.deepcopy(run.dist)
+    rec["spec"]["name"] = PAYLOAD
+    rec["inputs"]["model"] = "/models/" + ATTR_PAYLOAD
+    rec["engine"]["quantization"] = PAYLOAD
+    rec["reference"]["attn_implementation"] = ATTR_PAYLOAD
+    rec["environment"]["cpu_model"] = PAYLOAD
+    seq = dist["worst_sequences"][0]
+    seq["prompt_id"] = ATTR_PAYLOAD
+    seq["tokens"]["text"][0] = PAYLOAD
+    seq["tokens"]["text"][-1] = ATTR_PAYLOAD
+    html = render_run(RunData(bf16_run, rec, dist), figures=[])
+    doc = assert_inert_and_self_contained(html)
+    assert PAYLOAD not in html and "<img src=x" not in html
+    text = "".join(doc.text)
+    assert PAYLOAD in text and ATTR_PAYLOAD in text  # shown as text, not parsed as markup
+    assert html.count("&lt;script&gt;alert(1)&lt;/script&gt;") >= 5
+
+
+def _fake_gpu_run(run: RunData, name: str, gpu: str, k3: float, tag: str) -> RunData:
+    rec = copy.deepcopy(run.record)
+    rec["spec"]["name"] = name
+    rec["environment"]["gpus"] = [{"name": gpu, "memory_gib": 80}]
+    rec["engine"]["platform"] = "cuda"
+    rec["reference"]["device"] = "cuda"
+    rec["engine"]["dtype"] = tag
+    rec["metrics"]["k3_kl"] = k3
+    return RunData(run.path, rec, run.dist)
+
+
+@pytest.mark.slow
+def test_comparison_groups_by_gpu_and_marks_best_and_worst(bf16_run):
+    base = load_run(bf16_run)
+    runs = [_fake_gpu_run(base, "h100-a", "NVIDIA H100", 2e-4, "bfloat16"),
+            _fake_gpu_run(base, "a100", "NVIDIA A100", float("inf"), "bfloat16"),
+            _fake_gpu_run(base, "h100-b", "NVIDIA H100", 1e-6, "float32")]
+    runs[1].record["inputs"]["model"] = "/elsewhere/model"
+    html = render_comparison(runs)
+    doc = assert_inert_and_self_contained(html)
+    heads = [(a.get("colspan"), t) for t, a in doc.tags if t == "th" and a.get("colspan") in ("1", "2")]
+    assert heads == [("2", "th"), ("1", "th")]  # H100 (2 runs) first, as it came first, then A100
+    assert re.search(r'colspan="2" class="num">NVIDIA H100<', html) and re.search(r'colspan="1" class="num">NVIDIA A100<', html)
+    row = re.search(r"<code>k3_kl</code></td>(.*?)</tr>", html, re.S).group(1)
+    cells = re.findall(r'<td class="num( best| worst)?">([^<]*)</td>', row)
+    # columns are grouped: h100-a, h100-b, then a100
+    assert [c[1] for c in cells] == ["2.000e-04", "1.000e-06", "inf"]
+    assert [c[0].strip() for c in cells] == ["", "best", "worst"]
+    assert "different model" in html
+    diff = re.search(r'id="differences".*?</section>', html, re.S).group(0)
+    assert "<code>hardware</code>" in diff and "<code>engine.dtype</code>" in diff and "<code>model</code>" in diff
+    assert "<code>sampling.seed</code>" not in diff  # equal in all runs
+    assert len([a for t, a in doc.tags if t == "img"]) == 4
+
+
+def test_rank_picks_best_and_worst_by_direction():
+    assert rank([3.0, 1.0, 2.0], "lower") == ({1}, {0})
+    assert rank([3.0, 1.0, 2.0], "higher") == ({0}, {1})
+    assert rank([-0.5, 0.1, 0.3], "zero") == ({1}, {0})
+    assert rank([None, 2.0, "inf", float("nan")], "lower") == ({1}, {2})
+    assert rank([1.0, 1.0], "lower") == (set(), set())  # nothing to tell apart
+    assert rank([1.0, None], "lower") == (set(), set())
+    assert rank([1.0, 1.0, 2.0], "lower") == ({0, 1}, {2})
+    assert rank([1.0, 2.0], None) == (set(), set())
+
+
+def test_k3_is_placed_among_the_published_gpu_ranges():
+    assert k3_context(None) == ""
+    assert "below" in k3_context(1e-5)
+    assert "H20" in k3_context(5e-4) and "inside" in k3_context(5e-4)
+    assert "L20" in k3_context(1e-3) and "L20" in k3_context(9.9e-3)
+    assert "A100" in k3_context(1e-2)
+    assert "infinite" in k3_context("inf") and "infinite" in k3_context(math.inf)
+
+
+@pytest.mark.slow
+def test_report_command_errors_say_what_to_do(bf16_run, tmp_path):
+    proc = cli("report", str(tmp_path / "nope"))
+    assert proc.returncode == 2 and "not a run directory" in proc.stderr and "Traceback" not in proc.stderr
+    unfinished = tmp_path / "unfinished"
+    shutil.copytree(bf16_run, unfinished)
+    rec = json.loads((unfinished / "run.json").read_text())
+    rec.update(status="failed", error="engine worker died")
+    (unfinished / "run.json").write_text(json.dumps(rec))
+    proc = cli("report", str(unfinished))
+    assert proc.returncode == 2 and "failed: engine worker died" in proc.stderr and "resumes" in proc.stderr
+    proc = cli("report", str(bf16_run), str(bf16_run), "--out", str(tmp_path))
+    assert proc.returncode == 2 and "is a directory" in proc.stderr
+    (unfinished / "run.json").write_text("{")
+    proc = cli("report", str(unfinished))
+    assert proc.returncode == 2 and "not valid JSON" in proc.stderr
