@@ -31,7 +31,7 @@ from .analysis import analyze, json_safe
 from .distributions import DISTRIBUTIONS_JSON, DistributionAccumulator, worst_sequences
 from .distributions import save as save_distributions
 from .engines.base import Engine
-from .errors import ConfigError, DataError
+from .errors import ConfigError, DataError, ProbeError
 from .report_md import render_markdown
 from .sampling import LogprobSemantics, reference_semantics
 from .spec import ProbeSpec
@@ -289,11 +289,17 @@ def run_compare(
     # ---- 4. reports, rendered from what is on disk, as `mismatch-probe report` would ---------
     from .plots import run_figures
 
-    with _timed(timings, "figures_s"):
-        figures = run_figures(json.loads((out / RUN_JSON).read_text()), dist)
-        record["figures"] = _write_figure_files(out, figures)
-    with _timed(timings, "report_s"):
-        _write_reports(out, dist, figures)
+    try:
+        with _timed(timings, "figures_s"):
+            figures = run_figures(json.loads((out / RUN_JSON).read_text()), dist)
+            record["figures"] = _write_figure_files(out, figures)
+        with _timed(timings, "report_s"):
+            _write_reports(out, dist, figures)
+    except Exception as exc:  # the run itself is complete on disk; only its rendering failed
+        if isinstance(exc, ProbeError):
+            raise
+        raise ProbeError(f"the run is complete in {out}, but rendering its report failed: {type(exc).__name__}: {exc}",
+                         hint=f"re-render it with `mismatch-probe report {out}`; --debug shows the traceback") from exc
     timings["total_s"] = round(time.perf_counter() - t_start, 3)
     _write_record(out, record)
     final = _write_reports(out, dist, figures)  # again, so their timing tables are complete

@@ -442,9 +442,10 @@ def render_comparison(runs: list[RunData]) -> str:
     for k, run in enumerate(runs):
         if labels.count(run.label) > 1:
             run.label = f"{run.label} ({k + 1})"
-    # group by hardware type, keeping the order in which types first appear
+    # group by hardware type (in the order types first appear), then by configuration
     order = list(dict.fromkeys(gpu_type(r.record) for r in runs))
-    runs = sorted(runs, key=lambda r: order.index(gpu_type(r.record)))
+    runs = sorted(runs, key=lambda r: (order.index(gpu_type(r.record)), engine_label(r.record),
+                                       reference_label(r.record)))
     groups = [{"name": g, "runs": [r for r in runs if gpu_type(r.record) == g]} for g in order]
 
     settings = [_settings(r.record) for r in runs]

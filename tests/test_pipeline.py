@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import DENSE, SINGLE_TURN
+from conftest import DENSE, SINGLE_TURN, cli
 from fake_engine import FakeEngine
 
 from mismatch_probe import engines
@@ -74,3 +74,21 @@ def test_overwrite_refuses_a_directory_that_is_not_a_run(tmp_path):
     with pytest.raises(ConfigError, match="holds no run"):
         run(s, overwrite=True)
     assert (tmp_path / "keep.txt").read_text() == "precious"
+
+
+def test_a_report_that_fails_to_render_keeps_the_complete_run(tmp_path, monkeypatch):
+    import mismatch_probe.plots as plots
+    from mismatch_probe.errors import ProbeError
+
+    def broken(record, dist):
+        raise ValueError("no backend")
+
+    monkeypatch.setattr(plots, "run_figures", broken)
+    with pytest.raises(ProbeError, match="complete in .*rendering its report failed: ValueError: no backend"):
+        run(spec(tmp_path / "r"))
+    rec = json.loads((tmp_path / "r" / "run.json").read_text())
+    assert rec["status"] == "complete" and rec["metrics"]["n_sequences"] == 5
+    monkeypatch.undo()
+    proc = cli("report", str(tmp_path / "r"))  # and it renders later from the directory
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "r" / "report.html").is_file()

@@ -141,6 +141,7 @@ def test_committed_examples_render(browser, tmp_path):
     page = LoadedPage(browser, report, height=1500)
     page.check(n_figures=7)
     keep("example-report.png", page.page.screenshot())
+    keep("example-figures.png", page.page.locator("#figures").screenshot())
     page = LoadedPage(browser, comparison, height=1500)
     page.check(n_figures=4)
     keep("example-compare.png", page.page.screenshot())
