@@ -192,7 +192,7 @@ def report(
     from .report_html import write_report
 
     written = write_report(run_dirs, out_file)
-    what = "comparison of {} runs".format(written.n_runs) if written.n_runs > 1 else "report"
+    what = f"comparison of {written.n_runs} runs" if written.n_runs > 1 else "report"
     out.print(f"{what}: {escape(str(written.path))} ({written.n_bytes / 1e6:.2f} MB, rendered in {written.seconds:.1f} s)")
 
 

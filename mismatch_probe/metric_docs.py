@@ -55,7 +55,7 @@ METRIC_DOCS = (
     MetricDoc("log_ppl_infer", "log-ppl (engine)", "mean over sequences of −mean(logp_infer)", "", None),
     MetricDoc("log_ppl_train", "log-ppl (reference)", "mean over sequences of −mean(logp_train)", "", None),
     MetricDoc("n_zero_prob_train", "tokens with p_train = 0",
-              "sampled tokens the reference gives probability 0 (δ = −inf, K3 = inf)", "0", "lower"),
+              "sampled tokens the reference gives probability 0 (δ = −inf, K3 = inf)", "0 is perfect", "lower"),
     MetricDoc("n_model_tokens", "model tokens", "tokens the policy generated; prompt and tool tokens are excluded",
               "", None),
     MetricDoc("n_sequences", "sequences", "sequences with at least one model token (sample-turns per turn group)",

@@ -299,10 +299,10 @@ def overlay_log_ratio(runs: list[dict]):
             if counts.sum():
                 ax.stairs(counts / counts.sum(), finite, color=run["color"], lw=1.4, label=run["label"])
     for ax, what in ((axes[0], "token log-ratio δ"), (axes[1], "sequence log-ratio Σδ")):
-        ax.set_yscale("log")
+        _log_y(ax)
         ax.set_xlabel(what + " (symlog)")
         ax.set_ylabel("share")
-    axes[0].legend(fontsize=7.5, frameon=False, loc="upper left")
+    _legend(axes[0], loc="upper left")
     return fig
 
 
@@ -314,13 +314,13 @@ def overlay_seq_max_mismatch(runs: list[dict]):
         lo = edges[0]
         if counts.sum():
             ax.stairs(counts / counts.sum(), edges, color=run["color"], lw=1.4, label=run["label"])
+    _log_y(ax)
     ax.axvline(0.5, color="#d62728", ls="--", lw=1)
     ax.set_xscale("log")
-    ax.set_yscale("log")
     ax.set_xlim(lo, 1.0)
     ax.set_xlabel("max |p_train − p_infer| in the sequence (log)")
     ax.set_ylabel("share of sequences")
-    ax.legend(fontsize=7.5, frameon=False)
+    _legend(ax)
     return fig
 
 
@@ -331,14 +331,16 @@ def overlay_abs_delta_by_p_infer(runs: list[dict]):
         rows = (run["record"].get("breakdowns") or {}).get("p_infer_buckets") or []
         labels = labels or _bucket_labels(rows)
         idx = [i for i, r in enumerate(rows) if r.get("count")]
+        if not idx:
+            continue
         ax.plot(idx, [max(rows[i]["abs_delta_p99"], FLOOR) for i in idx], color=run["color"], marker="o", ms=3,
                 label=f"{run['label']} p99")
         ax.plot(idx, [max(rows[i]["abs_delta_mean"], FLOOR) for i in idx], color=run["color"], ls=":", lw=1)
-    ax.set_yscale("log")
+    _log_y(ax)
     ax.set_xticks(range(len(labels)), labels, rotation=30, fontsize=8)
     ax.set_xlabel("p_infer bucket")
     ax.set_ylabel("|delta|  (solid p99, dotted mean)")
-    ax.legend(fontsize=7.5, frameon=False)
+    _legend(ax)
     return fig
 
 
@@ -346,21 +348,38 @@ def overlay_position(runs: list[dict]):
     fig, (ax,) = _figure(6.8, 4.0)
     for run in runs:
         rows = (run["record"].get("breakdowns") or {}).get("position_buckets") or []
+        if not rows:
+            continue
         centers = [math.sqrt(max(r["position_lo"], 1) * (r["position_hi"] or max(r["position_lo"], 1) * 2))
                    for r in rows]
         ax.plot(centers, [max(r["prob_diff_mean"], FLOOR) for r in rows], color=run["color"], marker="o", ms=3,
                 label=f"{run['label']} mean")
         ax.plot(centers, [max(r["prob_diff_max"], FLOOR) for r in rows], color=run["color"], ls=":", lw=1)
-    from matplotlib.ticker import FuncFormatter, NullFormatter
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
+    _log_y(ax)
     ax.set_xscale("log")
+    ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1, 2, 5)))
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.set_yscale("log")
     ax.set_xlabel("token position")
     ax.set_ylabel("|Δp|  (solid mean, dotted max)")
-    ax.legend(fontsize=7.5, frameon=False)
+    _legend(ax)
     return fig
+
+
+def _log_y(ax) -> None:
+    """A log y axis where a run's series was drawn (each has a label); an axis with none (no model
+    tokens in any run) says so instead."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.set_yscale("log")
+    else:
+        ax.text(0.5, 0.5, "no model tokens", transform=ax.transAxes, ha="center", color="#888")
+
+
+def _legend(ax, **kw) -> None:
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7.5, frameon=False, **kw)
 
 
 def comparison_figures(runs: list[dict]) -> list[dict]:

@@ -99,7 +99,9 @@ def _tokenizer_if_present(record: dict):
 def gpu_type(record: dict) -> str:
     env = record.get("environment") or {}
     names = list(dict.fromkeys(g.get("name") for g in env.get("gpus") or [] if g.get("name")))
-    if names and ((record.get("reference") or {}).get("device") != "cpu" or (record.get("engine") or {}).get("platform") != "cpu"):
+    eng = record.get("engine") or {}
+    devices = {str(eng.get("platform") or eng.get("device") or ""), str((record.get("reference") or {}).get("device") or "")}
+    if names and devices != {"cpu"}:  # a GPU machine where both sides ran on the CPU is a CPU run
         return " + ".join(names)
     return f"CPU: {env.get('cpu_model') or env.get('device_name') or 'unknown'}"
 

@@ -184,3 +184,30 @@ def test_report_command_errors_say_what_to_do(bf16_run, tmp_path):
     (unfinished / "run.json").write_text("{")
     proc = cli("report", str(unfinished))
     assert proc.returncode == 2 and "not valid JSON" in proc.stderr
+
+
+def test_gpu_type_names_the_hardware_that_ran_the_probe():
+    from mismatch_probe.report_html import gpu_type
+
+    env = {"gpus": [{"name": "NVIDIA H20"}, {"name": "NVIDIA H20"}], "cpu_model": "Xeon"}
+    assert gpu_type({"environment": env, "engine": {"platform": "cuda"}, "reference": {"device": "cuda"}}) == "NVIDIA H20"
+    assert gpu_type({"environment": env, "engine": {"device": "cuda"}, "reference": {"device": "cpu"}}) == "NVIDIA H20"
+    assert gpu_type({"environment": env, "engine": {"device": "cpu"}, "reference": {"device": "cpu"}}) == "CPU: Xeon"
+    assert gpu_type({"environment": {"gpus": [], "cpu_model": "EPYC"}}) == "CPU: EPYC"
+
+
+def test_a_run_with_no_model_tokens_renders(tmp_path):
+    """Every response empty: nothing to plot, nothing to rank, and the page still says so."""
+    from mismatch_probe.distributions import DistributionAccumulator
+    from mismatch_probe.metrics import MetricsAccumulator
+
+    empty = MetricsAccumulator()
+    dist = DistributionAccumulator().finish(empty, {"first": empty, "later": empty})
+    dist["worst_sequences"] = []
+    record = {"status": "complete", "metrics": empty.metrics(), "metrics_by_turn": {"first": empty.metrics(),
+              "later": empty.metrics()}, "corrections": empty.corrections(), "breakdowns": empty.breakdowns(),
+              "spec": {"name": "empty"}, "environment": {"gpus": [], "cpu_model": "EPYC"}}
+    html = render_run(RunData(tmp_path, record, dist))
+    assert_inert_and_self_contained(html)
+    assert "No model tokens." in html and html.count("data:image/png;base64,") == 7
+    assert render_comparison([RunData(tmp_path, record, dist), RunData(tmp_path / "b", record, dist)])
