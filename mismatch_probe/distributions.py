@@ -191,7 +191,8 @@ def worst_sequences(run_dir: str | Path, worst: list[dict], tokenizer=None, *, h
         ids = cols["token_id"][sel].astype(np.int64)
         text = [tokenizer.decode([int(i)], skip_special_tokens=False, clean_up_tokenization_spaces=False)
                 for i in ids] if tokenizer is not None else None
-        delta = np.log(p_train[model]) - np.log(p_infer[model]) if model.any() else np.zeros(0)
+        with np.errstate(divide="ignore"):  # p_train = 0 gives delta = -inf, as in the metrics
+            delta = np.log(p_train[model]) - np.log(p_infer[model]) if model.any() else np.zeros(0)
         out.append({
             "sample_id": int(item["sample_id"]),
             "prompt_id": str(cols["prompt_id"][rows[0]]),

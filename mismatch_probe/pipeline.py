@@ -288,10 +288,11 @@ def run_compare(
 
     # ---- 4. reports, rendered from what is on disk, as `mismatch-probe report` would ---------
     from .plots import run_figures
+    from .report_html import with_numbers
 
     try:
         with _timed(timings, "figures_s"):
-            figures = run_figures(json.loads((out / RUN_JSON).read_text()), dist)
+            figures = run_figures(with_numbers(json.loads((out / RUN_JSON).read_text())), dist)
             record["figures"] = _write_figure_files(out, figures)
         with _timed(timings, "report_s"):
             _write_reports(out, dist, figures)
@@ -324,9 +325,11 @@ def _write_figure_files(run_dir: Path, figures: list[dict]) -> list[dict]:
 def _write_reports(run_dir: Path, dist: dict, figures: list[dict]) -> dict:
     from .report_html import REPORT_HTML, RunData, render_run
 
+    from .report_html import with_numbers
+
     record = json.loads((run_dir / RUN_JSON).read_text())
     (run_dir / REPORT_MD).write_text(render_markdown(record))
-    html = render_run(RunData(run_dir, record, dist), figures)
+    html = render_run(RunData(run_dir, with_numbers(record), dist), figures)
     tmp = run_dir / (REPORT_HTML + ".tmp")
     tmp.write_text(html, encoding="utf-8")
     tmp.replace(run_dir / REPORT_HTML)

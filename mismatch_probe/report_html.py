@@ -51,7 +51,7 @@ def load_run(run_dir: str | Path) -> RunData:
         raise ConfigError(f"{run_dir} is not a run directory: it has no {RUN_JSON}",
                           hint="pass the directory that `mismatch-probe compare` wrote (its --out)")
     try:
-        record = json.loads(path.read_text())
+        record = with_numbers(json.loads(path.read_text()))
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path} is not valid JSON ({exc})") from None
     if record.get("status") != "complete" or not record.get("metrics"):
@@ -62,6 +62,23 @@ def load_run(run_dir: str | Path) -> RunData:
     if dist is None:
         dist = compute_distributions(run_dir, record)
     return RunData(run_dir, record, dist)
+
+
+NUMERIC_SECTIONS = ("metrics", "metrics_by_turn", "metrics_by_turn_index", "decode_vs_prefill", "corrections",
+                    "corrections_by_turn", "breakdowns", "breakdowns_by_turn", "routing")
+
+
+def with_numbers(record: dict) -> dict:
+    """run.json stores infinities as "inf" / "-inf" (strict JSON has none); the metric sections get
+    them back as floats, so renderers compare, rank and plot numbers only."""
+    def restore(v):
+        if isinstance(v, dict):
+            return {k: restore(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [restore(x) for x in v]
+        return float(v) if v in ("inf", "-inf") else v
+
+    return {k: restore(v) if k in NUMERIC_SECTIONS else v for k, v in record.items()}
 
 
 def compute_distributions(run_dir: Path, record: dict, tokenizer=None) -> dict:

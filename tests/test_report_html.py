@@ -211,3 +211,38 @@ def test_a_run_with_no_model_tokens_renders(tmp_path):
     assert_inert_and_self_contained(html)
     assert "No model tokens." in html and html.count("data:image/png;base64,") == 7
     assert render_comparison([RunData(tmp_path, record, dist), RunData(tmp_path / "b", record, dist)])
+
+
+@pytest.mark.slow
+def test_a_token_the_reference_gives_probability_zero_is_reported_not_crashed(bf16_run, tmp_path):
+    """p_train = 0 makes K3 and |delta| infinite (run.json stores "inf"); every renderer must cope.
+    The vLLM top-p test meets this for real; here one token of a real run is set to -inf and the
+    run re-analyzed by resuming it."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    run = tmp_path / "zero"
+    shutil.copytree(bf16_run, run)
+    shard = run / "tokens.parquet" / "part-00000.parquet"
+    table = pq.read_table(shard)
+    lt = table.column("logp_train").to_numpy(zero_copy_only=False).copy()
+    first_model = int(np.flatnonzero(table.column("is_model_token").to_numpy(zero_copy_only=False))[3])
+    lt[first_model] = -np.inf
+    table = table.set_column(table.schema.get_field_index("logp_train"), "logp_train",
+                             pa.array(lt, pa.float32(), mask=np.isnan(lt)))
+    pq.write_table(table, shard)
+    spec = json.loads((run / "run.json").read_text())["spec"]
+    proc = cli("compare", "--model", spec["model"], "--prompts", spec["prompts"], "--out", str(run),
+               "--engine-dtype", "bfloat16", "--train-dtype", "float32", "--max-tokens", "48", "--n", "2",
+               "--max-prompts", "16", "--seed", "7")
+    assert proc.returncode == 0, proc.stderr
+    rec = json.loads((run / "run.json").read_text())
+    assert rec["metrics"]["k3_kl"] == "inf" and rec["metrics"]["n_zero_prob_train"] == 1
+    html = (run / "report.html").read_text()
+    assert "infinite: the reference gives some sampled token probability 0" in html
+    assert load(run)["groups"]["first"]["log_ratio_hist"][0] == 1
+    proc = cli("report", str(bf16_run), str(run), "--out", str(tmp_path / "c.html"))
+    assert proc.returncode == 0, proc.stderr
+    row = re.search(r"<code>k3_kl</code></td>(.*?)</tr>", (tmp_path / "c.html").read_text(), re.S).group(1)
+    assert re.findall(r'<td class="num( best| worst)?">([^<]*)</td>', row)[1] == (" worst", "inf")
