@@ -18,7 +18,7 @@ import functools
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import __version__
@@ -36,9 +36,8 @@ class RunData:
     path: Path
     record: dict
     dist: dict
-    label: str = ""
+    label: str = ""  # set for comparisons
     color: str = ""
-    figures: list = field(default_factory=list)
 
 
 def load_run(run_dir: str | Path) -> RunData:
@@ -369,6 +368,7 @@ def render_run(run: RunData, figures: list[dict] | None = None) -> str:
     if figures is None:
         figures = run_figures(record, dist)
     columns, metric_rows = _metric_rows(record)
+    corrections = _correction_rows(record)
     bd = record.get("breakdowns") or {}
     routing = record.get("routing")
     context = {
@@ -383,8 +383,8 @@ def render_run(run: RunData, figures: list[dict] | None = None) -> str:
         "metric_columns": columns,
         "metric_rows": metric_rows,
         "figures": [{**f, "src": _data_uri(f["png"])} for f in figures],
-        "corrections": _correction_rows(record),
-        "correction_columns": ["all"] + (["first turn", "later turns"] if len(_correction_rows(record)[0]["values"]) > 1 else []),
+        "corrections": corrections,
+        "correction_columns": ["all"] + (["first turn", "later turns"] if len(corrections[0]["values"]) > 1 else []),
         "p_buckets": bd.get("p_infer_buckets") or [],
         "by_turn_index": (record.get("metrics_by_turn_index") or {}) if len(record.get("metrics_by_turn_index") or {}) > 1 else {},
         "routing": routing if routing and routing.get("n_tokens") else None,
