@@ -37,6 +37,7 @@ from .sampling import LogprobSemantics, reference_semantics
 from .spec import ProbeSpec
 from .table import (
     ROLLOUTS_DIR,
+    RUN_JSON,
     SCHEMA_VERSION,
     TOKENS_DIR,
     Rollout,
@@ -47,7 +48,6 @@ from .table import (
     write_table_atomic,
 )
 
-RUN_JSON = "run.json"
 REPORT_MD = "report.md"
 ENGINE_LOG = "engine.log"
 

@@ -24,8 +24,10 @@ from pathlib import Path
 from . import __version__
 from .errors import ConfigError
 from .metric_docs import CORRECTION_DOCS, METRIC_DOC, METRIC_DOCS, k3_context, rank
+from .summary import fmt as summary_fmt
+from .summary import plain_notes
+from .table import RUN_JSON
 
-RUN_JSON = "run.json"
 REPORT_HTML = "report.html"
 # token colour classes by |p_train - p_infer|: upper bounds of g0 .. g4, g5 above
 GAP_CLASSES = (1e-4, 1e-3, 1e-2, 0.1, 0.5)
@@ -169,8 +171,6 @@ def run_label(record: dict, path: Path) -> str:
 
 
 def fmt(value) -> str:
-    from .summary import fmt as summary_fmt
-
     if isinstance(value, float) and math.isnan(value):
         return "NaN"
     if isinstance(value, float) and 0.9999 < abs(value) < 1.0001 and abs(value) != 1.0:
@@ -341,14 +341,6 @@ def _correction_rows(record: dict) -> list[dict]:
     return rows
 
 
-def _notes(record: dict) -> list[str]:
-    import re
-
-    from .summary import notes
-
-    return [re.sub(r"\[/?[a-z ]*\]", "", line) for line in notes(record)]
-
-
 @functools.cache
 def _templates():
     from jinja2 import Environment, PackageLoader, StrictUndefined
@@ -378,7 +370,7 @@ def render_run(run: RunData, figures: list[dict] | None = None) -> str:
         "record": record,
         "status": record.get("status"),
         "headline": _headline(record),
-        "notes": _notes(record),
+        "notes": plain_notes(record),
         "environment": _environment_rows(record),
         "metric_columns": columns,
         "metric_rows": metric_rows,
@@ -511,7 +503,7 @@ def render_comparison(runs: list[RunData]) -> str:
                   "tokens": (r.record.get("metrics") or {}).get("n_model_tokens"),
                   "sequences": (r.record.get("metrics") or {}).get("n_sequences"),
                   "created_at": r.record.get("created_at"),
-                  "notes": _notes(r.record)} for r in runs],
+                  "notes": plain_notes(r.record)} for r in runs],
         "groups": [{"name": g["name"], "span": len(g["runs"])} for g in groups],
         "differing": differing,
         "metric_rows": metric_rows,

@@ -6,10 +6,9 @@ user (model paths, ids) is escaped for Markdown table cells.
 
 from __future__ import annotations
 
-import re
-
 from .metric_docs import METRIC_DOCS
-from .summary import fmt, notes
+from .summary import fmt, plain_notes
+
 
 def _cell(value) -> str:
     return str(value).replace("|", "\\|").replace("\n", " ")
@@ -74,7 +73,7 @@ def render_markdown(record: dict) -> str:
             row.append(fmt(prefill.get(key)) if key != "log_ppl_train" else "-")
         rows.append(row + [note])
     out += _table(header, rows)
-    remarks = [re.sub(r"\[/?[a-z ]*\]", "", line) for line in notes(record)]  # drop rich markup
+    remarks = plain_notes(record)
     if remarks:
         out += [""] + [f"- {line}" for line in remarks]
 

@@ -3,6 +3,8 @@ are computed here, they all come from run.json."""
 
 from __future__ import annotations
 
+import re
+
 from rich.table import Table
 
 SUMMARY_ROWS = (
@@ -88,6 +90,11 @@ def notes(record: dict) -> list[str]:
     if prefill.get("skipped"):
         out.append(f"decode vs prefill: not measured, {prefill['skipped']}")
     return out
+
+
+def plain_notes(record: dict) -> list[str]:
+    """:func:`notes` without rich markup, for the Markdown and HTML reports."""
+    return [re.sub(r"\[/?[a-z ]*\]", "", line) for line in notes(record)]
 
 
 TIMING_LABELS = (

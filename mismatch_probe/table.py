@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 SCHEMA_VERSION = 2  # 2: logp_prefill
+RUN_JSON = "run.json"
 ROLLOUTS_DIR = "rollouts"
 TOKENS_DIR = "tokens.parquet"
 
