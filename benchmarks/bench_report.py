@@ -10,7 +10,9 @@ two turns, 30% prompt/tool tokens) plus its run.json, then measures, in one proc
 - rendering report.html from the run directory (what ``mismatch-probe report RUN`` does);
 - the same for a run without distributions.json (recomputed from the table);
 - a comparison of two such runs;
-and prints the HTML sizes, which must stay under 5 MB whatever the token count.
+and prints the HTML sizes, which must stay under 5 MB whatever the token count. With
+``--chromium PATH`` (and playwright installed) it also times loading each page in headless
+Chromium, to the load event and to a full-page screenshot.
 """
 
 from __future__ import annotations
@@ -65,9 +67,30 @@ def make_run(run: Path, tokens: int, seed: int) -> dict:
             "distributions_json_bytes": (run / "distributions.json").stat().st_size}
 
 
+def browser_times(chromium: str, pages: list[Path]) -> list[tuple[float, float]]:
+    from playwright.sync_api import sync_playwright
+
+    out = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync", "--no-first-run"])
+        for page_path in pages:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            t0 = time.perf_counter()
+            page.goto(page_path.as_uri(), wait_until="load")
+            loaded = time.perf_counter() - t0
+            page.screenshot(full_page=True)
+            out.append((loaded, time.perf_counter() - t0))
+            page.close()
+        browser.close()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=10_000_000)
+    ap.add_argument("--chromium", help="time the pages in this Chromium too (needs playwright)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         a, b = Path(tmp) / "a", Path(tmp) / "b"
@@ -89,6 +112,9 @@ def main() -> None:
         both = write_report([a, b], Path(tmp) / "compare.html")
         print(f"comparison of two runs: {both.n_bytes / 1e6:.2f} MB in {both.seconds:.2f} s")
         print(f"peak RSS of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
+        if args.chromium:
+            for name, (loaded, shot) in zip(("report", "comparison"), browser_times(args.chromium, [one.path, both.path])):
+                print(f"{name} in headless Chromium: load event {loaded:.2f} s, full-page screenshot done at {shot:.2f} s")
         for name, r in (("report", one), ("comparison", both)):
             if r.n_bytes > LIMIT_BYTES:
                 sys.exit(f"{name} is {r.n_bytes / 1e6:.2f} MB, over the 5 MB budget")
