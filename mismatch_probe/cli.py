@@ -138,6 +138,7 @@ def compare(
     max_prompts: Annotated[Optional[int], typer.Option(help="Use only the first N prompts.")] = None,
     max_turns: Annotated[Optional[int], typer.Option(help="Assistant turns per sample; tool calls run between turns.")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing run in --out instead of resuming it.")] = False,
+    gate_file: Annotated[Optional[Path], typer.Option("--gate", help="Thresholds file (TOML): gate the finished run on it; exit 1 if a check fails.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the run record (run.json) to stdout.")] = False,
 ) -> None:
     """Sample with an engine, score the same tokens with a training-style forward, report the mismatch."""
@@ -145,6 +146,16 @@ def compare(
     from .spec import ProbeSpec, apply_overrides, load_spec_file
     from .summary import corrections_table, metrics_table, notes, routing_line, timing_line
 
+    gate = None
+    if gate_file is not None:  # a bad thresholds file fails now, not after the run
+        from .gate import load_gate
+
+        gate = load_gate(gate_file)
+        if gate.needs_baseline:
+            from .errors import ConfigError
+
+            raise ConfigError(f"{gate_file} has baseline-relative checks, and compare --gate takes no baseline",
+                              hint="run compare, then `mismatch-probe gate RUN --thresholds FILE --baseline BASE`")
     spec = load_spec_file(spec_file) if spec_file else ProbeSpec()
     apply_overrides(spec, {
         "model": _path(model), "prompts": _path(prompts), "out": _path(out_dir), "max_prompts": max_prompts, "max_turns": max_turns,
@@ -169,6 +180,8 @@ def compare(
         result = run_compare(spec, progress=progress, overwrite=overwrite)
     if as_json:
         sys.stdout.write(json.dumps(result.record, indent=2) + "\n")
+        if gate is not None:
+            _gate_exit(_gate(result.run_dir, gate_file, None, gate, quiet=True))
         return
     out.print(metrics_table(result.record))
     out.print(corrections_table(result.record))
@@ -180,6 +193,47 @@ def compare(
         out.print(line)
     out.print(f"run directory: {escape(str(result.run_dir))}")
     out.print(f"report: {escape(str(result.run_dir / 'report.html'))} (also report.md)")
+    if gate is not None:
+        _gate_exit(_gate(result.run_dir, gate_file, None, gate))
+
+
+def _gate(run_dir, thresholds, baseline, gate=None, *, quiet=False, junit=None, markdown=None):
+    from .gate import run_gate
+    from .gate_report import junit_xml, markdown as render_markdown, rich_table
+
+    result = run_gate(run_dir, thresholds, baseline, gate)
+    if junit is not None:
+        junit.parent.mkdir(parents=True, exist_ok=True)
+        junit.write_text(junit_xml(result))
+    if markdown is not None:
+        markdown.parent.mkdir(parents=True, exist_ok=True)
+        markdown.write_text(render_markdown(result))
+    if not quiet:
+        out.print(rich_table(result))
+    return result
+
+
+def _gate_exit(result) -> None:
+    if result.exit_code:
+        raise typer.Exit(result.exit_code)
+
+
+@app.command()
+@friendly_errors
+def gate(
+    run_dir: Annotated[Path, typer.Argument(help="Run directory written by compare.", show_default=False)],
+    thresholds: Annotated[Path, typer.Option("--thresholds", help="Checks (TOML), e.g. probes/gate-default.toml.", show_default=False)],
+    baseline: Annotated[Optional[Path], typer.Option(help="Run to compare against, for baseline_factor checks.")] = None,
+    junit: Annotated[Optional[Path], typer.Option(help="Also write JUnit XML here (one testcase per check).")] = None,
+    markdown: Annotated[Optional[Path], typer.Option(help="Also write a Markdown summary here (e.g. $GITHUB_STEP_SUMMARY).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON instead of a table.")] = False,
+) -> None:
+    """Check a run against thresholds: exit 0 when all pass (warnings allowed), 1 when a check fails,
+    2 for a usage or configuration error (a missing, NaN or infinite value fails)."""
+    result = _gate(run_dir, thresholds, baseline, quiet=as_json, junit=junit, markdown=markdown)
+    if as_json:
+        sys.stdout.write(json.dumps(result.to_dict(), indent=2) + "\n")
+    _gate_exit(result)
 
 
 @app.command()

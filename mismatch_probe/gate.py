@@ -1,0 +1,464 @@
+"""The CI gate: threshold checks (data in a TOML file) evaluated against a run's record.
+
+A check names a value, a comparison and a bound::
+
+    [[checks]]
+    name = "mismatch-kl"
+    metric = "k3_kl"                 # a key of run.json's metrics, or a dotted path into run.json
+    op = "<="
+    threshold = 1e-3                 # or: baseline_factor = 1.5 (at most 1.5x the baseline's value)
+    severity = "fail"                # or "warn"
+    description = "..."
+
+or a statistic over the run's sequences, computed from its per-token table::
+
+    [[checks]]
+    sequence_metric = "max_mismatch"
+    statistic = "p99"                # mean, p50, p90, p99, max, share_above (with above = x)
+    turns = "all"                    # all (samples), first or later (sample-turns)
+    op = "<="
+    threshold = 0.2
+
+Statuses: PASS; WARN (a warn-severity check out of bounds); FAIL (a fail-severity check out of
+bounds, or any value that is missing, NaN or infinite: the gate fails closed); ERROR (the check
+could not be evaluated as configured, e.g. a baseline check without a baseline). Evaluation only:
+:mod:`.gate_report` renders the results.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import re
+import tomllib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .errors import ConfigError
+
+OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge, "==": operator.eq}
+SEVERITIES = ("fail", "warn")
+STATISTICS = ("mean", "p50", "p90", "p99", "max", "share_above")
+TURNS = ("all", "first", "later")
+SEQUENCE_METRICS = {
+    "max_mismatch": "largest |p_train - p_infer| of the sequence",
+    "mean_mismatch": "mean |p_train - p_infer| of the sequence",
+    "log_ratio": "sequence log importance ratio, sum of delta",
+    "abs_log_ratio": "|sum of delta|",
+    "geo_ratio": "geometric-mean token ratio, exp(mean delta)",
+    "min_token_ratio": "smallest token ratio of the sequence",
+    "log_ppl_infer": "log-ppl under the engine",
+    "log_ppl_train": "log-ppl under the reference",
+    "log_ppl_abs_diff": "|log-ppl reference - log-ppl engine|",
+    "n_tokens": "model tokens in the sequence",
+}
+CHECK_KEYS = {"name", "metric", "sequence_metric", "statistic", "above", "turns", "op", "threshold",
+              "baseline_factor", "severity", "description", "source"}
+STATUS_ORDER = ("PASS", "WARN", "FAIL", "ERROR")
+
+
+def metric_paths() -> set[str]:
+    """Every dotted path into run.json that a check may name (a typo is an error, not a FAIL)."""
+    from .metrics import CORRECTION_KEYS, MetricsAccumulator
+
+    keys = set(MetricsAccumulator().metrics())
+    paths = {f"metrics.{k}" for k in keys}
+    paths |= {f"metrics_by_turn.{g}.{k}" for g in ("first", "later") for k in keys}
+    paths |= {f"decode_vs_prefill.{k}" for k in keys | {"n_unscored_tokens"}}
+    paths |= {f"corrections.{k}" for k in CORRECTION_KEYS}
+    paths |= {f"corrections_by_turn.{g}.{k}" for g in ("first", "later") for k in CORRECTION_KEYS}
+    paths |= {"routing.tokens_with_flip_share", "tokenization_check.n_differing"}
+    return paths
+
+
+_TURN_INDEX = re.compile(r"^metrics_by_turn_index\.\d+\.(?P<key>\w+)$")
+
+
+def resolve_metric(name: str) -> str:
+    """A check's ``metric`` as a full path: a bare key means ``metrics.<key>``."""
+    return name if "." in name else f"metrics.{name}"
+
+
+@dataclass
+class Check:
+    name: str
+    op: str
+    severity: str = "fail"
+    metric: str | None = None  # full dotted path into run.json
+    sequence_metric: str | None = None
+    statistic: str | None = None
+    above: float | None = None
+    turns: str = "all"
+    threshold: float | None = None
+    baseline_factor: float | None = None
+    description: str = ""
+    source: str = ""
+    line: int = 0  # of its [[checks]] header, for messages
+
+    def describe_value(self) -> str:
+        if self.metric:
+            return self.metric.removeprefix("metrics.")
+        stat = f"share above {self.above:g}" if self.statistic == "share_above" else self.statistic
+        return f"{stat} of {self.sequence_metric} over {'samples' if self.turns == 'all' else self.turns + '-turn sequences'}"
+
+    def describe_bound(self, baseline_value=None) -> str:
+        if self.baseline_factor is not None:
+            base = "baseline" if baseline_value is None else f"baseline {_num(baseline_value)}"
+            return f"{self.op} {self.baseline_factor:g} x {base}"
+        return f"{self.op} {self.threshold:g}"
+
+
+@dataclass
+class GateSpec:
+    path: Path
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def needs_baseline(self) -> bool:
+        return any(c.baseline_factor is not None for c in self.checks)
+
+    @property
+    def needs_sequences(self) -> bool:
+        return any(c.sequence_metric for c in self.checks)
+
+
+def _check_lines(text: str) -> list[int]:
+    return [i + 1 for i, line in enumerate(text.splitlines()) if re.match(r"^\s*\[\[\s*checks\s*\]\]", line)]
+
+
+def _key_line(text: str, header_line: int, key: str) -> int:
+    """The line of ``key = ...`` in the table whose header is at ``header_line`` (0: top level)."""
+    lines = text.splitlines()
+    for i in range(header_line, len(lines)):  # header_line is 1-based: index header_line is the next line
+        if re.match(r"^\s*\[", lines[i]):
+            break
+        if re.match(rf"^\s*{re.escape(key)}\s*=", lines[i]):
+            return i + 1
+    return header_line
+
+
+def load_gate(path: str | Path) -> GateSpec:
+    """Parse and validate a thresholds file; every problem is a :class:`ConfigError` naming its line."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the thresholds file {path}: {exc.strerror}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    unknown_top = set(data) - {"checks"}
+    if unknown_top:
+        key = sorted(unknown_top)[0]
+        line = next((i + 1 for i, t in enumerate(text.splitlines())
+                     if re.match(rf"^\s*(\[+\s*{re.escape(key)}\s*[\].]|{re.escape(key)}\s*=)", t)), 0)
+        raise ConfigError(f"{path}:{line}: unknown top-level key {key!r}",
+                          hint="a thresholds file holds [[checks]] tables only")
+    raw = data.get("checks")
+    if not isinstance(raw, list) or not raw:
+        raise ConfigError(f"{path}: no checks", hint="add [[checks]] tables with metric, op and threshold")
+    headers = _check_lines(text)
+    known = metric_paths()
+    gate = GateSpec(path)
+    names: set[str] = set()
+    for k, item in enumerate(raw):
+        line = headers[k] if k < len(headers) else 0
+        where = f"{path}:{line}"
+
+        def fail(msg: str, key: str | None = None, hint: str | None = None):
+            at = f"{path}:{_key_line(text, line, key)}" if key else where
+            raise ConfigError(f"{at}: check {k + 1}: {msg}", hint=hint)
+
+        for key in item:
+            if key not in CHECK_KEYS:
+                close = _closest(key, CHECK_KEYS)
+                fail(f"unknown key {key!r}", key, hint=f"did you mean {close!r}?" if close else
+                     f"keys are: {', '.join(sorted(CHECK_KEYS))}")
+        if ("metric" in item) == ("sequence_metric" in item):
+            fail("give exactly one of metric (a run.json value) or sequence_metric (a statistic over sequences)")
+        op = item.get("op")
+        if op not in OPS:
+            fail(f"op must be one of {', '.join(OPS)}, got {op!r}", "op" if "op" in item else None)
+        if ("threshold" in item) == ("baseline_factor" in item):
+            fail("give exactly one of threshold (a fixed bound) or baseline_factor (a bound relative to --baseline)")
+        for key in ("threshold", "baseline_factor", "above"):
+            if key in item and (isinstance(item[key], bool) or not isinstance(item[key], (int, float))
+                                or not math.isfinite(item[key])):
+                fail(f"{key} must be a finite number, got {item[key]!r}", key)
+        if "baseline_factor" in item and item["baseline_factor"] <= 0:
+            fail("baseline_factor must be > 0", "baseline_factor")
+        severity = item.get("severity", "fail")
+        if severity not in SEVERITIES:
+            fail(f"severity must be fail or warn, got {severity!r}", "severity")
+        check = Check(name=str(item.get("name") or ""), op=op, severity=severity, threshold=item.get("threshold"),
+                      baseline_factor=item.get("baseline_factor"), description=str(item.get("description", "")),
+                      source=str(item.get("source", "")), line=line)
+        if "metric" in item:
+            if not isinstance(item["metric"], str):
+                fail("metric must be a string", "metric")
+            for key in ("statistic", "above", "turns"):
+                if key in item:
+                    fail(f"{key} goes with sequence_metric, not metric", key)
+            path_ = resolve_metric(item["metric"])
+            m = _TURN_INDEX.match(path_)
+            if path_ not in known and not (m and f"metrics.{m.group('key')}" in known):
+                close = _closest(path_, known)
+                fail(f"unknown metric {item['metric']!r}", "metric",
+                     hint=f"did you mean {close.removeprefix('metrics.')!r}?" if close else
+                     "use a key of run.json's metrics, or a dotted path such as metrics_by_turn.later.k3_kl")
+            check.metric = path_
+        else:
+            if item["sequence_metric"] not in SEQUENCE_METRICS:
+                fail(f"unknown sequence_metric {item['sequence_metric']!r}", "sequence_metric",
+                     hint=f"one of: {', '.join(SEQUENCE_METRICS)}")
+            statistic = item.get("statistic")
+            if statistic not in STATISTICS:
+                fail(f"statistic must be one of {', '.join(STATISTICS)}, got {statistic!r}",
+                     "statistic" if "statistic" in item else None)
+            if (statistic == "share_above") != ("above" in item):
+                fail("share_above needs above = <value>, and above only goes with share_above",
+                     "above" if "above" in item else "statistic")
+            turns = item.get("turns", "all")
+            if turns not in TURNS:
+                fail(f"turns must be all, first or later, got {turns!r}", "turns")
+            check.sequence_metric, check.statistic, check.above, check.turns = (
+                item["sequence_metric"], statistic, item.get("above"), turns)
+        if not check.name:
+            check.name = check.describe_value()
+        if check.name in names:
+            fail(f"duplicate check name {check.name!r}", "name", hint="give each check its own name")
+        names.add(check.name)
+        gate.checks.append(check)
+    return gate
+
+
+def _closest(word: str, options) -> str | None:
+    import difflib
+
+    found = difflib.get_close_matches(word, sorted(options), n=1, cutoff=0.75)
+    return found[0] if found else None
+
+
+# ---- evaluation -----------------------------------------------------------------------------
+
+
+@dataclass
+class CheckResult:
+    name: str
+    status: str
+    value: float | None
+    bound: str
+    message: str
+    severity: str
+    metric: str
+    description: str = ""
+    source: str = ""
+    threshold: float | None = None  # the effective bound (baseline_factor x baseline value for those)
+    baseline_value: float | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class GateResult:
+    run: str
+    thresholds: str
+    baseline: str | None
+    results: list[CheckResult]
+
+    @property
+    def status(self) -> str:
+        return max((r.status for r in self.results), key=STATUS_ORDER.index, default="PASS")
+
+    @property
+    def exit_code(self) -> int:
+        """0: all pass (warnings allowed); 1: a check failed; 2: a check could not be evaluated as
+        configured (an error in the setup, like a usage error)."""
+        statuses = {r.status for r in self.results}
+        return 2 if "ERROR" in statuses else 1 if "FAIL" in statuses else 0
+
+    def counts(self) -> dict[str, int]:
+        return {s: sum(r.status == s for r in self.results) for s in STATUS_ORDER}
+
+    def to_dict(self) -> dict:
+        from .analysis import json_safe
+
+        return json_safe({"status": self.status, "exit_code": self.exit_code, "counts": self.counts(),
+                          "run": self.run, "thresholds": self.thresholds, "baseline": self.baseline,
+                          "checks": [r.to_dict() for r in self.results]})
+
+
+def lookup(record: dict, path: str):
+    """The value at a dotted path of a run record (None when any part is absent)."""
+    node = record
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _number(value) -> float | None:
+    """run.json's value as a float: "inf" / "-inf" strings back to infinities; None stays None."""
+    if value is None or isinstance(value, bool):
+        return None
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return float(value)
+
+
+def _num(v) -> str:
+    if v is None:
+        return "missing"
+    if isinstance(v, float) and (math.isnan(v) or math.isinf(v)):
+        return str(v)
+    return f"{v:.4g}"
+
+
+def sequence_statistic(values, statistic: str, above: float | None) -> float | None:
+    import numpy as np
+
+    from .metrics import quantiles
+
+    values = np.asarray(values, dtype=np.float64)
+    if not len(values):
+        return None
+    if statistic == "mean":
+        return float(values.mean())
+    if statistic == "max":
+        return float(values.max())
+    if statistic == "share_above":
+        return float((values > above).mean())
+    return quantiles(values, {statistic: float(statistic[1:]) / 100})[statistic]
+
+
+def sequence_values(run_dir: str | Path) -> dict[str, dict]:
+    """Per-sequence values of a run, per turn group, streamed from its per-token table."""
+    import numpy as np
+
+    from .analysis import TURN_GROUPS
+    from .metrics import MetricsAccumulator, segment_starts
+    from .table import iter_model_tokens, shard_paths, TOKENS_DIR
+
+    if not shard_paths(Path(run_dir), TOKENS_DIR):
+        raise FileNotFoundError(f"{run_dir} has no per-token table ({TOKENS_DIR}/)")
+    accs = {"all": MetricsAccumulator(), **{g: MetricsAccumulator() for g in TURN_GROUPS}}
+    for shard in iter_model_tokens(Path(run_dir), ("sample_id", "turn", "logp_infer", "logp_train")):
+        sample, turn, lt, li = shard["sample_id"], shard["turn"], shard["logp_train"], shard["logp_infer"]
+        accs["all"].add(lt, li, segment_starts(sample))
+        for g, select in TURN_GROUPS.items():
+            keep = select(turn)
+            if keep.any():
+                accs[g].add(lt[keep], li[keep], segment_starts(sample[keep], turn[keep]))
+    out = {}
+    for g, acc in accs.items():
+        s = acc.sequences()
+        with np.errstate(invalid="ignore", over="ignore"):
+            out[g] = {
+                "max_mismatch": s.max_mismatch, "mean_mismatch": s.mean_mismatch, "log_ratio": s.log_ratio,
+                "abs_log_ratio": np.abs(s.log_ratio), "geo_ratio": s.geo_ratio,
+                "min_token_ratio": np.exp(s.min_token_log_ratio), "log_ppl_infer": s.log_ppl_infer,
+                "log_ppl_train": s.log_ppl_train, "log_ppl_abs_diff": np.abs(s.log_ppl_train - s.log_ppl_infer),
+                "n_tokens": s.n_tokens.astype(np.float64),
+            }
+    return out
+
+
+def _value(check: Check, record: dict, run_dir: Path | None, cache: dict):
+    """(value, None) or (None, error message) for a check on one run."""
+    if check.metric:
+        return _number(lookup(record, check.metric)), None
+    if run_dir is None:
+        return None, "a sequence statistic needs the run directory"
+    key = str(run_dir)
+    if key not in cache:
+        try:
+            cache[key] = sequence_values(run_dir)
+        except (FileNotFoundError, OSError) as exc:
+            cache[key] = exc
+    seqs = cache[key]
+    if isinstance(seqs, Exception):
+        return None, f"cannot compute sequence statistics: {seqs}"
+    return sequence_statistic(seqs[check.turns][check.sequence_metric], check.statistic, check.above), None
+
+
+def evaluate(gate: GateSpec, record: dict, run_dir: str | Path | None = None,
+             baseline: dict | None = None, baseline_dir: str | Path | None = None) -> GateResult:
+    """Every check of ``gate`` on one run (``record`` is its run.json; ``run_dir`` is needed for
+    sequence statistics), relative checks against ``baseline``."""
+    cache: dict = {}
+    results = []
+    run_dir = Path(run_dir) if run_dir is not None else None
+    baseline_dir = Path(baseline_dir) if baseline_dir is not None else None
+    for c in gate.checks:
+        base = dict(name=c.name, severity=c.severity, metric=c.describe_value(), description=c.description,
+                    source=c.source)
+        value, problem = _value(c, record, run_dir, cache)
+        if problem:
+            results.append(CheckResult(status="ERROR", value=None, bound=c.describe_bound(), message=problem, **base))
+            continue
+        bound, baseline_value = c.threshold, None
+        if c.baseline_factor is not None:
+            if baseline is None:
+                results.append(CheckResult(status="ERROR", value=value, bound=c.describe_bound(),
+                                           message="a baseline-relative check, but no --baseline run was given", **base))
+                continue
+            baseline_value, problem = _value(c, baseline, baseline_dir, cache)
+            if problem:
+                results.append(CheckResult(status="ERROR", value=value, bound=c.describe_bound(),
+                                           message=f"baseline: {problem}", **base))
+                continue
+            if baseline_value is None or not math.isfinite(baseline_value):
+                results.append(CheckResult(status="FAIL", value=value, bound=c.describe_bound(baseline_value),
+                                           message=f"the baseline's value is {_num(baseline_value)}; nothing to compare "
+                                                   "against, so the check fails closed",
+                                           baseline_value=baseline_value, **base))
+                continue
+            bound = c.baseline_factor * baseline_value
+        shown_bound = c.describe_bound(baseline_value)
+        if value is None or not math.isfinite(value):
+            results.append(CheckResult(status="FAIL", value=value, bound=shown_bound, threshold=bound,
+                                       baseline_value=baseline_value,
+                                       message=f"value is {_num(value)}: the gate fails closed", **base))
+            continue
+        ok = OPS[c.op](value, bound)
+        status = "PASS" if ok else ("WARN" if c.severity == "warn" else "FAIL")
+        message = (f"{_num(value)} {c.op} {_num(bound)}" if ok else f"{_num(value)} is not {c.op} {_num(bound)}")
+        results.append(CheckResult(status=status, value=value, bound=shown_bound, threshold=bound,
+                                   baseline_value=baseline_value, message=message, **base))
+    return GateResult(str(run_dir) if run_dir else "", str(gate.path), str(baseline_dir) if baseline_dir else None,
+                      results)
+
+
+def read_record(run_dir: str | Path, what: str = "run") -> dict:
+    """A run's run.json for gating (status and presence checked; metrics as stored)."""
+    import json
+
+    from .table import RUN_JSON
+
+    path = Path(run_dir) / RUN_JSON
+    if not path.is_file():
+        raise ConfigError(f"{what} {run_dir} is not a run directory: it has no {RUN_JSON}",
+                          hint="pass the directory that `mismatch-probe compare` wrote (its --out)")
+    try:
+        record = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path} is not valid JSON ({exc})") from None
+    if record.get("status") != "complete":
+        why = f": {record['error']}" if record.get("error") else ""
+        raise ConfigError(f"{what} {run_dir} is {record.get('status', 'incomplete')}{why}; it has no metrics to gate on",
+                          hint="finish it by running the same compare command again (it resumes)")
+    return record
+
+
+def run_gate(run_dir: str | Path, thresholds: str | Path, baseline_dir: str | Path | None = None,
+             gate: GateSpec | None = None) -> GateResult:
+    gate = gate or load_gate(thresholds)
+    record = read_record(run_dir)
+    baseline = read_record(baseline_dir, "baseline") if baseline_dir is not None else None
+    return evaluate(gate, record, run_dir, baseline, baseline_dir)
