@@ -435,30 +435,11 @@ def evaluate(gate: GateSpec, record: dict, run_dir: str | Path | None = None,
                       results)
 
 
-def read_record(run_dir: str | Path, what: str = "run") -> dict:
-    """A run's run.json for gating (status and presence checked; metrics as stored)."""
-    import json
-
-    from .table import RUN_JSON
-
-    path = Path(run_dir) / RUN_JSON
-    if not path.is_file():
-        raise ConfigError(f"{what} {run_dir} is not a run directory: it has no {RUN_JSON}",
-                          hint="pass the directory that `mismatch-probe compare` wrote (its --out)")
-    try:
-        record = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path} is not valid JSON ({exc})") from None
-    if record.get("status") != "complete":
-        why = f": {record['error']}" if record.get("error") else ""
-        raise ConfigError(f"{what} {run_dir} is {record.get('status', 'incomplete')}{why}; it has no metrics to gate on",
-                          hint="finish it by running the same compare command again (it resumes)")
-    return record
-
-
 def run_gate(run_dir: str | Path, thresholds: str | Path, baseline_dir: str | Path | None = None,
              gate: GateSpec | None = None) -> GateResult:
     gate = gate or load_gate(thresholds)
-    record = read_record(run_dir)
-    baseline = read_record(baseline_dir, "baseline") if baseline_dir is not None else None
+    from .table import read_run_record
+
+    record = read_run_record(run_dir)
+    baseline = read_run_record(baseline_dir, "baseline") if baseline_dir is not None else None
     return evaluate(gate, record, run_dir, baseline, baseline_dir)

@@ -26,7 +26,7 @@ from .errors import ConfigError
 from .metric_docs import CORRECTION_DOCS, METRIC_DOC, METRIC_DOCS, k3_context, rank
 from .summary import fmt as summary_fmt
 from .summary import plain_notes
-from .table import RUN_JSON
+from .table import read_run_record
 
 REPORT_HTML = "report.html"
 # token colour classes by |p_train - p_infer|: upper bounds of g0 .. g4, g5 above
@@ -47,18 +47,7 @@ def load_run(run_dir: str | Path) -> RunData:
     from . import distributions
 
     run_dir = Path(run_dir)
-    path = run_dir / RUN_JSON
-    if not path.is_file():
-        raise ConfigError(f"{run_dir} is not a run directory: it has no {RUN_JSON}",
-                          hint="pass the directory that `mismatch-probe compare` wrote (its --out)")
-    try:
-        record = with_numbers(json.loads(path.read_text()))
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path} is not valid JSON ({exc})") from None
-    if record.get("status") != "complete" or not record.get("metrics"):
-        why = f": {record['error']}" if record.get("error") else ""
-        raise ConfigError(f"run {run_dir} is {record.get('status', 'incomplete')}{why}; it has no metrics to report",
-                          hint="finish it by running the same compare command again (it resumes)")
+    record = with_numbers(read_run_record(run_dir))
     dist = distributions.load(run_dir)
     if dist is None:
         dist = compute_distributions(run_dir, record)

@@ -252,3 +252,25 @@ def iter_model_tokens(run_dir: Path, columns=MODEL_TOKEN_COLUMNS) -> Iterator[di
             else t.column(c).to_numpy(zero_copy_only=False)[keep]
             for c in columns
         }
+
+
+def read_run_record(run_dir: str | Path, what: str = "run") -> dict:
+    """A finished run's run.json, as stored; a :class:`ConfigError` that says what to do when the
+    directory is not a run, its record is not JSON, or the run did not complete."""
+    import json
+
+    from .errors import ConfigError
+
+    path = Path(run_dir) / RUN_JSON
+    if not path.is_file():
+        raise ConfigError(f"{what} {run_dir} is not a run directory: it has no {RUN_JSON}",
+                          hint="pass the directory that `mismatch-probe compare` wrote (its --out)")
+    try:
+        record = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path} is not valid JSON ({exc})") from None
+    if record.get("status") != "complete" or not record.get("metrics"):
+        why = f": {record['error']}" if record.get("error") else ""
+        raise ConfigError(f"{what} {run_dir} is {record.get('status', 'incomplete')}{why}; it has no metrics",
+                          hint="finish it by running the same compare command again (it resumes)")
+    return record
