@@ -114,3 +114,30 @@ def json_safe(value):
     if isinstance(value, np.integer):
         return int(value)
     return value
+
+
+NUMERIC_SECTIONS = ("metrics", "metrics_by_turn", "metrics_by_turn_index", "decode_vs_prefill", "corrections",
+                    "corrections_by_turn", "breakdowns", "breakdowns_by_turn", "routing")
+
+
+def with_numbers(record: dict) -> dict:
+    """run.json stores infinities as "inf" / "-inf" (strict JSON has none); the metric sections get
+    them back as floats, so renderers compare, rank and plot numbers only."""
+    def restore(v):
+        if isinstance(v, dict):
+            return {k: restore(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [restore(x) for x in v]
+        return float(v) if v in ("inf", "-inf") else v
+
+    return {k: restore(v) if k in NUMERIC_SECTIONS else v for k, v in record.items()}
+
+
+def lookup(record: dict, path: str):
+    """The value at a dotted path of a run record (None when any part is absent)."""
+    node = record
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .errors import ConfigError
+from .spec import unknown_key
 
 OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge, "==": operator.eq}
 SEVERITIES = ("fail", "warn")
@@ -103,7 +104,7 @@ class Check:
 
     def describe_bound(self, baseline_value=None) -> str:
         if self.baseline_factor is not None:
-            base = "baseline" if baseline_value is None else f"baseline {_num(baseline_value)}"
+            base = "baseline" if baseline_value is None else f"baseline {format_value(baseline_value)}"
             return f"{self.op} {self.baseline_factor:g} x {base}"
         return f"{self.op} {self.threshold:g}"
 
@@ -117,9 +118,6 @@ class GateSpec:
     def needs_baseline(self) -> bool:
         return any(c.baseline_factor is not None for c in self.checks)
 
-    @property
-    def needs_sequences(self) -> bool:
-        return any(c.sequence_metric for c in self.checks)
 
 
 def _check_lines(text: str) -> list[int]:
@@ -172,9 +170,7 @@ def load_gate(path: str | Path) -> GateSpec:
 
         for key in item:
             if key not in CHECK_KEYS:
-                close = _closest(key, CHECK_KEYS)
-                fail(f"unknown key {key!r}", key, hint=f"did you mean {close!r}?" if close else
-                     f"keys are: {', '.join(sorted(CHECK_KEYS))}")
+                raise unknown_key(key, CHECK_KEYS, f"{path}:{_key_line(text, line, key)}: check {k + 1}")
         if ("metric" in item) == ("sequence_metric" in item):
             fail("give exactly one of metric (a run.json value) or sequence_metric (a statistic over sequences)")
         op = item.get("op")
@@ -290,29 +286,15 @@ class GateResult:
                           "checks": [r.to_dict() for r in self.results]})
 
 
-def lookup(record: dict, path: str):
-    """The value at a dotted path of a run record (None when any part is absent)."""
-    node = record
-    for part in path.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    return node
-
-
 def _number(value) -> float | None:
-    """run.json's value as a float: "inf" / "-inf" strings back to infinities; None stays None."""
-    if value is None or isinstance(value, bool):
+    """A record value (infinities already restored by ``with_numbers``) as a float, or None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return None
     return float(value)
 
 
-def _num(v) -> str:
+def format_value(v) -> str:
+    """A checked value for people: "missing", nan and inf spelled out, else 4 significant digits."""
     if v is None:
         return "missing"
     if isinstance(v, float) and (math.isnan(v) or math.isinf(v)):
@@ -372,6 +354,8 @@ def sequence_values(run_dir: str | Path) -> dict[str, dict]:
 def _value(check: Check, record: dict, run_dir: Path | None, cache: dict):
     """(value, None) or (None, error message) for a check on one run."""
     if check.metric:
+        from .analysis import lookup
+
         return _number(lookup(record, check.metric)), None
     if run_dir is None:
         return None, "a sequence statistic needs the run directory"
@@ -415,7 +399,7 @@ def evaluate(gate: GateSpec, record: dict, run_dir: str | Path | None = None,
                 continue
             if baseline_value is None or not math.isfinite(baseline_value):
                 results.append(CheckResult(status="FAIL", value=value, bound=c.describe_bound(baseline_value),
-                                           message=f"the baseline's value is {_num(baseline_value)}; nothing to compare "
+                                           message=f"the baseline's value is {format_value(baseline_value)}; nothing to compare "
                                                    "against, so the check fails closed",
                                            baseline_value=baseline_value, **base))
                 continue
@@ -424,11 +408,11 @@ def evaluate(gate: GateSpec, record: dict, run_dir: str | Path | None = None,
         if value is None or not math.isfinite(value):
             results.append(CheckResult(status="FAIL", value=value, bound=shown_bound, threshold=bound,
                                        baseline_value=baseline_value,
-                                       message=f"value is {_num(value)}: the gate fails closed", **base))
+                                       message=f"value is {format_value(value)}: the gate fails closed", **base))
             continue
         ok = OPS[c.op](value, bound)
         status = "PASS" if ok else ("WARN" if c.severity == "warn" else "FAIL")
-        message = (f"{_num(value)} {c.op} {_num(bound)}" if ok else f"{_num(value)} is not {c.op} {_num(bound)}")
+        message = (f"{format_value(value)} {c.op} {format_value(bound)}" if ok else f"{format_value(value)} is not {c.op} {format_value(bound)}")
         results.append(CheckResult(status=status, value=value, bound=shown_bound, threshold=bound,
                                    baseline_value=baseline_value, message=message, **base))
     return GateResult(str(run_dir) if run_dir else "", str(gate.path), str(baseline_dir) if baseline_dir else None,
@@ -440,6 +424,8 @@ def run_gate(run_dir: str | Path, thresholds: str | Path, baseline_dir: str | Pa
     gate = gate or load_gate(thresholds)
     from .table import read_run_record
 
-    record = read_run_record(run_dir)
-    baseline = read_run_record(baseline_dir, "baseline") if baseline_dir is not None else None
+    from .analysis import with_numbers
+
+    record = with_numbers(read_run_record(run_dir))
+    baseline = with_numbers(read_run_record(baseline_dir, "baseline")) if baseline_dir is not None else None
     return evaluate(gate, record, run_dir, baseline, baseline_dir)

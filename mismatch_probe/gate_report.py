@@ -6,15 +6,10 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 
 from .gate import GateResult
+from .gate import format_value
 
 STATUS_STYLE = {"PASS": "green", "WARN": "yellow", "FAIL": "bold red", "ERROR": "bold magenta"}
 STATUS_ICON = {"PASS": "✅", "WARN": "⚠️", "FAIL": "❌", "ERROR": "⛔"}
-
-
-def _value(v) -> str:
-    from .gate import _num
-
-    return _num(v)
 
 
 def rich_table(result: GateResult):
@@ -28,7 +23,7 @@ def rich_table(result: GateResult):
                          ("detail", "left")):
         table.add_column(col, justify=justify)
     for r in result.results:
-        table.add_row(f"[{STATUS_STYLE[r.status]}]{r.status}[/]", escape(r.name), _value(r.value),
+        table.add_row(f"[{STATUS_STYLE[r.status]}]{r.status}[/]", escape(r.name), format_value(r.value),
                       escape(r.bound + (" (warn)" if r.severity == "warn" else "")), escape(r.message))
     return table
 
@@ -76,7 +71,7 @@ def markdown(result: GateResult) -> str:
         "|---|---|---|---|---|",
     ]
     for r in result.results:
-        lines.append(f"| {STATUS_ICON[r.status]} {r.status} | {_md(r.name)} | {_value(r.value)} | "
+        lines.append(f"| {STATUS_ICON[r.status]} {r.status} | {_md(r.name)} | {format_value(r.value)} | "
                      f"{_md(r.bound)}{' (warn)' if r.severity == 'warn' else ''} | {_md(r.message)} |")
     described = [r for r in result.results if r.description or r.source]
     if described:

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from . import __version__
-from .analysis import analyze, json_safe
+from .analysis import analyze, json_safe, with_numbers
 from .distributions import DISTRIBUTIONS_JSON, DistributionAccumulator, worst_sequences
 from .distributions import save as save_distributions
 from .engines.base import Engine
@@ -288,7 +288,6 @@ def run_compare(
 
     # ---- 4. reports, rendered from what is on disk, as `mismatch-probe report` would ---------
     from .plots import run_figures
-    from .report_html import with_numbers
 
     try:
         with _timed(timings, "figures_s"):
@@ -324,8 +323,6 @@ def _write_figure_files(run_dir: Path, figures: list[dict]) -> list[dict]:
 
 def _write_reports(run_dir: Path, dist: dict, figures: list[dict]) -> dict:
     from .report_html import REPORT_HTML, RunData, render_run
-
-    from .report_html import with_numbers
 
     record = json.loads((run_dir / RUN_JSON).read_text())
     (run_dir / REPORT_MD).write_text(render_markdown(record))

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from . import __version__
 from .errors import ConfigError
+from .analysis import lookup, with_numbers
 from .metric_docs import CORRECTION_DOCS, METRIC_DOC, METRIC_DOCS, k3_context, rank
 from .summary import fmt as summary_fmt
 from .summary import plain_notes
@@ -52,23 +53,6 @@ def load_run(run_dir: str | Path) -> RunData:
     if dist is None:
         dist = compute_distributions(run_dir, record)
     return RunData(run_dir, record, dist)
-
-
-NUMERIC_SECTIONS = ("metrics", "metrics_by_turn", "metrics_by_turn_index", "decode_vs_prefill", "corrections",
-                    "corrections_by_turn", "breakdowns", "breakdowns_by_turn", "routing")
-
-
-def with_numbers(record: dict) -> dict:
-    """run.json stores infinities as "inf" / "-inf" (strict JSON has none); the metric sections get
-    them back as floats, so renderers compare, rank and plot numbers only."""
-    def restore(v):
-        if isinstance(v, dict):
-            return {k: restore(x) for k, x in v.items()}
-        if isinstance(v, list):
-            return [restore(x) for x in v]
-        return float(v) if v in ("inf", "-inf") else v
-
-    return {k: restore(v) if k in NUMERIC_SECTIONS else v for k, v in record.items()}
 
 
 def compute_distributions(run_dir: Path, record: dict, tokenizer=None) -> dict:
@@ -421,13 +405,6 @@ def _settings(record: dict) -> dict[str, str]:
     return {k: (json.dumps(v) if isinstance(v, (dict, list)) else ("-" if v is None else str(v))) for k, v in flat.items()}
 
 
-def _lookup(record: dict, dotted: str) -> dict:
-    node = record
-    for part in dotted.split("."):
-        node = (node or {}).get(part) or {}
-    return node
-
-
 def render_comparison(runs: list[RunData]) -> str:
     """Several runs side by side, grouped by hardware type: settings that differ, every headline
     metric with the best and the worst run marked, and overlaid distributions."""
@@ -461,7 +438,7 @@ def render_comparison(runs: list[RunData]) -> str:
                             "cells": [{"text": fmt(v), "best": i in best, "worst": i in worst}
                                       for i, v in enumerate(values)]})
     for section, key, label, better in COMPARISON_EXTRA_ROWS:
-        values = [_lookup(r.record, section).get(key) for r in runs]
+        values = [lookup(r.record, f"{section}.{key}") for r in runs]
         if all(v is None for v in values):
             continue
         best, worst = rank(values, better)

@@ -225,7 +225,7 @@ def _coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
     return str(value)
 
 
-def _unknown(key: str, known, where: str) -> ConfigError:
+def unknown_key(key: str, known, where: str) -> ConfigError:
     close = difflib.get_close_matches(key, list(known), n=1)
     hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(sorted(known))}"
     return ConfigError(f"{where}: unknown key {key!r}", hint=hint)
@@ -244,7 +244,7 @@ def spec_from_dict(data: dict, *, base_dir: Path | None = None, source: str = "s
             updates = {}
             for sub, v in value.items():
                 if sub not in fields:
-                    raise _unknown(sub, fields, f"{source} [{key}]")
+                    raise unknown_key(sub, fields, f"{source} [{key}]")
                 updates[sub] = _coerce(v, fields[sub], f"{source}: {key}.{sub}")
             if key == "engine" and updates.get("python") and base_dir is not None and "/" in updates["python"]:
                 updates["python"] = os.path.abspath(base_dir / updates["python"])  # not resolve(): venv symlinks
@@ -258,7 +258,7 @@ def spec_from_dict(data: dict, *, base_dir: Path | None = None, source: str = "s
                 v = str((base_dir / v).resolve()) if not Path(v).is_absolute() else v
             setattr(spec, key, v)
         else:
-            raise _unknown(key, list(top_fields) + list(SECTIONS), source)
+            raise unknown_key(key, list(top_fields) + list(SECTIONS), source)
     return spec
 
 
@@ -282,7 +282,7 @@ def apply_overrides(spec: ProbeSpec, overrides: dict[str, Any]) -> ProbeSpec:
         target = getattr(spec, section_name) if section_name else spec
         fields = {f.name: f for f in dataclasses.fields(target)}
         if leaf not in fields:
-            raise _unknown(leaf, fields, "override")
+            raise unknown_key(leaf, fields, "override")
         coerced = _coerce(value, fields[leaf], f"--{dotted.replace('.', '-').replace('_', '-')}")
         if not section_name:
             setattr(spec, leaf, coerced)
