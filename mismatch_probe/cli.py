@@ -43,6 +43,8 @@ def friendly_errors(fn):
             return fn(*args, **kwargs)
         except ProbeError as exc:
             if _debug():
+                if getattr(exc, "remote_traceback", ""):  # a reference rank's own traceback
+                    err.print(exc.remote_traceback, markup=False, highlight=False)
                 raise
             err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, markup=True, soft_wrap=True)
             raise typer.Exit(exc.exit_code) from None
@@ -135,6 +137,8 @@ def compare(
     logits_fp32: Annotated[Optional[bool], typer.Option("--logits-fp32/--no-logits-fp32", help="Reference LM head in float32.")] = None,
     packing: Annotated[Optional[bool], typer.Option("--packing/--no-packing", help="Reference padding-free packing vs padded micro-batches.")] = None,
     micro_batch_size: Annotated[Optional[int], typer.Option(help="Reference sequences per forward.")] = None,
+    train_sp: Annotated[Optional[int], typer.Option("--train-sp", help="Reference Ulysses sequence-parallel size (ranks share each packed row; needs --packing).")] = None,
+    train_tp: Annotated[Optional[int], typer.Option("--train-tp", help="Reference tensor-parallel size (DTensor column/row-wise plan).")] = None,
     max_prompts: Annotated[Optional[int], typer.Option(help="Use only the first N prompts.")] = None,
     max_turns: Annotated[Optional[int], typer.Option(help="Assistant turns per sample; tool calls run between turns.")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing run in --out instead of resuming it.")] = False,
@@ -173,6 +177,7 @@ def compare(
         "reference.dtype": train_dtype, "reference.attn_implementation": train_attn,
         "reference.logits_fp32": logits_fp32, "reference.packing": packing,
         "reference.micro_batch_size": micro_batch_size,
+        "reference.sequence_parallel_size": train_sp, "reference.tensor_parallel_size": train_tp,
         "sampling.temperature": temperature, "sampling.top_p": top_p, "sampling.top_k": top_k,
         "sampling.max_tokens": max_tokens, "sampling.n": n, "sampling.seed": seed,
     })

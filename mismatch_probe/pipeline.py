@@ -50,6 +50,7 @@ from .table import (
 
 REPORT_MD = "report.md"
 ENGINE_LOG = "engine.log"
+REFERENCE_LOG = "reference.log"  # what the reference's rank processes print (sequence/tensor parallel)
 
 
 class Progress:
@@ -237,7 +238,7 @@ def run_compare(
     # ---- 2. reference ---------------------------------------------------------------------
     missing = [i for i in range(len(shards)) if not (token_dir / shard_name(i)).is_file()]
     if missing:
-        from .reference import ReferenceScorer
+        from .reference import open_reference_scorer
 
         if not (record.get("logprob_semantics") or {}).get("reference"):
             raise ConfigError(
@@ -246,7 +247,8 @@ def run_compare(
             )
         semantics = LogprobSemantics.from_record(record["logprob_semantics"]["reference"])
         with _timed(timings, "reference_load_s"):
-            scorer = ReferenceScorer(model_path, spec.reference, trust_remote_code=spec.trust_remote_code)
+            scorer = open_reference_scorer(model_path, spec.reference, trust_remote_code=spec.trust_remote_code,
+                                           log_path=out / REFERENCE_LOG)
         try:
             record["reference"] = scorer.info()
             _write_record(out, record)

@@ -15,7 +15,7 @@ architecture that post-processes logits in a way this module does not know fails
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +23,7 @@ import torch
 
 from .errors import ConfigError, DataError
 from .hf_models import free_accelerator_memory, load_causal_lm, resolve_device
+from .parallel import ParallelContext, UlyssesAttention, apply_tensor_parallel, check_layout, gather_rows
 from .routing import RouterRecorder
 from .sampling import LogprobSemantics, entropy_from_logprobs, logprobs_under
 from .spec import ReferenceSpec
@@ -41,17 +42,38 @@ class Scores:
     experts: list[np.ndarray | None] | None = None  # int16 [model tokens, moe layers, k], MoE only
 
 
+@dataclass
+class _Forward:
+    """One micro-batch's forward on this rank: hidden states, the rows of them to score, and which
+    of the micro-batch's scored tokens those are (all of them unless sequence-parallel)."""
+
+    hidden: torch.Tensor
+    src: torch.Tensor
+    part: slice = field(default_factory=lambda: slice(None))
+    counts: list[int] | None = None  # sequence-parallel: scored tokens per rank, in rank order
+
+
 class ReferenceScorer:
-    def __init__(self, model_path: str | Path, spec: ReferenceSpec, *, trust_remote_code: bool = False):
+    """Scores rollouts in this process; with ``parallel``, as one rank of a training layout
+    (see :mod:`mismatch_probe.parallel`; :class:`DistributedReferenceScorer` starts the ranks)."""
+
+    def __init__(self, model_path: str | Path, spec: ReferenceSpec, *, trust_remote_code: bool = False,
+                 parallel: ParallelContext | None = None):
         self.model_path = Path(model_path)
         self.spec = spec
-        self.device = resolve_device(spec.device)
+        self.parallel = parallel
+        self.device = parallel.device if parallel else resolve_device(spec.device)
         # Packed + sdpa would otherwise build a dense [T x T] block mask per micro-batch.
         self.varlen = spec.packing and spec.attn_implementation == "sdpa"
+        attn = register_varlen_sdpa() if self.varlen else spec.attn_implementation
+        self.ulysses = None
+        if parallel and parallel.sp > 1:
+            self.ulysses = UlyssesAttention(inner=attn)
+            attn = self.ulysses.register()
         self.model = load_causal_lm(
             self.model_path,
             dtype=spec.dtype,
-            attn_implementation=register_varlen_sdpa() if self.varlen else spec.attn_implementation,
+            attn_implementation=attn,
             device=self.device,
             trust_remote_code=trust_remote_code,
         )
@@ -65,7 +87,14 @@ class ReferenceScorer:
         self._logits_scaling = getattr(cfg, "logits_scaling", None)  # Granite divides
         self._head_fp32: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.routing = RouterRecorder(self.model)
-        self._self_check()
+        self._self_check()  # before any sharding: it checks the architecture, on each rank alone
+        self.layout: dict = {}
+        if parallel:
+            from .hf_models import read_config
+
+            self.layout = check_layout(read_config(self.model_path), parallel.sp, parallel.tp)
+            if parallel.tp > 1:
+                self.layout["tensor_parallel"] = apply_tensor_parallel(self.decoder, parallel)
 
     def info(self) -> dict:
         import transformers
@@ -74,15 +103,32 @@ class ReferenceScorer:
             "dtype": self.spec.dtype,
             "logits_fp32": self.spec.logits_fp32,
             "attn_implementation": self.spec.attn_implementation,
-            "attention_kernel": (
-                "sdpa per sequence (varlen)" if self.varlen else self.model.config._attn_implementation
-            ),
+            "attention_kernel": self._attention_kernel(),
             "packing": "padding-free" if self.spec.packing else "padded",
             "micro_batch_size": self.spec.micro_batch_size,
             "max_tokens_per_micro_batch": self.spec.max_tokens_per_micro_batch if self.spec.packing else None,
             "device": self.device,
+            "sequence_parallel_size": self.parallel.sp if self.parallel else 1,
+            "tensor_parallel_size": self.parallel.tp if self.parallel else 1,
+            **({"parallel": self._parallel_info()} if self.parallel else {}),
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         }
+
+    def _attention_kernel(self) -> str:
+        kernel = "sdpa per sequence (varlen)" if self.varlen else self.spec.attn_implementation
+        return f"Ulysses all-to-all around {kernel}" if self.ulysses else kernel
+
+    def _parallel_info(self) -> dict:
+        p = self.parallel
+        info = {"world_size": p.world_size, "backend": p.backend, "mesh": {"sp": p.sp, "tp": p.tp},
+                "launcher": "torch.multiprocessing spawn, one process per rank"}
+        if p.sp > 1:
+            info["ulysses"] = {"inner_attention": self.ulysses.inner,
+                               "attention_heads_per_rank": self.layout["attention_heads_per_rank"],
+                               "kv_head_repeats": self.layout["kv_head_repeats"]}
+        if p.tp > 1:
+            info["tensor_parallel"] = self.layout["tensor_parallel"]
+        return info
 
     # ---- logits ----------------------------------------------------------------------------
 
@@ -159,14 +205,18 @@ class ReferenceScorer:
                 if len(r.is_model_token) and r.is_model_token[0]:
                     raise DataError(f"sample {r.sample_id}: its first token is marked as a model token, "
                                     "but nothing precedes it to predict it")
-            if self.spec.packing:
-                hidden, src = self._forward_packed(group)
-            else:
-                hidden, src = self._forward_padded(group)
+            fwd = self._forward_packed(group) if self.spec.packing else self._forward_padded(group)
             # the routing of the scored rows: the inputs whose hidden states give each token's logits
-            group_experts = routing.take().index_select(0, src.to(torch.long)).cpu().numpy() if routing else None
+            group_experts = routing.take().index_select(0, fwd.src).to(torch.int32) if routing else None
             targets = np.concatenate([r.token_ids[r.is_model_token] for r in group]).astype(np.int64)
-            lp, ent = self._score_hidden(hidden, src, torch.from_numpy(targets).to(self.device), semantics)
+            targets = torch.from_numpy(targets[fwd.part]).to(self.device)
+            parts = [*self._score_hidden(fwd.hidden, fwd.src, targets, semantics)]
+            if group_experts is not None:
+                parts.append(group_experts.to(self.device))
+            if fwd.counts is not None:  # sequence-parallel: every rank scored its slice of the row
+                parts = gather_rows(parts, fwd.counts, self.parallel.sp_group)
+            lp, ent = parts[0].cpu().numpy(), parts[1].cpu().numpy()
+            group_experts = parts[2].cpu().numpy().astype(np.int16) if routing else None
             start = 0
             for i, r in zip(idx, group):
                 k = int(r.is_model_token.sum())
@@ -179,24 +229,49 @@ class ReferenceScorer:
                 on_progress(len(group))
         return Scores(logps, ents, experts if routing else None)
 
-    def _forward_packed(self, group: list[Rollout]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_packed(self, group: list[Rollout]) -> _Forward:
         lengths = np.array([len(r.token_ids) for r in group])
         offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-        ids = torch.from_numpy(np.concatenate([r.token_ids for r in group]).astype(np.int64)).to(self.device)
-        pos = torch.from_numpy(np.concatenate([np.arange(n) for n in lengths])).to(self.device)
+        ids = np.concatenate([r.token_ids for r in group]).astype(np.int64)
+        pos = np.concatenate([np.arange(n) for n in lengths])
+        src = np.concatenate([off + np.flatnonzero(r.is_model_token) - 1 for off, r in zip(offsets, group)])
+        if self.ulysses is not None:
+            return self._forward_packed_ulysses(ids, pos, lengths, src)
         extra = self._packed_kwargs(lengths) if self.varlen else {}
         hidden = self.decoder(
-            input_ids=ids[None], position_ids=pos[None], use_cache=False, **extra
+            input_ids=self._tensor(ids)[None], position_ids=self._tensor(pos)[None], use_cache=False, **extra
         ).last_hidden_state[0]
-        src = np.concatenate([off + np.flatnonzero(r.is_model_token) - 1 for off, r in zip(offsets, group)])
-        return hidden, torch.from_numpy(src).to(self.device)
+        return _Forward(hidden, self._tensor(src))
+
+    def _forward_packed_ulysses(self, ids, pos, lengths, src) -> _Forward:
+        """This rank's slice of the packed row through the decoder; ``src`` (ascending) cut to it."""
+        n, rank = self.parallel.sp, self.parallel.sp_rank
+        pad = -len(ids) % n
+        if pad:  # a segment of its own at the end, so no real token attends to it
+            ids = np.concatenate([ids, np.zeros(pad, np.int64)])
+            pos = np.concatenate([pos, np.arange(pad)])
+            lengths = np.concatenate([lengths, [pad]])
+        width = len(ids) // n
+        bounds = np.searchsorted(src, np.arange(n + 1) * width)  # src[bounds[r]:bounds[r+1]] on rank r
+        lo = rank * width
+        global_pos = self._tensor(pos)[None]
+        with self.ulysses.packed_row(self.parallel.sp_group, n, global_pos, self.layout["kv_head_repeats"]):
+            hidden = self.decoder(
+                input_ids=self._tensor(ids[lo : lo + width])[None], position_ids=global_pos[:, lo : lo + width],
+                use_cache=False, **self._packed_kwargs(lengths),
+            ).last_hidden_state[0]
+        part = slice(int(bounds[rank]), int(bounds[rank + 1]))
+        return _Forward(hidden, self._tensor(src[part] - lo), part, np.diff(bounds).tolist())
+
+    def _tensor(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.device)
 
     def _packed_kwargs(self, lengths) -> dict:
         cu = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)).to(self.device)
         return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": int(max(lengths)),
                 "max_length_k": int(max(lengths))}
 
-    def _forward_padded(self, group: list[Rollout]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_padded(self, group: list[Rollout]) -> _Forward:
         width = max(len(r.token_ids) for r in group)
         ids = torch.zeros((len(group), width), dtype=torch.long)
         mask = torch.zeros((len(group), width), dtype=torch.long)
@@ -207,11 +282,11 @@ class ReferenceScorer:
             input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False
         ).last_hidden_state
         src = np.concatenate([i * width + np.flatnonzero(r.is_model_token) - 1 for i, r in enumerate(group)])
-        return hidden.reshape(-1, hidden.shape[-1]), torch.from_numpy(src).to(self.device)
+        return _Forward(hidden.reshape(-1, hidden.shape[-1]), self._tensor(src))
 
     def _score_hidden(
         self, hidden: torch.Tensor, src: torch.Tensor, targets: torch.Tensor, semantics: LogprobSemantics
-    ) -> tuple[np.ndarray, np.ndarray]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         lp_parts, ent_parts = [], []
         for a in range(0, len(src), LM_HEAD_CHUNK_TOKENS):
             h = hidden.index_select(0, src[a : a + LM_HEAD_CHUNK_TOKENS])
@@ -219,10 +294,21 @@ class ReferenceScorer:
             lp_parts.append(logp.gather(-1, targets[a : a + LM_HEAD_CHUNK_TOKENS, None]).squeeze(1))
             ent_parts.append(entropy_from_logprobs(logp))
         if not lp_parts:
-            return np.zeros(0, np.float32), np.zeros(0, np.float32)
-        return torch.cat(lp_parts).cpu().numpy(), torch.cat(ent_parts).cpu().numpy()
+            empty = torch.zeros(0, dtype=torch.float32, device=self.device)
+            return empty, empty.clone()
+        return torch.cat(lp_parts).float(), torch.cat(ent_parts).float()
 
     def close(self) -> None:
         del self.model, self.decoder, self.lm_head
         self._head_fp32 = None
         free_accelerator_memory()
+
+
+def open_reference_scorer(model_path: str | Path, spec: ReferenceSpec, *, trust_remote_code: bool = False,
+                          log_path: str | Path | None = None):
+    """A scorer for ``spec``'s layout: in this process, or over ``sp * tp`` rank processes."""
+    if spec.sequence_parallel_size * spec.tensor_parallel_size == 1:
+        return ReferenceScorer(model_path, spec, trust_remote_code=trust_remote_code)
+    from .distributed_reference import DistributedReferenceScorer
+
+    return DistributedReferenceScorer(model_path, spec, trust_remote_code=trust_remote_code, log_path=log_path)

@@ -129,6 +129,9 @@ def reference_label(record: dict) -> str:
         parts.append(ref["attn_implementation"])
     if ref.get("packing"):
         parts.append(ref["packing"])
+    for key, name in (("sequence_parallel_size", "SP"), ("tensor_parallel_size", "TP")):
+        if (ref.get(key) or 1) > 1:
+            parts.append(f"{name}{ref[key]}")
     return " ".join(p for p in parts if p)
 
 

@@ -30,6 +30,8 @@ DTYPE_ALIASES = {
 }
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
 DEVICES = ("auto", "cpu", "cuda")
+# attention that runs per packed sequence from cu_seq_lens, without a [T x T] mask
+SP_ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3")
 
 
 def normalize_dtype(value: str, *, field_name: str, allow_auto: bool) -> str:
@@ -101,6 +103,11 @@ class ReferenceSpec:
     micro_batch_size: int = 16  # sequences per forward
     max_tokens_per_micro_batch: int = 4096  # packed mode: token budget per forward
     device: str = "auto"
+    # training layouts (one process per rank, torch.distributed): Ulysses sequence parallelism
+    # shards the packed row across ranks; tensor parallelism shards attention and MLP weights
+    # (DTensor, the model's own column/row-wise plan). world size = sequence x tensor.
+    sequence_parallel_size: int = 1
+    tensor_parallel_size: int = 1
     # which distribution the reference scores under: "engine" (the same as the engine's log-probs,
     # the only comparable choice), or deliberately "raw", "temperature" (logits / T only, as
     # verl's actor does), "processed" (temperature, top-k, top-p)
@@ -174,6 +181,15 @@ class ProbeSpec:
             )
         _check(r.micro_batch_size >= 1, f"reference.micro_batch_size must be >= 1, got {r.micro_batch_size}")
         _check(r.max_tokens_per_micro_batch >= 1, "reference.max_tokens_per_micro_batch must be >= 1")
+        _check(r.sequence_parallel_size >= 1, f"reference.sequence_parallel_size must be >= 1, got {r.sequence_parallel_size}")
+        _check(r.tensor_parallel_size >= 1, f"reference.tensor_parallel_size must be >= 1, got {r.tensor_parallel_size}")
+        if r.sequence_parallel_size > 1:
+            if not r.packing:
+                raise ConfigError("Ulysses sequence parallelism (--train-sp) shards one packed row across ranks; "
+                                  "padded micro-batches have no packed row", hint="use --packing (reference.packing = true)")
+            _check(r.attn_implementation in SP_ATTN_IMPLEMENTATIONS,
+                   f"reference.attn_implementation {r.attn_implementation!r} cannot run under sequence parallelism "
+                   f"(it needs a mask over the whole row); choose {' or '.join(SP_ATTN_IMPLEMENTATIONS)}")
         _check(self.shard_size >= 1, f"shard_size must be >= 1, got {self.shard_size}")
         _check(self.max_turns >= 1, f"max_turns must be >= 1, got {self.max_turns}")
         _check(self.max_prompts is None or self.max_prompts >= 1, "max_prompts must be >= 1")

@@ -31,7 +31,8 @@ def _varlen_sdpa(
 ) -> tuple[torch.Tensor, None]:
     if query.shape[2] != key.shape[2]:
         raise ValueError(f"{VARLEN_SDPA} is for full-sequence forwards without a KV cache")
-    groups = getattr(module, "num_key_value_groups", 1)
+    # from the shapes, not module.num_key_value_groups: Ulysses hands over a share of the heads
+    groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)

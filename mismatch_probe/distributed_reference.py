@@ -1,0 +1,206 @@
+"""The reference forward over several ranks: processes started with torch.multiprocessing.
+
+:class:`DistributedReferenceScorer` has :class:`~mismatch_probe.reference.ReferenceScorer`'s
+interface (``info``, ``score``, ``close``), so the pipeline does not care about the layout. It
+spawns ``sp * tp`` processes (``torch.multiprocessing.start_processes``, spawn start method);
+each joins one process group (gloo on CPU, NCCL with one GPU per rank) through a file store in a
+private temporary directory, loads the model and takes its place in the layout. Every rank gets
+the same rollouts; rank 0 sends back progress and the scores, which are identical in shape
+whatever the layout.
+
+A rank that fails reports its error before it exits; the parent then stops all ranks (the
+others would wait in a collective forever) and raises it. Ranks write their output to a log file
+when one is given, so the terminal shows only the parent's progress bars.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from .errors import ConfigError, DataError, ProbeError
+from .hf_models import check_model_dir, read_config, resolve_device
+from .sampling import LogprobSemantics
+from .spec import ReferenceSpec
+from .table import Rollout
+
+STOP_TIMEOUT_S = 60
+_ERRORS = {"ConfigError": ConfigError, "DataError": DataError}
+
+
+class ReferenceRankError(ProbeError):
+    """A reference rank failed; carries the rank's traceback for --debug."""
+
+    def __init__(self, message: str, *, remote_traceback: str = "", hint: str | None = None):
+        super().__init__(message, hint=hint)
+        self.remote_traceback = remote_traceback
+
+
+class DistributedReferenceScorer:
+    def __init__(self, model_path: str | Path, spec: ReferenceSpec, *, trust_remote_code: bool = False,
+                 log_path: str | Path | None = None):
+        import torch
+        import torch.multiprocessing as mp
+
+        from .parallel import check_layout
+
+        self.spec = spec
+        self.log_path = log_path
+        sp, tp = spec.sequence_parallel_size, spec.tensor_parallel_size
+        self.world_size = sp * tp
+        model_path = check_model_dir(model_path)
+        check_layout(read_config(model_path), sp, tp)  # a bad layout fails here, before any process starts
+        device_type = resolve_device(spec.device)
+        if device_type == "cuda" and torch.cuda.device_count() < self.world_size:
+            raise ConfigError(f"the reference layout needs {self.world_size} GPUs (sp {sp} x tp {tp}), and torch "
+                              f"sees {torch.cuda.device_count()}", hint="lower --train-sp / --train-tp")
+        ctx = mp.get_context("spawn")
+        self._tasks = [ctx.SimpleQueue() for _ in range(self.world_size)]
+        self._results = ctx.Queue()
+        self._store_dir = tempfile.mkdtemp(prefix="mismatch-probe-ranks-")
+        init_method = f"file://{self._store_dir}/store"
+        self.started_at = time.perf_counter()
+        self._procs = mp.start_processes(
+            _rank_main, nprocs=self.world_size, join=False, start_method="spawn",
+            args=(sp, tp, init_method, device_type, str(model_path), spec, trust_remote_code,
+                  self._tasks, self._results, str(log_path) if log_path else None),
+        )
+        try:
+            self._info = self._wait("ready")[1]
+        except BaseException:
+            self._kill()
+            raise
+
+    def info(self) -> dict:
+        return self._info
+
+    def score(
+        self,
+        rollouts: Sequence[Rollout],
+        semantics: LogprobSemantics,
+        on_progress: Callable[[int], None] | None = None,
+    ):
+        rollouts = list(rollouts)
+        for tasks in self._tasks:
+            tasks.put(("score", rollouts, semantics))
+        try:
+            return self._wait("scores", on_progress)[1]
+        except BaseException:
+            self._kill()
+            raise
+
+    def close(self) -> None:
+        if self._procs is None:
+            return
+        try:
+            for tasks in self._tasks:
+                tasks.put(("stop",))
+            deadline = time.monotonic() + STOP_TIMEOUT_S
+            while not self._procs.join(timeout=1):
+                if time.monotonic() > deadline:
+                    break
+        except Exception:  # a rank that failed while stopping: nothing left to return
+            pass
+        finally:
+            self._kill()
+
+    # ---- internals --------------------------------------------------------------------------
+
+    def _wait(self, kind: str, on_progress: Callable[[int], None] | None = None) -> tuple:
+        while True:
+            try:
+                msg = self._results.get(timeout=0.5)
+            except queue.Empty:
+                self._check_alive()
+                continue
+            if msg[0] == "progress":
+                if on_progress:
+                    on_progress(msg[1])
+            elif msg[0] == "error":
+                raise self._error(*msg[1:])
+            elif msg[0] == kind:
+                return msg
+            else:
+                raise RuntimeError(f"unexpected message from reference rank 0: {msg[0]!r}")
+
+    def _check_alive(self) -> None:
+        try:
+            self._procs.join(timeout=0)
+        except Exception as exc:  # ProcessExitedException / ProcessRaisedException: a rank died
+            try:  # its own report, if it got one out before it died
+                msg = self._results.get(timeout=2)
+                if msg[0] == "error":
+                    raise self._error(*msg[1:]) from None
+            except queue.Empty:
+                pass
+            where = f"see {self.log_path} for what it printed" if self.log_path else "its output is above"
+            raise ReferenceRankError(f"a reference rank died: {str(exc).strip().splitlines()[-1]}",
+                                     hint=where) from None
+
+    def _error(self, rank: int, kind: str, message: str, hint: str | None, remote: str) -> ProbeError:
+        if kind in _ERRORS:
+            return _ERRORS[kind](message, hint=hint)
+        return ReferenceRankError(f"reference rank {rank} failed: {kind}: {message}", remote_traceback=remote,
+                                  hint="--debug shows its traceback")
+
+    def _kill(self) -> None:
+        if self._procs is None:
+            return
+        for p in self._procs.processes:
+            if p.is_alive():
+                p.terminate()
+        for p in self._procs.processes:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self._procs = None
+        self._results.close()
+        shutil.rmtree(self._store_dir, ignore_errors=True)
+
+
+def _rank_main(rank: int, sp: int, tp: int, init_method: str, device_type: str, model_path: str,
+               spec: ReferenceSpec, trust_remote_code: bool, tasks, results, log_path: str | None) -> None:
+    """One rank: join the group, load the model into its place in the layout, score what comes."""
+    if log_path:  # before torch: library warnings go to the log, not over the parent's progress bars
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    import torch
+    import torch.distributed as dist
+
+    from .parallel import init_rank
+    from .reference import ReferenceScorer
+
+    world = sp * tp
+    if device_type == "cpu":  # the ranks share the cores; oversubscribing them slows every collective
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    try:
+        ctx = init_rank(rank, sp, tp, init_method, device_type)
+        scorer = ReferenceScorer(model_path, spec, trust_remote_code=trust_remote_code, parallel=ctx)
+        if rank == 0:
+            results.put(("ready", scorer.info()))
+        while True:
+            task = tasks[rank].get()
+            if task[0] == "stop":
+                break
+            _, rollouts, semantics = task
+            report = (lambda k: results.put(("progress", k))) if rank == 0 else None
+            scores = scorer.score(rollouts, semantics, on_progress=report)
+            if rank == 0:
+                results.put(("scores", scores))
+    except BaseException as exc:
+        hint = getattr(exc, "hint", None)
+        results.put(("error", rank, type(exc).__name__, getattr(exc, "message", None) or str(exc), hint,
+                     traceback.format_exc()))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

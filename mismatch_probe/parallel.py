@@ -1,0 +1,226 @@
+"""Training layouts for the reference forward: Ulysses sequence parallelism and tensor parallelism.
+
+The parallelism study behind this tool found that the *difference* in layout between sampler and
+learner drives the worst-case mismatch, so the reference runs the layouts trainers use, for real,
+one process per rank over a torch.distributed process group (gloo on CPU, NCCL on GPUs):
+
+- **Ulysses sequence parallelism** (DeepSpeed-Ulysses, as verl's ``ulysses_sequence_parallel_size``):
+  the packed row is cut into ``sp`` equal slices, one per rank, with global position ids. Every
+  layer but attention is per-token, so it runs on the local slice. Around attention an all-to-all
+  trades the sequence slice for a slice of the heads (each rank then sees the whole row for
+  ``heads / sp`` heads), and a second all-to-all trades back. Key/value heads fewer than ``sp``
+  are repeated first, as verl does. Each rank scores the tokens of its own slice; the scores are
+  gathered in sequence order.
+- **Tensor parallelism** with PyTorch's own API: ``parallelize_module`` with ``ColwiseParallel`` /
+  ``RowwiseParallel`` on the projections the model's transformers tensor-parallel plan
+  (``base_model_tp_plan``) names: q/k/v and gate/up column-wise, o and down row-wise, so each
+  attention block and MLP ends in one all-reduce of partial sums. Fused MoE expert weights are
+  not ``nn.Linear`` modules; they stay replicated, and ``info()`` says so.
+
+The device mesh is ``(sp, tp)``, tensor parallelism innermost (adjacent ranks), as trainers lay
+it out on a node.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .errors import ConfigError
+
+ULYSSES_ATTENTION = "mismatch_probe_ulysses"
+
+
+@dataclass
+class ParallelContext:
+    """This process's place in the reference's process group."""
+
+    rank: int
+    sp: int
+    tp: int
+    device: str  # "cpu" or "cuda:<local rank>"
+    mesh: object  # torch.distributed DeviceMesh with dims ("sp", "tp")
+
+    @property
+    def world_size(self) -> int:
+        return self.sp * self.tp
+
+    @property
+    def sp_rank(self) -> int:
+        return self.mesh.get_local_rank("sp")
+
+    @property
+    def sp_group(self):
+        return self.mesh.get_group("sp")
+
+    @property
+    def backend(self) -> str:
+        return dist.get_backend()
+
+
+def init_rank(rank: int, sp: int, tp: int, init_method: str, device_type: str) -> ParallelContext:
+    """Join the process group and build the ``(sp, tp)`` device mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = "cpu"
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=init_method,
+                            rank=rank, world_size=sp * tp)
+    mesh = init_device_mesh(device_type, (sp, tp), mesh_dim_names=("sp", "tp"))
+    return ParallelContext(rank=rank, sp=sp, tp=tp, device=device, mesh=mesh)
+
+
+def check_layout(config: dict, sp: int, tp: int) -> dict:
+    """Check the model's heads split over the layout (before any process starts); returns the
+    per-rank head counts. ``config`` is the checkpoint's config.json."""
+    cfg = config.get("text_config") or config
+    heads = cfg.get("num_attention_heads")
+    if not isinstance(heads, int):
+        raise ConfigError("config.json has no num_attention_heads; cannot lay the model out over ranks")
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    if tp > 1 and (heads % tp or kv_heads % tp):
+        raise ConfigError(
+            f"--train-tp {tp}: the model has {heads} attention heads and {kv_heads} key/value heads, and tensor "
+            f"parallelism gives each rank whole heads of both",
+            hint=f"choose a tensor-parallel size that divides {heads} and {kv_heads}",
+        )
+    local_heads, local_kv = heads // tp, kv_heads // tp
+    if sp > 1 and (local_heads % sp or (local_kv % sp and sp % local_kv)):
+        raise ConfigError(
+            f"--train-sp {sp}: each rank's {local_heads} attention and {local_kv} key/value heads (after tensor "
+            f"parallelism) must split evenly over {sp} sequence-parallel ranks (or the key/value heads divide {sp}, "
+            "and are then repeated)",
+            hint=f"choose a sequence-parallel size that divides {local_heads}",
+        )
+    return {"attention_heads_per_rank": local_heads // sp,
+            "kv_head_repeats": max(sp // local_kv, 1) if sp > 1 else 1}
+
+
+# ---- tensor parallelism ----------------------------------------------------------------------
+
+
+def apply_tensor_parallel(decoder: torch.nn.Module, ctx: ParallelContext) -> dict:
+    """Shard ``decoder``'s attention and MLP projections over the mesh's ``tp`` dimension with
+    the model's own plan; returns what was sharded and what stayed replicated."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = getattr(decoder.config, "base_model_tp_plan", None) or {}
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    concrete: dict = {}
+    sharded = {"colwise": 0, "rowwise": 0}
+    replicated: set[str] = set()
+    names = [name for name, _ in decoder.named_modules()]
+    modules = dict(decoder.named_modules())
+    for pattern, style in plan.items():
+        for name in fnmatch.filter(names, pattern):
+            # fused expert weights are parameters of one module, not Linear layers: replicated
+            if style in styles and isinstance(modules[name], torch.nn.Linear) and ".experts" not in f".{name}":
+                concrete[name] = styles[style]()
+                sharded[style] += 1
+            else:
+                replicated.add(f"{pattern} ({style})")
+    if not any(".self_attn." in name or ".attention." in name for name in concrete):
+        raise ConfigError(
+            f"{type(decoder).__name__} has no column/row-wise tensor-parallel plan for its attention "
+            "(config.base_model_tp_plan) in this transformers version",
+            hint="run this model with --train-tp 1",
+        )
+    parallelize_module(decoder, ctx.mesh["tp"], concrete)
+    return {"plan": "transformers base_model_tp_plan via torch parallelize_module",
+            "sharded_linear_layers": sharded, "replicated": sorted(replicated),
+            "lm_head_and_embeddings": "replicated"}
+
+
+# ---- Ulysses sequence parallelism ------------------------------------------------------------
+
+
+@dataclass
+class _UlyssesBatch:
+    group: object
+    size: int
+    position_ids: torch.Tensor  # [1, T] global, for attention kernels that read them
+    kv_repeats: int
+
+
+class UlyssesAttention:
+    """An ``attn_implementation`` that wraps another one with the Ulysses all-to-alls.
+
+    Outside :meth:`packed_row` (e.g. the load-time self-check) it is the inner attention alone.
+    """
+
+    def __init__(self, inner: str):
+        self.inner = inner
+        self.batch: _UlyssesBatch | None = None
+
+    def register(self) -> str:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(ULYSSES_ATTENTION, self)
+        return ULYSSES_ATTENTION
+
+    @contextmanager
+    def packed_row(self, group, size: int, position_ids: torch.Tensor, kv_repeats: int):
+        self.batch = _UlyssesBatch(group, size, position_ids, kv_repeats)
+        try:
+            yield
+        finally:
+            self.batch = None
+
+    def __call__(self, module, query, key, value, attention_mask, **kwargs):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        inner = ALL_ATTENTION_FUNCTIONS[self.inner]
+        b = self.batch
+        if b is None:
+            return inner(module, query, key, value, attention_mask, **kwargs)
+        if query.shape[0] != 1:
+            raise ValueError("Ulysses attention takes one packed row")
+        if b.kv_repeats > 1:  # interleaved, so each rank's query heads keep their own key/value head
+            key = key.repeat_interleave(b.kv_repeats, dim=1)
+            value = value.repeat_interleave(b.kv_repeats, dim=1)
+        query, key, value = (_sequence_to_heads(t, b.group, b.size) for t in (query, key, value))
+        kwargs["position_ids"] = b.position_ids
+        out, _ = inner(module, query, key, value, None, **kwargs)
+        return _heads_to_sequence(out, b.group, b.size), None
+
+
+def _sequence_to_heads(x: torch.Tensor, group, n: int) -> torch.Tensor:
+    """[1, heads, T/n, d] (all heads, my slice of the row) -> [1, heads/n, T, d] (my heads, whole row)."""
+    _, h, s, d = x.shape
+    send = x.reshape(n, h // n, s, d).contiguous()  # chunk j: the heads rank j will own
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)  # recv[i]: rank i's slice of the row, my heads
+    return recv.permute(1, 0, 2, 3).reshape(1, h // n, n * s, d)
+
+
+def _heads_to_sequence(x: torch.Tensor, group, n: int) -> torch.Tensor:
+    """Attention output [1, T, heads/n, d] -> [1, T/n, heads, d] (my slice of the row, all heads)."""
+    _, t, h, d = x.shape
+    send = x.reshape(n, t // n, h, d).contiguous()  # chunk j: rank j's slice of the row
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)  # recv[i]: my slice, rank i's heads
+    return recv.permute(1, 0, 2, 3).reshape(1, t // n, n * h, d)
+
+
+def gather_rows(parts: list[torch.Tensor], counts: list[int], group) -> list[torch.Tensor]:
+    """Concatenate, in rank order, each rank's first ``counts[rank]`` rows of every tensor in ``parts``.
+
+    Collectives need equal sizes, so each part is padded to the largest count first.
+    """
+    width = max(counts)
+    if width == 0:
+        return parts
+    out = []
+    for part in parts:
+        padded = part.new_zeros((width, *part.shape[1:]))
+        padded[: len(part)] = part
+        chunks = [torch.empty_like(padded) for _ in counts]
+        dist.all_gather(chunks, padded, group=group)
+        out.append(torch.cat([c[:k] for c, k in zip(chunks, counts)]))
+    return out
