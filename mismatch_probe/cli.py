@@ -142,6 +142,7 @@ def compare(
     max_prompts: Annotated[Optional[int], typer.Option(help="Use only the first N prompts.")] = None,
     max_turns: Annotated[Optional[int], typer.Option(help="Assistant turns per sample; tool calls run between turns.")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing run in --out instead of resuming it.")] = False,
+    rollouts_from: Annotated[Optional[Path], typer.Option(help="Score the rollouts of this run (same model, prompts, engine and sampling) instead of sampling; no engine starts.")] = None,
     gate_file: Annotated[Optional[Path], typer.Option("--gate", help="Thresholds file (TOML): gate the finished run on it; exit 1 if a check fails.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the run record (run.json) to stdout.")] = False,
 ) -> None:
@@ -181,8 +182,10 @@ def compare(
         "sampling.temperature": temperature, "sampling.top_p": top_p, "sampling.top_k": top_k,
         "sampling.max_tokens": max_tokens, "sampling.n": n, "sampling.seed": seed,
     })
+    if spec.variants:
+        return _compare_variants(spec, overwrite, rollouts_from, gate_file, gate, as_json)
     with RichProgress(err) as progress:
-        result = run_compare(spec, progress=progress, overwrite=overwrite)
+        result = run_compare(spec, progress=progress, overwrite=overwrite, rollouts_from=rollouts_from)
     if as_json:
         sys.stdout.write(json.dumps(result.record, indent=2) + "\n")
         if gate is not None:
@@ -200,6 +203,30 @@ def compare(
     out.print(f"report: {escape(str(result.run_dir / 'report.html'))} (also report.md)")
     if gate is not None:
         _gate_exit(_gate(result.run_dir, gate_file, None, gate))
+
+
+def _compare_variants(spec, overwrite, rollouts_from, gate_file, gate, as_json) -> None:
+    from .pipeline import run_variants
+    from .summary import variants_table
+
+    with RichProgress(err) as progress:
+        result = run_variants(spec, progress=progress, overwrite=overwrite, rollouts_from=rollouts_from)
+    gated = {name: _gate(r.run_dir, gate_file, None, gate, quiet=True) for name, r in result.runs.items()} if gate else {}
+    if as_json:
+        sys.stdout.write(json.dumps({name: r.record for name, r in result.runs.items()}, indent=2) + "\n")
+    else:
+        out.print(variants_table(result))
+        for name, r in result.runs.items():
+            out.print(f"{name}: {escape(str(r.run_dir / 'report.html'))}")
+        out.print(f"comparison: {escape(str(result.comparison))}")
+        from .gate_report import rich_table
+
+        for name, g in gated.items():
+            out.print(f"gate on {name}:")
+            out.print(rich_table(g))
+    worst = max((g.exit_code for g in gated.values()), default=0)
+    if worst:
+        raise typer.Exit(worst)
 
 
 def _gate(run_dir, thresholds, baseline, gate=None, *, quiet=False, junit=None, markdown=None):

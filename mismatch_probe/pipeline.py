@@ -17,6 +17,7 @@ says how far it got, and a re-run with the same spec (same fingerprint) picks up
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from contextlib import contextmanager
@@ -133,12 +134,15 @@ def run_compare(
     progress: Progress | None = None,
     overwrite: bool = False,
     engine: Engine | None = None,
+    rollouts_from: str | Path | None = None,
 ) -> RunResult:
     """Run a probe end to end and return its run directory and record.
 
     The engine runs in a worker process started here and stopped before the reference loads.
     Pass ``engine`` (an adapter, or an :class:`EngineProcess` already started with the same engine
     settings) to reuse one engine across several runs; it is then left open for the caller.
+    ``rollouts_from`` (a run with the same model, prompts, engine and sampling settings) skips
+    the engine: its rollouts are scored as they are, so reference settings compare on the same tokens.
     """
     from .engines import get_entry
     from .environment import fingerprint
@@ -151,7 +155,7 @@ def run_compare(
     model_path = check_model_dir(spec.model)
     entry = get_entry(spec.engine.name)
     entry.check_settings(spec.engine)
-    if engine is None and spec.engine.python is None and (missing_pkgs := entry.missing()):
+    if engine is None and rollouts_from is None and spec.engine.python is None and (missing_pkgs := entry.missing()):
         # fail before any work; with --engine-python the worker's own interpreter is what matters
         raise ConfigError(
             f"engine {entry.name!r} needs {', '.join(missing_pkgs)}, which is not installed here",
@@ -204,6 +208,10 @@ def run_compare(
 
     # ---- 1. rollouts (engine worker) ------------------------------------------------------
     rollout_dir, token_dir = out / ROLLOUTS_DIR, out / TOKENS_DIR
+    rollouts_from = rollouts_from or ((previous or {}).get("rollouts_from") or {}).get("run")
+    if rollouts_from is not None:
+        _adopt_rollouts(spec, Path(rollouts_from), record, len(shards), rollout_dir)
+        _write_record(out, record)
     if previous is not None:  # timings then cover this invocation only; say what it reused
         record["resumed"] = {
             "rollout_shards_reused": sum((rollout_dir / shard_name(i)).is_file() for i in range(len(shards))),
@@ -343,15 +351,9 @@ def _rollouts(spec, engine, record, prompts, shards, missing, stops, rollout_dir
 
     semantics = engine.semantics(spec.sampling)
     s = spec.sampling
-    ref = reference_semantics(spec.reference.logprobs, semantics, s.temperature, s.top_k, s.top_p)
     prefill_skip = _prefill_skip_reason(spec, engine, semantics)
     record["engine"] = engine.info()
-    record["logprob_semantics"] = {
-        "engine": semantics.describe(),
-        "reference": ref.describe(),
-        "matched": ref.distribution() == semantics.distribution(),
-        "prefill": {"mode": "raw", "distribution": "log_softmax(logits)"} if prefill_skip is None else None,
-    }
+    record["logprob_semantics"] = _semantics_record(spec, semantics, prefill=prefill_skip is None)
     record["decode_vs_prefill"] = {"skipped": prefill_skip} if prefill_skip else None
     _write_record(rollout_dir.parent, record)
     progress.stage("generate", sum(len(shards[i]) for i in missing))
@@ -397,6 +399,87 @@ def _rollouts(spec, engine, record, prompts, shards, missing, stops, rollout_dir
         if template is not None:
             record["tokenization_check"] = check.merge(previous_check)
             _write_record(rollout_dir.parent, record)
+
+
+def _semantics_record(spec: ProbeSpec, engine: LogprobSemantics, *, prefill: bool) -> dict:
+    s = spec.sampling
+    ref = reference_semantics(spec.reference.logprobs, engine, s.temperature, s.top_k, s.top_p)
+    return {
+        "engine": engine.describe(),
+        "reference": ref.describe(),
+        "matched": ref.distribution() == engine.distribution(),
+        "prefill": {"mode": "raw", "distribution": "log_softmax(logits)"} if prefill else None,
+    }
+
+
+ADOPTED_FIELDS = ("engine", "engine_process", "decode_vs_prefill", "tokenization_check")
+
+
+def _adopt_rollouts(spec: ProbeSpec, source: Path, record: dict, n_shards: int, rollout_dir: Path) -> None:
+    """Take ``source``'s rollout shards (hard links where the file system allows) and what it
+    recorded about its engine, after checking they were sampled exactly as ``spec`` would."""
+    from .spec import rollout_fingerprint
+    from .table import read_run_record
+
+    theirs = read_run_record(source, "--rollouts-from", require_complete=False)
+    if rollout_fingerprint(theirs.get("spec") or {}) != spec.rollout_fingerprint():
+        raise ConfigError(
+            f"--rollouts-from {source} was sampled with another model, prompt set, engine or sampling setting",
+            hint="its spec must match this one everywhere but [reference] and [corrections]",
+        )
+    engine_semantics = (theirs.get("logprob_semantics") or {}).get("engine")
+    if not engine_semantics:
+        raise ConfigError(f"--rollouts-from {source} has no rollouts yet",
+                          hint=f"finish it first (run its compare command again; it resumes into {source})")
+    rollout_dir.mkdir(exist_ok=True)
+    for i in range(n_shards):
+        mine, src = rollout_dir / shard_name(i), source / ROLLOUTS_DIR / shard_name(i)
+        if mine.is_file():
+            continue
+        if not src.is_file():
+            raise ConfigError(f"--rollouts-from {source} lacks rollout shard {i} ({src.name})",
+                              hint="finish it first (run its compare command again; it resumes)")
+        tmp = mine.with_name(f".{mine.name}.tmp")
+        tmp.unlink(missing_ok=True)
+        try:
+            os.link(src, tmp)
+        except OSError:  # another file system, or links not allowed
+            shutil.copyfile(src, tmp)
+        tmp.replace(mine)
+    for key in ADOPTED_FIELDS:
+        record[key] = theirs.get(key)
+    prefill = bool((theirs.get("logprob_semantics") or {}).get("prefill"))
+    record["logprob_semantics"] = _semantics_record(spec, LogprobSemantics.from_record(engine_semantics),
+                                                    prefill=prefill)
+    record["rollouts_from"] = {"run": str(source.resolve()), "spec_fingerprint": theirs.get("spec_fingerprint")}
+
+
+@dataclass
+class VariantsResult:
+    base_dir: Path
+    runs: dict[str, RunResult]
+    comparison: Path
+
+
+def run_variants(spec: ProbeSpec, *, progress: Progress | None = None, overwrite: bool = False,
+                 rollouts_from: str | Path | None = None) -> VariantsResult:
+    """A spec with ``[[variants]]``: the engine samples once, for the first variant (or not at all
+    with ``rollouts_from``); every variant scores those same rollouts with its own reference
+    settings (a run directory each, under the spec's ``out``); ``compare.html`` beside them puts
+    the runs side by side."""
+    from .report_html import write_report
+
+    progress = progress or Progress()
+    spec.validate()
+    base = Path(spec.out) if spec.out else default_out_dir(spec)
+    runs: dict[str, RunResult] = {}
+    source = Path(rollouts_from) if rollouts_from else None
+    for name, variant in spec.expand_variants(base):
+        progress.log(f"variant {name}" + (f": scoring the rollouts of {source}" if source else ""))
+        runs[name] = run_compare(variant, progress=progress, overwrite=overwrite, rollouts_from=source)
+        source = source or runs[name].run_dir
+    comparison = write_report([r.run_dir for r in runs.values()], base / "compare.html").path
+    return VariantsResult(base, runs, comparison)
 
 
 def _prefill_skip_reason(spec: ProbeSpec, engine, semantics: LogprobSemantics) -> str | None:

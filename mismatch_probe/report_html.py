@@ -405,7 +405,19 @@ def _settings(record: dict) -> dict[str, str]:
         flat[f"sampling.{k}"] = v
     sem = record.get("logprob_semantics") or {}
     flat["reference log-probs"] = (sem.get("reference") or {}).get("distribution")
-    return {k: (json.dumps(v) if isinstance(v, (dict, list)) else ("-" if v is None else str(v))) for k, v in flat.items()}
+    return {k: (json.dumps(v) if isinstance(v, (dict, list)) else ("-" if v is None else str(v)))
+            for k, v in _dotted(flat).items()}
+
+
+def _dotted(d: dict, prefix: str = "") -> dict:
+    """Nested settings (e.g. the reference's parallel layout) as one row per leaf."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_dotted(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def render_comparison(runs: list[RunData]) -> str:
@@ -464,6 +476,7 @@ def render_comparison(runs: list[RunData]) -> str:
     if len(thresholds) > 1:
         warnings.append("The runs use different correction thresholds; their what-if shares are not comparable.")
 
+    sources = {((r.record.get("rollouts_from") or {}).get("run") or str(r.path.resolve())) for r in runs}
     figure_runs = [{"label": r.label, "color": r.color, "record": r.record, "dist": r.dist} for r in runs]
     context = {
         "title": f"mismatch-probe: {len(runs)} runs compared",
@@ -478,6 +491,7 @@ def render_comparison(runs: list[RunData]) -> str:
         "metric_rows": metric_rows,
         "correction_rows": correction_rows,
         "warnings": warnings,
+        "shared_rollouts": next(iter(sources)) if len(sources) == 1 else None,
         "figures": [{**f, "src": _data_uri(f["png"])} for f in comparison_figures(figure_runs)],
         "version": __version__,
         "generated_at": _now(),

@@ -7,11 +7,13 @@ validated here, once, with a message that names the field and the accepted value
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import hashlib
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,9 +133,31 @@ class ProbeSpec:
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
     reference: ReferenceSpec = field(default_factory=ReferenceSpec)
     corrections: CorrectionThresholds = field(default_factory=CorrectionThresholds)
+    # [[variants]]: reference (and correction) settings to score the same rollouts with, one run
+    # each; every entry is {"name": ..., "reference": {...}, "corrections": {...}}
+    variants: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def rollout_fingerprint(self) -> str:
+        """Hash of what decides the rollouts (model, prompts, engine, sampling), not how they are scored."""
+        return rollout_fingerprint(self.to_dict())
+
+    def expand_variants(self, base_out: Path) -> list[tuple[str, ProbeSpec]]:
+        """One spec per ``[[variants]]`` entry, writing to ``base_out/<variant name>``."""
+        out = []
+        for v in self.variants:
+            spec = dataclasses.replace(copy.deepcopy(self), variants=[], out=str(Path(base_out) / v["name"]),
+                                       name=f"{self.name}-{v['name']}" if self.name else v["name"])
+            for section in VARIANT_SECTIONS:
+                if v.get(section):
+                    try:
+                        setattr(spec, section, dataclasses.replace(getattr(spec, section), **v[section]))
+                    except ValueError as exc:  # CorrectionThresholds validates itself
+                        raise ConfigError(f"variant {v['name']!r}: [{section}] {exc}") from None
+            out.append((v["name"], spec))
+        return out
 
     def fingerprint(self) -> str:
         """Hash of everything that changes the results (not where they are written)."""
@@ -196,7 +220,23 @@ class ProbeSpec:
         if e.logprobs_mode == "processed" and s.temperature == 0:
             # Greedy decoding has no processed distribution; both sides then use raw logits.
             e.logprobs_mode = "raw"
+        for name, variant in self.expand_variants(Path(".")):
+            try:
+                variant.validate()
+            except ConfigError as exc:
+                raise ConfigError(f"variant {name!r}: {exc.message}", hint=exc.hint) from None
         return self
+
+
+ROLLOUT_KEYS = ("model", "prompts", "max_prompts", "shard_size", "max_turns", "trust_remote_code", "engine", "sampling")
+VARIANT_SECTIONS = ("reference", "corrections")
+VARIANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def rollout_fingerprint(spec_dict: dict) -> str:
+    """:meth:`ProbeSpec.rollout_fingerprint` of a stored spec (a run.json's ``spec``)."""
+    d = {k: spec_dict.get(k) for k in ROLLOUT_KEYS}
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _check(ok: bool, message: str) -> None:
@@ -247,12 +287,48 @@ def unknown_key(key: str, known, where: str) -> ConfigError:
     return ConfigError(f"{where}: unknown key {key!r}", hint=hint)
 
 
+def _variants(value: Any, source: str) -> list[dict]:
+    """``[[variants]]``: each a name and reference/corrections settings, checked like the sections."""
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise ConfigError(f"{source}: variants must be an array of tables ([[variants]])")
+    out, names = [], set()
+    for i, v in enumerate(value):
+        where = f"{source}: variants[{i}]"
+        name = v.get("name")
+        if not isinstance(name, str) or not VARIANT_NAME.match(name):
+            raise ConfigError(f"{where} needs a name of letters, digits, '.', '_' or '-' (it names its run directory)")
+        if name in names:
+            raise ConfigError(f"{where}: the name {name!r} is used twice")
+        names.add(name)
+        entry = {"name": name}
+        for key, settings in v.items():
+            if key == "name":
+                continue
+            if key not in VARIANT_SECTIONS:
+                raise ConfigError(
+                    f"{where}: {key!r} cannot vary between variants, which score the same rollouts",
+                    hint="a variant sets [reference] and [corrections] settings; give other settings a spec of their own")
+            if not isinstance(settings, dict):
+                raise ConfigError(f"{where}: {key} must be a table")
+            fields = {f.name: f for f in dataclasses.fields(SECTIONS[key])}
+            for sub, x in settings.items():
+                if sub not in fields:
+                    raise unknown_key(sub, fields, f"{where}.{key}")
+            entry[key] = {sub: _coerce(x, fields[sub], f"{where}.{key}.{sub}") for sub, x in settings.items()}
+        out.append(entry)
+    if len(out) == 1:
+        raise ConfigError(f"{source}: one variant compares nothing", hint="give two or more [[variants]], or none")
+    return out
+
+
 def spec_from_dict(data: dict, *, base_dir: Path | None = None, source: str = "spec") -> ProbeSpec:
     """Build a spec from nested dicts (a parsed TOML file); unknown keys are errors."""
     spec = ProbeSpec()
     top_fields = {f.name: f for f in dataclasses.fields(ProbeSpec) if f.name not in SECTIONS}
     for key, value in data.items():
-        if key in SECTIONS:
+        if key == "variants":
+            spec.variants = _variants(value, source)
+        elif key in SECTIONS:
             if not isinstance(value, dict):
                 raise ConfigError(f"{source}: [{key}] must be a table")
             section = getattr(spec, key)

@@ -150,3 +150,34 @@ def _title(record: dict) -> str:
         f"{spec.get('engine', {}).get('name')} {eng.get('dtype')} vs reference {ref.get('dtype')}"
         f"{' (fp32 logits)' if ref.get('logits_fp32') else ''} on {env.get('device_name')}"
     )
+
+
+SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+VARIANT_COLUMNS = (
+    ("k3_kl", "K3 KL"),
+    ("abs_delta_p99", "p99 |delta|"),
+    ("prob_diff_max", "max |dp|"),
+    ("seq_max_mismatch_mean", "seq max mismatch"),
+    ("seq_max_mismatch_gt_0_5_share", "seqs > 0.5"),
+    ("mult_prob_error", "mult. error"),
+    ("n_model_tokens", "tokens"),
+)
+
+
+def variants_table(result) -> Table:
+    """One row per variant of a spec: the same rollouts, each variant's reference."""
+    table = Table(title="variants: the same rollouts, scored by each reference", title_justify="left")
+    table.add_column("variant")
+    table.add_column("reference")
+    for _, label in VARIANT_COLUMNS:
+        table.add_column(label, justify="right")
+    for name, run in result.runs.items():
+        ref = run.record.get("reference") or {}
+        layout = " ".join(f"{tag}{ref.get(key)}" for key, tag in (("sequence_parallel_size", "SP"),
+                                                                   ("tensor_parallel_size", "TP"))
+                          if (ref.get(key) or 1) > 1)
+        dtype = SHORT_DTYPES.get(ref.get("dtype"), ref.get("dtype"))
+        label = f"{dtype}{'+fp32 head' if ref.get('logits_fp32') else ''} {layout}".strip()
+        metrics = run.record.get("metrics") or {}
+        table.add_row(name, label, *(fmt(metrics.get(key)) for key, _ in VARIANT_COLUMNS))
+    return table

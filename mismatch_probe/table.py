@@ -254,9 +254,9 @@ def iter_model_tokens(run_dir: Path, columns=MODEL_TOKEN_COLUMNS) -> Iterator[di
         }
 
 
-def read_run_record(run_dir: str | Path, what: str = "run") -> dict:
+def read_run_record(run_dir: str | Path, what: str = "run", *, require_complete: bool = True) -> dict:
     """A finished run's run.json, as stored; a :class:`ConfigError` that says what to do when the
-    directory is not a run, its record is not JSON, or the run did not complete."""
+    directory is not a run, its record is not JSON, or (``require_complete``) the run did not complete."""
     import json
 
     from .errors import ConfigError
@@ -269,7 +269,7 @@ def read_run_record(run_dir: str | Path, what: str = "run") -> dict:
         record = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path} is not valid JSON ({exc})") from None
-    if record.get("status") != "complete" or not record.get("metrics"):
+    if require_complete and (record.get("status") != "complete" or not record.get("metrics")):
         why = f": {record['error']}" if record.get("error") else ""
         raise ConfigError(f"{what} {run_dir} is {record.get('status', 'incomplete')}{why}; it has no metrics",
                           hint="finish it by running the same compare command again (it resumes)")

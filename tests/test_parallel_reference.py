@@ -139,3 +139,58 @@ def test_an_error_on_a_rank_reaches_the_caller_and_stops_the_ranks():
         scorer.score(bad, RAW)
     assert not any(p.is_alive() for p in procs)
     scorer.close()  # idempotent after a failure
+
+
+def test_compare_with_variants_scores_one_set_of_rollouts_in_each_layout(tmp_path):
+    import json
+
+    import pyarrow.parquet as pq
+    from conftest import SINGLE_TURN, cli
+
+    spec = tmp_path / "layouts.toml"
+    spec.write_text(f"""
+name = "layouts"
+model = "{DENSE}"
+prompts = "{SINGLE_TURN}"
+out = "{tmp_path / 'runs'}"
+max_prompts = 6
+[engine]
+name = "hf"
+dtype = "bfloat16"
+[sampling]
+max_tokens = 24
+n = 2
+[reference]
+dtype = "float32"
+[[variants]]
+name = "one"
+[[variants]]
+name = "sp2"
+reference.sequence_parallel_size = 2
+[[variants]]
+name = "tp2"
+reference.tensor_parallel_size = 2
+""")
+    proc = cli("compare", str(spec))
+    assert proc.returncode == 0, proc.stderr
+    assert "variants: the same rollouts" in proc.stdout and "compare.html" in proc.stdout
+    runs = tmp_path / "runs"
+    html = (runs / "compare.html").read_text()
+    assert "All runs score the same rollouts" in html and "HF fp32 sdpa padding-free SP2" in html
+
+    def table(name):
+        t = pq.read_table(runs / name / "tokens.parquet").sort_by([("sample_id", "ascending"), ("position", "ascending")])
+        return t.filter(t.column("is_model_token"))
+
+    one = table("one")
+    assert one.num_rows > 50
+    for name, (sp, tp) in (("sp2", (2, 1)), ("tp2", (1, 2))):
+        other = table(name)
+        assert other.column("token_id").equals(one.column("token_id"))
+        assert other.column("logp_infer").equals(one.column("logp_infer"))
+        gap = np.abs(other.column("logp_train").to_numpy() - one.column("logp_train").to_numpy())
+        assert gap.max() < 2e-5
+        rec = json.loads((runs / name / "run.json").read_text())
+        assert rec["reference"]["parallel"]["mesh"] == {"sp": sp, "tp": tp}
+        assert rec["rollouts_from"]["run"] == str((runs / "one").resolve())
+        assert (runs / name / "reference.log").is_file()

@@ -92,3 +92,44 @@ def test_a_report_that_fails_to_render_keeps_the_complete_run(tmp_path, monkeypa
     proc = cli("report", str(tmp_path / "r"))  # and it renders later from the directory
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "r" / "report.html").is_file()
+
+
+def _tokens(run_dir):
+    import pyarrow.parquet as pq
+
+    return pq.read_table(run_dir / "tokens.parquet").sort_by([("sample_id", "ascending"), ("position", "ascending")])
+
+
+def test_rollouts_from_scores_another_runs_samples_without_an_engine(tmp_path):
+    first = run(spec(tmp_path / "a")).record
+    FakeEngine.calls = []
+    other = spec(tmp_path / "b")
+    other.reference.dtype = "bfloat16"  # a reference setting: allowed to differ
+    result = run_compare(other, rollouts_from=tmp_path / "a")  # no engine passed, and none started
+    assert FakeEngine.calls == [] and "engine_start_s" not in result.record["timings"]
+    rec = result.record
+    assert rec["rollouts_from"] == {"run": str((tmp_path / "a").resolve()), "spec_fingerprint": first["spec_fingerprint"]}
+    assert rec["engine"] == first["engine"] and rec["logprob_semantics"] == first["logprob_semantics"]
+    assert rec["reference"]["dtype"] == "bfloat16"
+    a, b = _tokens(tmp_path / "a"), _tokens(tmp_path / "b")
+    for column in ("sample_id", "position", "token_id", "is_model_token", "logp_infer"):
+        assert a.column(column).equals(b.column(column))
+    assert not a.column("logp_train").equals(b.column("logp_train"))  # fp32 vs bf16 reference
+    # linked, not copied, where the file system allows it
+    assert (tmp_path / "b" / "rollouts" / "part-00000.parquet").stat().st_ino == \
+        (tmp_path / "a" / "rollouts" / "part-00000.parquet").stat().st_ino
+
+
+def test_rollouts_from_refuses_other_sampling_and_unfinished_runs(tmp_path):
+    from mismatch_probe.errors import ConfigError
+
+    run(spec(tmp_path / "a"))
+    other = spec(tmp_path / "b")
+    other.sampling.temperature = 0.7
+    with pytest.raises(ConfigError, match="another model, prompt set, engine or sampling"):
+        run_compare(other, rollouts_from=tmp_path / "a")
+    (tmp_path / "a" / "rollouts" / "part-00002.parquet").unlink()
+    with pytest.raises(ConfigError, match="lacks rollout shard 2"):
+        run_compare(spec(tmp_path / "c"), rollouts_from=tmp_path / "a")
+    with pytest.raises(ConfigError, match="not a run directory"):
+        run_compare(spec(tmp_path / "d"), rollouts_from=tmp_path)

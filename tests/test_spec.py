@@ -98,7 +98,7 @@ def test_fingerprint_ignores_output_location():
     assert a.fingerprint() != b.fingerprint()
 
 
-@pytest.mark.parametrize("name", ["demo.toml", "demo-hf.toml"])
+@pytest.mark.parametrize("name", ["demo.toml", "demo-hf.toml", "demo-multi-turn.toml", "parallelism-tp2.toml"])
 def test_demo_specs_are_valid(name):
     from mismatch_probe.engines import get_entry
 
@@ -126,3 +126,61 @@ def test_engine_settings_are_checked_per_engine():
     with pytest.raises(ConfigError, match="engine 'vllm' has no setting engine.attn_implementation"):
         get_entry("vllm").check_settings(EngineSpec(name="vllm", attn_implementation="eager"))
     get_entry("vllm").check_settings(EngineSpec(name="vllm", tensor_parallel_size=2, prefix_caching=False))
+
+
+VARIANTS = """
+name = "study"
+model = "m"
+prompts = "p"
+[reference]
+dtype = "bf16"
+[[variants]]
+name = "tp2"
+reference.tensor_parallel_size = 2
+[[variants]]
+name = "sp2"
+[variants.reference]
+sequence_parallel_size = 2
+[variants.corrections]
+token_tis = 3.0
+"""
+
+
+def test_variants_expand_to_one_spec_each_on_the_same_rollouts(tmp_path):
+    spec = load_spec_file(write(tmp_path, VARIANTS)).validate()
+    expanded = dict(spec.expand_variants(tmp_path / "out"))
+    assert list(expanded) == ["tp2", "sp2"]
+    tp2, sp2 = expanded["tp2"], expanded["sp2"]
+    assert (tp2.reference.tensor_parallel_size, tp2.reference.sequence_parallel_size) == (2, 1)
+    assert (sp2.reference.tensor_parallel_size, sp2.reference.sequence_parallel_size) == (1, 2)
+    assert tp2.reference.dtype == sp2.reference.dtype == "bfloat16"  # the shared [reference] stays
+    assert (tp2.corrections.token_tis, sp2.corrections.token_tis) == (2.0, 3.0)
+    assert tp2.out == str(tmp_path / "out" / "tp2") and tp2.name == "study-tp2" and tp2.variants == []
+    assert tp2.rollout_fingerprint() == sp2.rollout_fingerprint() == spec.rollout_fingerprint()
+    assert tp2.fingerprint() != sp2.fingerprint()
+    sp2.reference.dtype = "float32"  # each variant is its own copy
+    assert tp2.reference.dtype == "bfloat16"
+    sp2.sampling.top_p = 0.9
+    assert sp2.rollout_fingerprint() != tp2.rollout_fingerprint()
+
+
+@pytest.mark.parametrize("variants, match", [
+    ('[[variants]]\nreference.dtype = "fp32"\n[[variants]]\nname = "b"', "needs a name"),
+    ('[[variants]]\nname = "a/b"\n[[variants]]\nname = "c"', "needs a name"),
+    ('[[variants]]\nname = "a"\n[[variants]]\nname = "a"', "used twice"),
+    ('[[variants]]\nname = "a"\nsampling.top_p = 0.5\n[[variants]]\nname = "b"', "'sampling' cannot vary"),
+    ('[[variants]]\nname = "a"\nreference.tp = 2\n[[variants]]\nname = "b"', "unknown key 'tp'"),
+    ('[[variants]]\nname = "a"\nreference.tensor_parallel_size = "2"\n[[variants]]\nname = "b"', "must be an integer"),
+    ('[[variants]]\nname = "a"', "one variant compares nothing"),
+    ('variants = 3', "array of tables"),
+])
+def test_bad_variants_name_the_problem(tmp_path, variants, match):
+    with pytest.raises(ConfigError, match=match):
+        load_spec_file(write(tmp_path, f'model = "m"\nprompts = "p"\n{variants}\n'))
+
+
+def test_a_variant_that_cannot_run_is_named(tmp_path):
+    text = 'model = "m"\nprompts = "p"\n[[variants]]\nname = "a"\n[[variants]]\nname = "padded-sp"\n' \
+           '[variants.reference]\nsequence_parallel_size = 2\npacking = false\n'
+    with pytest.raises(ConfigError, match="variant 'padded-sp': Ulysses"):
+        load_spec_file(write(tmp_path, text)).validate()
