@@ -182,3 +182,32 @@ def test_multi_turn_tool_use_continues_from_token_ids(engine, tmp_path):
     assert first["n_model_tokens"] > 0 and later["n_model_tokens"] > 0
     assert first["n_model_tokens"] + later["n_model_tokens"] == rec["metrics"]["n_model_tokens"]
     assert 0 < later["k3_kl"] < 5e-4 and 0 < first["k3_kl"] < 5e-4
+
+
+@pytest.mark.distributed
+def test_parallelism_probe_scores_vllm_tp2_rollouts_in_three_training_layouts(tmp_path):
+    """probes/parallelism-tp2.toml: vLLM samples at TP=2 once; references at TP=2, SP=2 and TP=1
+    (bf16, as learners run) score those same tokens."""
+    import pyarrow.parquet as pq
+
+    from conftest import ROOT
+
+    out = tmp_path / "study"
+    proc = cli("compare", str(ROOT / "probes" / "parallelism-tp2.toml"), "--out", str(out), "--max-prompts", "8",
+               "--n", "2", "--gpu-memory-utilization", str(MEMORY))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    layouts = {"learner-tp2": (1, 2), "learner-sp2": (2, 1), "learner-tp1": (1, 1)}
+    logp = {}
+    for name, (sp, tp) in layouts.items():
+        rec = json.loads((out / name / "run.json").read_text())
+        assert rec["engine"]["tensor_parallel_size"] == 2
+        ref = rec["reference"]
+        assert (ref["sequence_parallel_size"], ref["tensor_parallel_size"], ref["dtype"]) == (sp, tp, "bfloat16")
+        assert 0 < rec["metrics"]["k3_kl"] < 0.05
+        t = pq.read_table(out / name / "tokens.parquet").sort_by([("sample_id", "ascending"), ("position", "ascending")])
+        logp[name] = t.filter(t.column("is_model_token")).column("logp_train").to_numpy().astype(np.float64)
+    assert len({len(v) for v in logp.values()}) == 1
+    tp_gap = np.abs(logp["learner-tp2"] - logp["learner-tp1"])
+    sp_gap = np.abs(logp["learner-sp2"] - logp["learner-tp1"])
+    assert tp_gap.mean() > 1e-4 and sp_gap.max() <= tp_gap.max() / 10
+    assert "All runs score the same rollouts" in (out / "compare.html").read_text()
