@@ -42,24 +42,33 @@ class ReferenceRankError(ProbeError):
         self.remote_traceback = remote_traceback
 
 
+def check_reference_layout(model_path: Path, spec: ReferenceSpec) -> str:
+    """Fail early (before the engine samples anything) when the model's heads do not split over
+    the layout or there are too few GPUs; returns the device type the ranks will use."""
+    import torch
+
+    from .parallel import check_layout
+
+    sp, tp = spec.sequence_parallel_size, spec.tensor_parallel_size
+    check_layout(read_config(model_path), sp, tp)
+    device_type = resolve_device(spec.device)
+    if device_type == "cuda" and torch.cuda.device_count() < sp * tp:
+        raise ConfigError(f"the reference layout needs {sp * tp} GPUs (sp {sp} x tp {tp}), and torch "
+                          f"sees {torch.cuda.device_count()}", hint="lower --train-sp / --train-tp")
+    return device_type
+
+
 class DistributedReferenceScorer:
     def __init__(self, model_path: str | Path, spec: ReferenceSpec, *, trust_remote_code: bool = False,
                  log_path: str | Path | None = None):
-        import torch
         import torch.multiprocessing as mp
-
-        from .parallel import check_layout
 
         self.spec = spec
         self.log_path = log_path
         sp, tp = spec.sequence_parallel_size, spec.tensor_parallel_size
         self.world_size = sp * tp
         model_path = check_model_dir(model_path)
-        check_layout(read_config(model_path), sp, tp)  # a bad layout fails here, before any process starts
-        device_type = resolve_device(spec.device)
-        if device_type == "cuda" and torch.cuda.device_count() < self.world_size:
-            raise ConfigError(f"the reference layout needs {self.world_size} GPUs (sp {sp} x tp {tp}), and torch "
-                              f"sees {torch.cuda.device_count()}", hint="lower --train-sp / --train-tp")
+        device_type = check_reference_layout(model_path, spec)
         ctx = mp.get_context("spawn")
         self._tasks = [ctx.SimpleQueue() for _ in range(self.world_size)]
         self._results = ctx.Queue()
@@ -123,25 +132,42 @@ class DistributedReferenceScorer:
                 if on_progress:
                     on_progress(msg[1])
             elif msg[0] == "error":
-                raise self._error(*msg[1:])
+                # a rank killed from outside (OOM killer, a signal) makes its peers fail in their
+                # next collective; the dead one is the news, not its peers' broken connection
+                time.sleep(0.5)
+                raise self._killed_rank() or self._error(*msg[1:])
             elif msg[0] == kind:
                 return msg
             else:
                 raise RuntimeError(f"unexpected message from reference rank 0: {msg[0]!r}")
 
     def _check_alive(self) -> None:
-        try:
-            self._procs.join(timeout=0)
-        except Exception as exc:  # ProcessExitedException / ProcessRaisedException: a rank died
-            try:  # its own report, if it got one out before it died
-                msg = self._results.get(timeout=2)
-                if msg[0] == "error":
-                    raise self._error(*msg[1:]) from None
-            except queue.Empty:
-                pass
-            where = f"see {self.log_path} for what it printed" if self.log_path else "its output is above"
-            raise ReferenceRankError(f"a reference rank died: {str(exc).strip().splitlines()[-1]}",
-                                     hint=where) from None
+        if all(p.exitcode is None for p in self._procs.processes):
+            return
+        if killed := self._killed_rank():
+            raise killed
+        try:  # a rank that exited on an error reports it before it goes
+            msg = self._results.get(timeout=2)
+            if msg[0] == "error":
+                raise self._error(*msg[1:])
+        except queue.Empty:
+            pass
+        codes = {rank: p.exitcode for rank, p in enumerate(self._procs.processes) if p.exitcode is not None}
+        raise ReferenceRankError(f"a reference rank died: exit codes {codes}", hint=self._where())
+
+    def _killed_rank(self) -> ProbeError | None:
+        import signal
+
+        for rank, p in enumerate(self._procs.processes):
+            if p.exitcode is not None and p.exitcode < 0:
+                name = signal.Signals(-p.exitcode).name
+                return ReferenceRankError(
+                    f"a reference rank died: rank {rank} was killed by {name}"
+                    + (" (out of memory?)" if name == "SIGKILL" else ""), hint=self._where())
+        return None
+
+    def _where(self) -> str:
+        return f"see {self.log_path} for what it printed" if self.log_path else "its output is above"
 
     def _error(self, rank: int, kind: str, message: str, hint: str | None, remote: str) -> ProbeError:
         if kind in _ERRORS:

@@ -161,6 +161,10 @@ def run_compare(
             f"engine {entry.name!r} needs {', '.join(missing_pkgs)}, which is not installed here",
             hint=entry.install_hint,
         )
+    if spec.reference.sequence_parallel_size * spec.reference.tensor_parallel_size > 1:
+        from .distributed_reference import check_reference_layout
+
+        check_reference_layout(model_path, spec.reference)
     out = Path(spec.out) if spec.out else default_out_dir(spec)
     previous = prepare_run_dir(spec, out, overwrite=overwrite)
 

@@ -15,6 +15,7 @@ import pytest
 from conftest import DENSE, MOE
 from test_reference import RAW, independent, make_rollouts
 
+from mismatch_probe.distributed_reference import ReferenceRankError
 from mismatch_probe.errors import ConfigError, DataError
 from mismatch_probe.reference import ReferenceScorer, open_reference_scorer
 from mismatch_probe.spec import ProbeSpec, ReferenceSpec
@@ -194,3 +195,28 @@ reference.tensor_parallel_size = 2
         assert rec["reference"]["parallel"]["mesh"] == {"sp": sp, "tp": tp}
         assert rec["rollouts_from"]["run"] == str((runs / "one").resolve())
         assert (runs / name / "reference.log").is_file()
+
+
+def test_a_bad_layout_fails_before_the_engine_samples(tmp_path):
+    from conftest import SINGLE_TURN, cli
+
+    proc = cli("compare", "--model", str(DENSE), "--prompts", str(SINGLE_TURN), "--out", str(tmp_path / "r"),
+               "--train-tp", "3")
+    assert proc.returncode == 2
+    assert "--train-tp 3: the model has 4 attention heads and 2 key/value heads" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "r").exists()
+
+
+def test_a_rank_that_dies_is_reported_not_waited_for():
+    import os
+    import signal
+
+    scorer = open_reference_scorer(DENSE, _layout_spec("float32", 1, 2))
+    victim = scorer._procs.processes[1]
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.join(timeout=10)
+    procs = list(scorer._procs.processes)
+    with pytest.raises(ReferenceRankError, match="rank 1 was killed by SIGKILL"):
+        scorer.score(ROLLOUTS[:2], RAW)
+    assert not any(p.is_alive() for p in procs)
+    scorer.close()
