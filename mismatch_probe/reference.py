@@ -10,6 +10,10 @@ The LM head runs separately from the decoder, in chunks, so the [tokens x vocab]
 never materialized for a whole micro-batch, and optionally in float32 (``logits_fp32``). At load
 time a small self-check confirms this split reproduces the model's own ``forward`` logits, so an
 architecture that post-processes logits in a way this module does not know fails loudly.
+
+With ``reference.sequence_parallel_size`` / ``tensor_parallel_size`` above 1 the same scorer runs
+as one rank of a training layout (Ulysses SP, DTensor TP; :mod:`mismatch_probe.parallel`), in
+rank processes that :func:`open_reference_scorer` starts; the scores come back identical in shape.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import numpy as np
 import torch
 
 from .errors import ConfigError, DataError
-from .hf_models import free_accelerator_memory, load_causal_lm, resolve_device
+from .hf_models import free_accelerator_memory, load_causal_lm, read_config, resolve_device
 from .parallel import ParallelContext, UlyssesAttention, apply_tensor_parallel, check_layout, gather_rows
 from .routing import RouterRecorder
 from .sampling import LogprobSemantics, entropy_from_logprobs, logprobs_under
@@ -90,8 +94,6 @@ class ReferenceScorer:
         self._self_check()  # before any sharding: it checks the architecture, on each rank alone
         self.layout: dict = {}
         if parallel:
-            from .hf_models import read_config
-
             self.layout = check_layout(read_config(self.model_path), parallel.sp, parallel.tp)
             if parallel.tp > 1:
                 self.layout["tensor_parallel"] = apply_tensor_parallel(self.decoder, parallel)

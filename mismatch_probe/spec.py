@@ -236,6 +236,8 @@ VARIANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 def rollout_fingerprint(spec_dict: dict) -> str:
     """:meth:`ProbeSpec.rollout_fingerprint` of a stored spec (a run.json's ``spec``)."""
     d = {k: spec_dict.get(k) for k in ROLLOUT_KEYS}
+    # where the engine ran from does not change what it sampled (run.json records its versions)
+    d["engine"] = {k: v for k, v in (d["engine"] or {}).items() if k != "python"}
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
