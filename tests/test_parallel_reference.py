@@ -220,3 +220,32 @@ def test_a_rank_that_dies_is_reported_not_waited_for():
         scorer.score(ROLLOUTS[:2], RAW)
     assert not any(p.is_alive() for p in procs)
     scorer.close()
+
+
+def test_cli_train_sp_rescores_another_runs_rollouts(bf16_run, tmp_path):
+    """--train-sp and --rollouts-from from the command line: the session's hf run, re-scored by an
+    fp32 reference over 2 Ulysses ranks, gives its log-probs back within float32 rounding."""
+    import json
+
+    import pyarrow.parquet as pq
+    from conftest import SINGLE_TURN, cli
+
+    out = tmp_path / "sp2"
+    proc = cli(
+        "compare", "--model", str(DENSE), "--prompts", str(SINGLE_TURN), "--out", str(out),
+        "--engine-dtype", "bfloat16", "--train-dtype", "float32", "--max-tokens", "48", "--n", "2",
+        "--max-prompts", "16", "--seed", "7", "--train-sp", "2", "--rollouts-from", str(bf16_run),
+    )
+    assert proc.returncode == 0, proc.stderr
+    rec = json.loads((out / "run.json").read_text())
+    assert rec["reference"]["sequence_parallel_size"] == 2 and rec["rollouts_from"]["run"] == str(bf16_run.resolve())
+    assert "engine_start_s" not in rec["timings"]
+
+    def logp_train(run):
+        t = pq.read_table(run / "tokens.parquet").sort_by([("sample_id", "ascending"), ("position", "ascending")])
+        return t.filter(t.column("is_model_token")).column("logp_train").to_numpy()
+
+    assert np.abs(logp_train(out) - logp_train(bf16_run)).max() < 2e-5
+    mismatched = cli("compare", "--model", str(DENSE), "--prompts", str(SINGLE_TURN), "--out", str(tmp_path / "x"),
+                     "--rollouts-from", str(bf16_run), "--max-tokens", "32")
+    assert mismatched.returncode == 2 and "another model, prompt set, engine or sampling" in mismatched.stderr
