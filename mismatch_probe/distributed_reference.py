@@ -63,7 +63,6 @@ class DistributedReferenceScorer:
                  log_path: str | Path | None = None):
         import torch.multiprocessing as mp
 
-        self.spec = spec
         self.log_path = log_path
         sp, tp = spec.sequence_parallel_size, spec.tensor_parallel_size
         self.world_size = sp * tp
@@ -74,7 +73,6 @@ class DistributedReferenceScorer:
         self._results = ctx.Queue()
         self._store_dir = tempfile.mkdtemp(prefix="mismatch-probe-ranks-")
         init_method = f"file://{self._store_dir}/store"
-        self.started_at = time.perf_counter()
         self._procs = mp.start_processes(
             _rank_main, nprocs=self.world_size, join=False, start_method="spawn",
             args=(sp, tp, init_method, device_type, str(model_path), spec, trust_remote_code,
