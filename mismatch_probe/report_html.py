@@ -26,7 +26,7 @@ from .errors import ConfigError
 from .analysis import lookup, with_numbers
 from .metric_docs import CORRECTION_DOCS, METRIC_DOC, METRIC_DOCS, k3_context, rank
 from .summary import fmt as summary_fmt
-from .summary import plain_notes
+from .summary import layout_label, plain_notes, short_dtype
 from .table import read_run_record
 
 REPORT_HTML = "report.html"
@@ -100,7 +100,7 @@ def gpu_type(record: dict) -> str:
 def engine_label(record: dict) -> str:
     eng = record.get("engine") or {}
     spec = (record.get("spec") or {}).get("engine") or {}
-    parts = [eng.get("engine") or spec.get("name") or "?", _short_dtype(eng.get("dtype") or spec.get("dtype"))]
+    parts = [eng.get("engine") or spec.get("name") or "?", short_dtype(eng.get("dtype") or spec.get("dtype"))]
     if eng.get("tensor_parallel_size"):
         parts.append(f"TP{eng['tensor_parallel_size']}")
     if eng.get("enforce_eager") is True:
@@ -122,21 +122,15 @@ def reference_label(record: dict) -> str:
     ref = record.get("reference") or {}
     spec = (record.get("spec") or {}).get("reference") or {}
     dtype = ref.get("dtype") or spec.get("dtype")
-    parts = ["HF", _short_dtype(dtype)]
+    parts = ["HF", short_dtype(dtype)]
     if ref.get("logits_fp32") and dtype != "float32":
         parts.append("+fp32 head")
     if ref.get("attn_implementation"):
         parts.append(ref["attn_implementation"])
     if ref.get("packing"):
         parts.append(ref["packing"])
-    for key, name in (("sequence_parallel_size", "SP"), ("tensor_parallel_size", "TP")):
-        if (ref.get(key) or 1) > 1:
-            parts.append(f"{name}{ref[key]}")
+    parts.append(layout_label(ref))
     return " ".join(p for p in parts if p)
-
-
-def _short_dtype(dtype) -> str:
-    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, dtype or "")
 
 
 def run_label(record: dict, path: Path) -> str:

@@ -152,7 +152,17 @@ def _title(record: dict) -> str:
     )
 
 
-SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+def short_dtype(dtype) -> str:
+    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, dtype or "")
+
+
+def layout_label(reference: dict) -> str:
+    """The reference's parallel layout, e.g. "SP2 TP2"; empty for one process."""
+    return " ".join(f"{tag}{reference[key]}" for key, tag in (("sequence_parallel_size", "SP"),
+                                                               ("tensor_parallel_size", "TP"))
+                    if (reference.get(key) or 1) > 1)
+
+
 VARIANT_COLUMNS = (
     ("k3_kl", "K3 KL"),
     ("abs_delta_p99", "p99 |delta|"),
@@ -173,11 +183,8 @@ def variants_table(result) -> Table:
         table.add_column(label, justify="right")
     for name, run in result.runs.items():
         ref = run.record.get("reference") or {}
-        layout = " ".join(f"{tag}{ref.get(key)}" for key, tag in (("sequence_parallel_size", "SP"),
-                                                                   ("tensor_parallel_size", "TP"))
-                          if (ref.get(key) or 1) > 1)
-        dtype = SHORT_DTYPES.get(ref.get("dtype"), ref.get("dtype"))
-        label = f"{dtype}{'+fp32 head' if ref.get('logits_fp32') else ''} {layout}".strip()
+        head = "+fp32 head" if ref.get("logits_fp32") else ""
+        label = f"{short_dtype(ref.get('dtype'))}{head} {layout_label(ref)}".strip()
         metrics = run.record.get("metrics") or {}
         table.add_row(name, label, *(fmt(metrics.get(key)) for key, _ in VARIANT_COLUMNS))
     return table

@@ -27,6 +27,15 @@ def cli(*args: str, cwd: Path | None = None, env: dict | None = None) -> subproc
     return subprocess.run([*cmd, *args], capture_output=True, text=True, cwd=cwd or ROOT, env=full_env, timeout=900)
 
 
+def token_rows(run_dir: Path, *, model_only: bool = False):
+    """A run's per-token table in (sample, position) order, whatever its sharding; optionally
+    only the model tokens, so runs scoring the same rollouts line up row for row."""
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(run_dir / "tokens.parquet").sort_by([("sample_id", "ascending"), ("position", "ascending")])
+    return t.filter(t.column("is_model_token")) if model_only else t
+
+
 def pytest_collection_modifyitems(config, items):
     skips = {}
     if importlib.util.find_spec("vllm") is None:

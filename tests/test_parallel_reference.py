@@ -145,8 +145,7 @@ def test_an_error_on_a_rank_reaches_the_caller_and_stops_the_ranks():
 def test_compare_with_variants_scores_one_set_of_rollouts_in_each_layout(tmp_path):
     import json
 
-    import pyarrow.parquet as pq
-    from conftest import SINGLE_TURN, cli
+    from conftest import SINGLE_TURN, cli, token_rows
 
     spec = tmp_path / "layouts.toml"
     spec.write_text(f"""
@@ -179,14 +178,10 @@ reference.tensor_parallel_size = 2
     html = (runs / "compare.html").read_text()
     assert "All runs score the same rollouts" in html and "HF fp32 sdpa padding-free SP2" in html
 
-    def table(name):
-        t = pq.read_table(runs / name / "tokens.parquet").sort_by([("sample_id", "ascending"), ("position", "ascending")])
-        return t.filter(t.column("is_model_token"))
-
-    one = table("one")
+    one = token_rows(runs / "one", model_only=True)
     assert one.num_rows > 50
     for name, (sp, tp) in (("sp2", (2, 1)), ("tp2", (1, 2))):
-        other = table(name)
+        other = token_rows(runs / name, model_only=True)
         assert other.column("token_id").equals(one.column("token_id"))
         assert other.column("logp_infer").equals(one.column("logp_infer"))
         gap = np.abs(other.column("logp_train").to_numpy() - one.column("logp_train").to_numpy())
@@ -227,8 +222,7 @@ def test_cli_train_sp_rescores_another_runs_rollouts(bf16_run, tmp_path):
     fp32 reference over 2 Ulysses ranks, gives its log-probs back within float32 rounding."""
     import json
 
-    import pyarrow.parquet as pq
-    from conftest import SINGLE_TURN, cli
+    from conftest import SINGLE_TURN, cli, token_rows
 
     out = tmp_path / "sp2"
     proc = cli(
@@ -242,8 +236,7 @@ def test_cli_train_sp_rescores_another_runs_rollouts(bf16_run, tmp_path):
     assert "engine_start_s" not in rec["timings"]
 
     def logp_train(run):
-        t = pq.read_table(run / "tokens.parquet").sort_by([("sample_id", "ascending"), ("position", "ascending")])
-        return t.filter(t.column("is_model_token")).column("logp_train").to_numpy()
+        return token_rows(run, model_only=True).column("logp_train").to_numpy()
 
     assert np.abs(logp_train(out) - logp_train(bf16_run)).max() < 2e-5
     mismatched = cli("compare", "--model", str(DENSE), "--prompts", str(SINGLE_TURN), "--out", str(tmp_path / "x"),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import DENSE, SINGLE_TURN, cli
+from conftest import DENSE, SINGLE_TURN, cli, token_rows
 from fake_engine import FakeEngine
 
 from mismatch_probe import engines
@@ -94,12 +94,6 @@ def test_a_report_that_fails_to_render_keeps_the_complete_run(tmp_path, monkeypa
     assert (tmp_path / "r" / "report.html").is_file()
 
 
-def _tokens(run_dir):
-    import pyarrow.parquet as pq
-
-    return pq.read_table(run_dir / "tokens.parquet").sort_by([("sample_id", "ascending"), ("position", "ascending")])
-
-
 def test_rollouts_from_scores_another_runs_samples_without_an_engine(tmp_path):
     first = run(spec(tmp_path / "a")).record
     FakeEngine.calls = []
@@ -111,7 +105,7 @@ def test_rollouts_from_scores_another_runs_samples_without_an_engine(tmp_path):
     assert rec["rollouts_from"] == {"run": str((tmp_path / "a").resolve()), "spec_fingerprint": first["spec_fingerprint"]}
     assert rec["engine"] == first["engine"] and rec["logprob_semantics"] == first["logprob_semantics"]
     assert rec["reference"]["dtype"] == "bfloat16"
-    a, b = _tokens(tmp_path / "a"), _tokens(tmp_path / "b")
+    a, b = token_rows(tmp_path / "a"), token_rows(tmp_path / "b")
     for column in ("sample_id", "position", "token_id", "is_model_token", "logp_infer"):
         assert a.column(column).equals(b.column(column))
     assert not a.column("logp_train").equals(b.column("logp_train"))  # fp32 vs bf16 reference

@@ -188,9 +188,7 @@ def test_multi_turn_tool_use_continues_from_token_ids(engine, tmp_path):
 def test_parallelism_probe_scores_vllm_tp2_rollouts_in_three_training_layouts(tmp_path):
     """probes/parallelism-tp2.toml: vLLM samples at TP=2 once; references at TP=2, SP=2 and TP=1
     (bf16, as learners run) score those same tokens."""
-    import pyarrow.parquet as pq
-
-    from conftest import ROOT
+    from conftest import ROOT, token_rows
 
     out = tmp_path / "study"
     proc = cli("compare", str(ROOT / "probes" / "parallelism-tp2.toml"), "--out", str(out), "--max-prompts", "8",
@@ -204,8 +202,7 @@ def test_parallelism_probe_scores_vllm_tp2_rollouts_in_three_training_layouts(tm
         ref = rec["reference"]
         assert (ref["sequence_parallel_size"], ref["tensor_parallel_size"], ref["dtype"]) == (sp, tp, "bfloat16")
         assert 0 < rec["metrics"]["k3_kl"] < 0.05
-        t = pq.read_table(out / name / "tokens.parquet").sort_by([("sample_id", "ascending"), ("position", "ascending")])
-        logp[name] = t.filter(t.column("is_model_token")).column("logp_train").to_numpy().astype(np.float64)
+        logp[name] = token_rows(out / name, model_only=True).column("logp_train").to_numpy().astype(np.float64)
     assert len({len(v) for v in logp.values()}) == 1
     tp_gap = np.abs(logp["learner-tp2"] - logp["learner-tp1"])
     sp_gap = np.abs(logp["learner-sp2"] - logp["learner-tp1"])
