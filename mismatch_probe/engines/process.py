@@ -184,10 +184,13 @@ class EngineProcess:
         self._kill()
         code = self.exit_code
         how = f"exit code {code}"
+        errors = log_errors(self.log_path)
         if code is not None and code < 0:
             name = signal.Signals(-code).name
-            how = f"killed by {name}" + (" (out of memory?)" if name == "SIGKILL" else "")
-        tail = log_errors(self.log_path) or log_tail(self.log_path, 8)
+            # an engine that hit an error may kill its own process tree (SGLang does); only a
+            # silent SIGKILL points at the kernel's OOM killer
+            how = f"killed by {name}" + (" (out of memory?)" if name == "SIGKILL" and not errors else "")
+        tail = errors or log_tail(self.log_path, 8)
         missing_module = next((line for line in tail if "No module named" in line), None)
         if op == "start-up" and missing_module:
             return ConfigError(

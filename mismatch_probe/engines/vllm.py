@@ -14,6 +14,7 @@ which vLLM always computes from the raw logits.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -24,6 +25,7 @@ from ..errors import ConfigError
 from ..sampling import LogprobSemantics, engine_semantics
 from ..spec import EngineSpec, SamplingSpec
 from .base import Completion, GenerationRequest, ScoreRequest
+from .cpu_threads import cpu_thread_binding
 from .hf import batch_seed
 
 LOGPROBS_MODE = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
@@ -48,24 +50,6 @@ ENV_RECORDED = (
 )
 
 
-def cpu_thread_binding(tensor_parallel_size: int) -> str:
-    """``VLLM_CPU_OMP_THREADS_BIND`` giving each TP rank its own contiguous block of this process's cores.
-
-    vLLM's CPU build binds ranks to NUMA nodes by default, which fails when TP exceeds the NUMA
-    node count (a 2-core VM has one node but can run TP=2 with one core per rank).
-    """
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    if len(cores) < tensor_parallel_size:
-        raise ConfigError(
-            f"tensor_parallel_size={tensor_parallel_size} needs at least one CPU core per rank; "
-            f"this process may use {len(cores)}",
-            hint="lower --tp, or set VLLM_CPU_OMP_THREADS_BIND yourself",
-        )
-    per = len(cores) // tensor_parallel_size
-    groups = [cores[i * per : (i + 1) * per] for i in range(tensor_parallel_size)]
-    return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
-
-
 def _version_tuple(version: str) -> tuple[int, ...]:
     parts = []
     for piece in version.split("+")[0].split(".")[:3]:
@@ -84,6 +68,7 @@ class VLLMEngine:
         import vllm
         from vllm.platforms import current_platform
 
+        spec = spec if spec.logprobs_mode else dataclasses.replace(spec, logprobs_mode="raw")
         self.spec = spec
         self.model_path = Path(model_path)
         self.platform = str(getattr(current_platform, "device_type", "unknown"))
@@ -100,7 +85,7 @@ class VLLMEngine:
                 hint="drop --batch-invariant on CPU; on a GPU machine install mismatch-probe[vllm]",
             )
         if on_cpu and spec.tensor_parallel_size > 1 and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(spec.tensor_parallel_size)
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(spec.tensor_parallel_size, "VLLM_CPU_OMP_THREADS_BIND")
 
         self.requested = self._engine_args(spec, trust_remote_code)
         self.llm = vllm.LLM(**self.requested)
