@@ -493,7 +493,7 @@ def _prefill_skip_reason(spec: ProbeSpec, engine, semantics: LogprobSemantics) -
     if not getattr(engine, "supports_prefill", hasattr(engine, "prefill_logprobs")):
         return f"the {spec.engine.name} engine cannot re-score sequences with its own prefill"
     if semantics.transforms_logits:
-        return ("the engine returns processed log-probs (temperature/top-k/top-p applied) but prefill "
+        return (f"the engine returns processed log-probs ({semantics.describe()['distribution']}) but prefill "
                 "log-probs are raw, so the two are not comparable; use logprobs_mode = raw to see it")
     return None
 

@@ -50,7 +50,12 @@ class LogprobSemantics:
         d = {"mode": self.mode}
         if self.mode == "processed":
             d.update(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
-            d["distribution"] = "log_softmax(top_p(top_k(logits / temperature)))"
+            steps = "logits / temperature"
+            if self.top_k > 0:
+                steps = f"top_k({steps})"
+            if self.top_p < 1.0:
+                steps = f"top_p({steps})"
+            d["distribution"] = f"log_softmax({steps})"
         else:
             d["distribution"] = "log_softmax(logits)"
         return d

@@ -58,7 +58,9 @@ class EngineSpec:
     name: str = "hf"
     python: str | None = None  # interpreter of the engine worker (a venv with the engine installed)
     dtype: str = "auto"  # auto: the checkpoint's own dtype
-    logprobs_mode: str = "raw"
+    # None: the engine's own default, resolved by validate() (raw for hf and vLLM; processed,
+    # i.e. log_softmax(logits / T), for SGLang)
+    logprobs_mode: str | None = None
     # MoE: record each token's top-k experts per layer (2 * layers * k bytes a token, each side)
     record_routing: bool = True
     # re-score the sampled sequences with the engine's own prefill (decode-vs-prefill mismatch)
@@ -72,15 +74,21 @@ class EngineSpec:
     enforce_eager: bool | None = None  # True: no torch.compile, no CUDA graphs
     cascade_attn: bool | None = None
     chunked_prefill: bool | None = None
-    prefix_caching: bool | None = None
-    batch_invariant: bool = False  # vLLM: VLLM_BATCH_INVARIANT=1
-    max_num_seqs: int | None = None
+    prefix_caching: bool | None = None  # SGLang: the radix cache
+    # batch-invariant kernels: vLLM VLLM_BATCH_INVARIANT=1, SGLang enable_deterministic_inference
+    batch_invariant: bool = False
+    max_num_seqs: int | None = None  # SGLang: max_running_requests
     max_num_batched_tokens: int | None = None
-    gpu_memory_utilization: float | None = None
+    gpu_memory_utilization: float | None = None  # SGLang: mem_fraction_static
     kv_cache_dtype: str | None = None
     quantization: str | None = None
-    max_model_len: int | None = None
-    # any other engine argument, by the engine's own name (vLLM: EngineArgs fields)
+    max_model_len: int | None = None  # SGLang: context_length
+    # sglang
+    attention_backend: str | None = None  # e.g. flashinfer, fa3, triton, torch_native
+    rl_on_policy_target: str | None = None  # e.g. "fsdp": SGLang's kernels chosen to match that trainer
+    logits_fp32: bool | None = None  # enable_fp32_lm_head
+    max_total_tokens: int | None = None  # KV-cache size in tokens (a memory cap)
+    # any other engine argument, by the engine's own name (vLLM: EngineArgs fields; SGLang: ServerArgs fields)
     extra_args: dict = field(default_factory=dict)
 
 
@@ -117,6 +125,8 @@ class ReferenceSpec:
 
 
 REFERENCE_LOGPROBS = ("engine", "raw", "temperature", "processed")
+# what each engine returns when nobody asks: SGLang's sampler gives log_softmax(logits / T)
+ENGINE_DEFAULT_LOGPROBS_MODE = {"sglang": "processed"}
 
 
 @dataclass
@@ -180,6 +190,8 @@ class ProbeSpec:
                 _choice(spec.attn_implementation, ATTN_IMPLEMENTATIONS, f"{side}.attn_implementation")
             _choice(spec.device, DEVICES, f"{side}.device")
         _choice(r.logprobs, REFERENCE_LOGPROBS, "reference.logprobs")
+        if e.logprobs_mode is None:
+            e.logprobs_mode = ENGINE_DEFAULT_LOGPROBS_MODE.get(e.name, "raw")
         _choice(e.logprobs_mode, LOGPROBS_MODES, "engine.logprobs_mode")
         if s.top_k == -1:
             s.top_k = 0
@@ -188,7 +200,7 @@ class ProbeSpec:
         _check(s.top_k >= 0, f"sampling.top_k must be >= 0 (0 or -1 disables it), got {s.top_k}")
         _check(s.max_tokens >= 1, f"sampling.max_tokens must be >= 1, got {s.max_tokens}")
         _check(s.n >= 1, f"sampling.n must be >= 1, got {s.n}")
-        for name in ("batch_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in ("batch_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_total_tokens"):
             value = getattr(e, name)
             _check(value is None or value >= 1, f"engine.{name} must be >= 1, got {value}")
         _check(e.tensor_parallel_size >= 1, f"engine.tensor_parallel_size must be >= 1, got {e.tensor_parallel_size}")

@@ -90,6 +90,16 @@ def test_top_k_minus_one_means_disabled_and_greedy_forces_raw():
     assert spec.engine.logprobs_mode == "raw"
 
 
+def test_engine_logprobs_default_to_what_each_engine_returns():
+    """Unset, logprobs_mode is the engine's own default: SGLang's sampler returns log_softmax(logits / T),
+    vLLM and hf raw log-probs. An explicit choice is kept."""
+    resolved = {name: spec_from_dict({"model": "m", "prompts": "p", "engine": {"name": name}}).validate().engine.logprobs_mode
+                for name in ("hf", "vllm", "sglang")}
+    assert resolved == {"hf": "raw", "vllm": "raw", "sglang": "processed"}
+    spec = spec_from_dict({"model": "m", "prompts": "p", "engine": {"name": "sglang", "logprobs_mode": "raw"}})
+    assert spec.validate().engine.logprobs_mode == "raw"
+
+
 def test_fingerprint_ignores_output_location():
     a = ProbeSpec(model="m", prompts="p", out="x")
     b = ProbeSpec(model="m", prompts="p", out="y")
