@@ -168,7 +168,7 @@ def test_a_setting_the_engine_does_not_have_is_refused(tmp_path):
     proc = cli("compare", "--model", str(DENSE), "--prompts", str(SINGLE_TURN), "--out", str(tmp_path / "r"), "--tp", "2")
     assert proc.returncode == 2
     assert "engine 'hf' has no setting engine.tensor_parallel_size (--tp)" in proc.stderr
-    assert "it applies to: vllm" in proc.stderr
+    assert "it applies to: sglang, vllm" in proc.stderr
 
 
 def test_the_engine_cores_root_cause_is_found_in_its_log(tmp_path):

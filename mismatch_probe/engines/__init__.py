@@ -55,7 +55,7 @@ class EngineEntry:
 FLAG_NAMES = {
     "python": "--engine-python", "tensor_parallel_size": "--tp", "enforce_eager": "--enforce-eager/--compiled",
     "attn_implementation": "--engine-attn", "batch_size": "--engine-batch-size", "device": "engine.device in the spec",
-    "extra_args": "[engine.extra_args] in the spec",
+    "extra_args": "[engine.extra_args] in the spec", "logits_fp32": "--engine-logits-fp32",
 }
 
 
@@ -83,6 +83,19 @@ BUILTIN_ENGINES = {
             "tensor_parallel_size", "enforce_eager", "cascade_attn", "chunked_prefill", "prefix_caching",
             "batch_invariant", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
             "kv_cache_dtype", "quantization", "max_model_len", "extra_args",
+        }),
+    ),
+    "sglang": EngineEntry(
+        name="sglang",
+        target="mismatch_probe.engines.sglang:SGLangEngine",
+        requires=("sglang",),
+        install_hint="pip install 'mismatch-probe[sglang]' (GPU), or point --engine-python at a venv that has "
+        "SGLang (CPU-only machines: bash tests/sglang-cpu/install.sh VENV, a test-support install)",
+        description="SGLang offline engine (sglang.Engine), CUDA or CPU",
+        settings=frozenset({
+            "device", "tensor_parallel_size", "enforce_eager", "chunked_prefill", "prefix_caching", "batch_invariant",
+            "max_num_seqs", "gpu_memory_utilization", "kv_cache_dtype", "quantization", "max_model_len",
+            "attention_backend", "rl_on_policy_target", "logits_fp32", "max_total_tokens", "extra_args",
         }),
     ),
 }

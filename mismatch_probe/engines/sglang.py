@@ -1,0 +1,299 @@
+"""The ``sglang`` engine: SGLang's offline engine (``sglang.Engine``, token-id prompts).
+
+Runs inside the engine worker process (never in the CLI's own process), usually from its own
+venv (``--engine-python``): SGLang and vLLM pin conflicting versions. Every setting maps to the
+``ServerArgs`` field of the same meaning; after start-up the configuration SGLang actually
+resolved is read back (``get_server_info()``) and compared with what was asked for, so a setting
+the installed build overrides is an error rather than a silent no-op.
+
+Log-probs. SGLang's sampler returns ``log(softmax(logits / T))``: after temperature, before
+top-k/top-p (the sampling itself does apply top-k/top-p). That is ``logprobs_mode = processed``
+here, with the distribution recorded as logits / T only. ``raw`` sets
+``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` (log_softmax of the unscaled logits). With
+``rl_on_policy_target`` the division and log_softmax run in bfloat16, to match an FSDP trainer.
+Output entries are ``(logprob, token_id, text)`` triples; the token id is checked against the
+sampled one. The decode-vs-prefill re-score asks for ``input_token_logprobs`` from
+``logprob_start_len``; SGLang computes those from the raw logits whatever the temperature.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ConfigError
+from ..sampling import LogprobSemantics
+from ..spec import EngineSpec, SamplingSpec
+from .base import Completion, GenerationRequest, ScoreRequest
+from .cpu_threads import cpu_thread_binding
+from .hf import batch_seed
+
+# EngineSpec field -> (ServerArgs field, spec value -> ServerArgs value)
+SETTINGS = {
+    "dtype": ("dtype", lambda v: v),
+    "tensor_parallel_size": ("tp_size", lambda v: v),
+    "device": ("device", lambda v: v),
+    "enforce_eager": ("disable_cuda_graph", lambda v: v),
+    "prefix_caching": ("disable_radix_cache", lambda v: not v),
+    "batch_invariant": ("enable_deterministic_inference", lambda v: v),
+    "max_num_seqs": ("max_running_requests", lambda v: v),
+    "gpu_memory_utilization": ("mem_fraction_static", lambda v: v),
+    "kv_cache_dtype": ("kv_cache_dtype", lambda v: v),
+    "quantization": ("quantization", lambda v: v),
+    "max_model_len": ("context_length", lambda v: v),
+    "attention_backend": ("attention_backend", lambda v: v),
+    "rl_on_policy_target": ("rl_on_policy_target", lambda v: v),
+    "logits_fp32": ("enable_fp32_lm_head", lambda v: v),
+    "max_total_tokens": ("max_total_tokens", lambda v: v),
+}
+# Read back from get_server_info() into run.json (beside the mapped settings above).
+RECORDED = (
+    "dtype", "tp_size", "device", "attention_backend", "prefill_attention_backend", "decode_attention_backend",
+    "sampling_backend", "disable_cuda_graph", "enable_torch_compile", "disable_radix_cache", "chunked_prefill_size",
+    "enable_deterministic_inference", "rl_on_policy_target", "enable_fp32_lm_head", "mem_fraction_static",
+    "max_total_tokens", "max_total_num_tokens", "max_running_requests", "max_prefill_tokens", "context_length",
+    "kv_cache_dtype", "quantization", "page_size", "disable_overlap_schedule", "random_seed", "schedule_policy",
+)
+ENV_RECORDED = (
+    "SGLANG_USE_CPU_ENGINE", "SGLANG_CPU_OMP_THREADS_BIND", "SGLANG_RETURN_ORIGINAL_LOGPROB", "SGLANG_ENABLE_DETERMINISTIC_INFERENCE",
+    "SGLANG_ATTENTION_BACKEND", "CUDA_VISIBLE_DEVICES",
+)
+# On CPU, without a cap, SGLang sizes the KV cache from free system memory (15.6 GB on a 24 GB
+# machine): mismatch-probe caps it unless the spec sets max_total_tokens or gpu_memory_utilization.
+CPU_MAX_TOTAL_TOKENS = 32768
+# Set by the adapter where the spec leaves them open: SGLang's CPU defaults need sgl-kernel's CPU ops.
+CPU_DEFAULTS = {"attention_backend": "torch_native", "disable_cuda_graph": True}
+
+
+class SGLangEngine:
+    name = "sglang"
+
+    def __init__(self, model_path: str | Path, spec: EngineSpec, *, trust_remote_code: bool = False):
+        import torch
+
+        spec = spec if spec.logprobs_mode else dataclasses.replace(spec, logprobs_mode="processed")
+        self.spec = spec
+        self.model_path = Path(model_path)
+        self.device = spec.device if spec.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("engine.device is cuda, but this torch sees no CUDA device",
+                              hint="drop engine.device (auto), or run on a GPU machine")
+        # Read when SGLang is first imported, here and in its scheduler processes (they inherit the
+        # environment), so they are set before the import (this worker has never imported SGLang).
+        if self.device == "cpu":
+            os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+            if spec.tensor_parallel_size > 1 and not os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"):
+                os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(
+                    spec.tensor_parallel_size, "SGLANG_CPU_OMP_THREADS_BIND")
+        os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1" if spec.logprobs_mode == "raw" else "0"
+        import sglang
+
+        self.version = sglang.__version__
+        self.requested, self.defaults_applied = self._server_args(spec, trust_remote_code)
+        try:
+            self.engine = sglang.Engine(**self.requested)
+        except (ValueError, TypeError) as exc:  # SGLang validates its arguments with these
+            raise ConfigError(f"SGLang {self.version} refused the engine settings: {exc}",
+                              hint="see engine.log in the run directory for SGLang's own log") from None
+        self.server_info = self.engine.get_server_info()
+        self.effective = {k: self.server_info.get(k) for k in RECORDED}
+        self._check_effective()
+
+    # ---- settings ------------------------------------------------------------------------
+    def _server_args(self, spec: EngineSpec, trust_remote_code: bool) -> tuple[dict, dict]:
+        from sglang.srt.server_args import ServerArgs
+
+        known = set(inspect.signature(ServerArgs).parameters)
+        args: dict = {
+            "model_path": str(self.model_path),
+            "skip_tokenizer_init": True,  # token ids in, token ids out: nothing is re-tokenized
+            "trust_remote_code": trust_remote_code,
+            "random_seed": 0,  # sampling is seeded per request where SGLang allows it (see info())
+            "log_level": "warning",
+        }
+        for field_name, (arg, convert) in SETTINGS.items():
+            value = getattr(spec, field_name)
+            if field_name == "dtype" and value == "auto":
+                value = None
+            if field_name == "tensor_parallel_size" and value == 1:
+                value = None
+            if field_name == "batch_invariant" and not value:
+                value = None
+            if field_name == "device":
+                value = self.device
+            if value is not None:
+                args[arg] = convert(value)
+        if spec.chunked_prefill is False:
+            args["chunked_prefill_size"] = -1  # SGLang's switch for "no chunked prefill"
+        elif spec.chunked_prefill:
+            args["chunked_prefill_size"] = None  # its default size, chosen per device
+        defaults = {}
+        if self.device == "cpu":
+            for key, value in CPU_DEFAULTS.items():
+                if key not in args:
+                    defaults[key] = value
+            if spec.max_total_tokens is None and spec.gpu_memory_utilization is None:
+                defaults["max_total_tokens"] = CPU_MAX_TOTAL_TOKENS
+        for key, value in spec.extra_args.items():
+            if key not in known:
+                close = difflib.get_close_matches(key, sorted(known), n=1)
+                raise ConfigError(
+                    f"engine.extra_args: SGLang {self.version} has no server argument {key!r}",
+                    hint=f"did you mean {close[0]!r}?" if close else "see sglang.srt.server_args.ServerArgs",
+                )
+            if key in args:
+                raise ConfigError(f"engine.extra_args sets {key!r}, which mismatch-probe sets itself",
+                                  hint="use the dedicated engine setting (see mismatch-probe compare --help)")
+            defaults.pop(key, None)  # the user's own value wins over a CPU default
+            args[key] = value
+        return {**args, **defaults}, defaults
+
+    def _check_effective(self) -> None:
+        """A setting SGLang resolved to something else is an error, not a footnote."""
+        for key, value in self.requested.items():
+            if key not in self.server_info or key in ("model_path", "log_level", "chunked_prefill_size"):
+                continue
+            got = self.server_info[key]
+            if value is not None and got != value:
+                raise ConfigError(
+                    f"SGLang {self.version} on {self.device} runs with {key}={got!r}, not the requested {value!r}",
+                    hint="this build or platform overrides the setting; remove it to measure SGLang's default",
+                )
+        if self.requested.get("chunked_prefill_size") == -1 and self.server_info.get("chunked_prefill_size") not in (-1, None):
+            raise ConfigError(f"SGLang {self.version} kept chunked prefill on "
+                              f"(chunked_prefill_size={self.server_info.get('chunked_prefill_size')})")
+
+    # ---- Engine protocol -----------------------------------------------------------------
+    def semantics(self, sampling: SamplingSpec) -> LogprobSemantics:
+        if self.spec.logprobs_mode == "raw" or sampling.temperature <= 0:
+            return LogprobSemantics("raw")
+        # temperature only: SGLang applies top-k/top-p to the sampling probabilities, not to the
+        # log-probs it returns
+        return LogprobSemantics("processed", sampling.temperature, 0, 1.0)
+
+    def info(self) -> dict:
+        import torch
+        import transformers
+
+        versions = {"sglang": self.version, "torch": torch.__version__, "transformers": transformers.__version__}
+        try:
+            import sgl_kernel
+
+            versions["sgl_kernel"] = getattr(sgl_kernel, "__version__", "unknown")
+        except ImportError:
+            versions["sgl_kernel"] = None
+        deterministic = bool(self.effective.get("enable_deterministic_inference"))
+        return {
+            "engine": self.name,
+            "platform": self.device,
+            "requested": {k: v for k, v in self.requested.items() if k != "model_path"},
+            "defaults_applied_by_mismatch_probe": self.defaults_applied,
+            **self.effective,
+            "logprobs_mode": self.spec.logprobs_mode,
+            "per_request_seeds": deterministic,
+            **({} if deterministic else {"per_request_seeds_off_because": (
+                "SGLang honors a request's sampling_seed only with enable_deterministic_inference "
+                "(--batch-invariant); sampling draws from the engine's random_seed")}),
+            "env": {k: os.environ[k] for k in ENV_RECORDED if k in os.environ},
+            "routing": None,
+            "routing_unavailable": "expert ids from SGLang (return_routed_experts) are not recorded yet",
+            "versions": versions,
+        }
+
+    def generate(
+        self,
+        requests: Sequence[GenerationRequest],
+        sampling: SamplingSpec,
+        *,
+        stop_token_ids: Sequence[int],
+        seed: int,
+        on_progress: Callable[[int], None] | None = None,
+    ) -> list[Completion]:
+        if not requests:
+            return []
+        params = [
+            {
+                "temperature": sampling.temperature,
+                "top_p": sampling.top_p,
+                "top_k": sampling.top_k if sampling.top_k > 0 else -1,
+                "max_new_tokens": r.max_tokens,
+                "stop_token_ids": [int(t) for t in stop_token_ids],
+                "skip_special_tokens": False,
+                "no_stop_trim": True,
+                # the same draw whatever the batching, where SGLang honors it (deterministic mode)
+                "sampling_seed": batch_seed(seed, i) % (2**31),
+            }
+            for i, r in enumerate(requests)
+        ]
+        outputs = self.engine.generate(
+            input_ids=[r.prompt_token_ids.tolist() for r in requests], sampling_params=params, return_logprob=True,
+        )
+        completions = []
+        for out in outputs:
+            tokens = np.asarray(out["output_ids"], dtype=np.int32)
+            meta = out["meta_info"]
+            finish = meta.get("finish_reason") or {}
+            completions.append(Completion(
+                token_ids=tokens,
+                logprobs=sampled_logprobs(meta.get("output_token_logprobs"), tokens),
+                finish_reason="length" if finish.get("type") in (None, "length") else "stop",
+            ))
+        if on_progress:
+            on_progress(len(requests))
+        return completions
+
+    def prefill_logprobs(
+        self, requests: Sequence[ScoreRequest], on_progress: Callable[[int], None] | None = None
+    ) -> list[np.ndarray]:
+        limit = self.server_info.get("context_length") or self.server_info.get("max_req_input_len") or 0
+        todo = [i for i, r in enumerate(requests) if not limit or len(r.token_ids) < limit]
+        # a sequence the engine cannot prefill (longer than its context) stays NaN
+        result = [np.full(len(r.token_ids) - r.start, np.nan, np.float32) for r in requests]
+        if todo:
+            outputs = self.engine.generate(
+                input_ids=[requests[i].token_ids.tolist() for i in todo],
+                sampling_params=[{"max_new_tokens": 0, "temperature": 0.0}] * len(todo),
+                return_logprob=True,
+                # SGLang's first returned position has no log-prob (nothing precedes it in the
+                # range), so the range starts one before the first token to score
+                logprob_start_len=[requests[i].start - 1 for i in todo],
+            )
+            for i, out in zip(todo, outputs):
+                r = requests[i]
+                entries = out["meta_info"].get("input_token_logprobs")
+                result[i] = sampled_logprobs(entries[1:] if entries else entries, r.token_ids[r.start:])
+        if on_progress:
+            on_progress(len(requests))
+        return result
+
+    def close(self) -> None:
+        engine, self.engine = getattr(self, "engine", None), None
+        if engine is not None:
+            engine.shutdown()
+
+
+def sampled_logprobs(entries, token_ids: np.ndarray) -> np.ndarray:
+    """The log-prob of each of ``token_ids`` from SGLang's ``(logprob, token_id, text)`` triples,
+    one per position; a missing entry or one for another token is an engine bug and raises."""
+    n = len(token_ids)
+    if n == 0:
+        return np.zeros(0, np.float32)
+    if entries is None or len(entries) != n:
+        got = "none" if entries is None else len(entries)
+        raise RuntimeError(f"SGLang returned {got} log-prob entries for {n} tokens (return_logprob was requested)")
+    values = np.array([e[0] if e[0] is not None else np.nan for e in entries], dtype=np.float64)
+    ids = np.array([e[1] for e in entries], dtype=np.int64)
+    wrong = np.flatnonzero(ids != np.asarray(token_ids, dtype=np.int64))
+    if wrong.size:
+        k = int(wrong[0])
+        raise RuntimeError(f"SGLang's log-prob entry {k} is for token {int(ids[k])}, but the token there is {int(token_ids[k])}")
+    if np.isnan(values).any():
+        k = int(np.flatnonzero(np.isnan(values))[0])
+        raise RuntimeError(f"SGLang returned no log-prob for token {int(token_ids[k])} at position {k}")
+    return values.astype(np.float32)

@@ -1,0 +1,40 @@
+"""Reading the sampled tokens' log-probs out of each engine's own output format, without the engines:
+looked up by token id, never by position in a top-k list; anything missing or misaligned raises."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from mismatch_probe.engines import sglang, vllm
+
+
+def test_sglang_triples_are_checked_against_the_sampled_ids():
+    tokens = np.array([5, 9, 2], np.int32)
+    entries = [(-0.5, 5, None), (-1.25, 9, None), (-0.0, 2, "<|im_end|>")]
+    np.testing.assert_array_equal(sglang.sampled_logprobs(entries, tokens), np.array([-0.5, -1.25, 0.0], np.float32))
+    assert sglang.sampled_logprobs([], np.zeros(0, np.int32)).shape == (0,)  # an empty response
+    with pytest.raises(RuntimeError, match="entry 1 is for token 8, but the token there is 9"):
+        sglang.sampled_logprobs([(-0.5, 5, None), (-1.0, 8, None), (-0.1, 2, None)], tokens)
+    with pytest.raises(RuntimeError, match="no log-prob for token 9 at position 1"):
+        sglang.sampled_logprobs([(-0.5, 5, None), (None, 9, None), (-0.1, 2, None)], tokens)
+    with pytest.raises(RuntimeError, match="2 log-prob entries for 3 tokens"):
+        sglang.sampled_logprobs(entries[:2], tokens)
+    with pytest.raises(RuntimeError, match="none log-prob entries"):
+        sglang.sampled_logprobs(None, tokens)
+
+
+def test_vllm_entries_are_looked_up_by_id_in_flat_and_dict_form():
+    tokens = np.array([4, 7, 3], np.int32)
+    # per position: the sampled token, then the top-1 when it differs (vLLM's order)
+    flat = SimpleNamespace(start_indices=[0, 1, 3], end_indices=[1, 3, 4], token_ids=[4, 7, 1, 3],
+                           logprobs=[-0.1, -2.0, -0.2, -0.3])
+    np.testing.assert_allclose(vllm.sampled_logprobs(flat, tokens), [-0.1, -2.0, -0.3])
+    np.testing.assert_allclose(vllm.sampled_logprobs(flat, tokens, first=1), [-2.0, -0.3])
+    as_dicts = [{4: SimpleNamespace(logprob=-0.1)}, {1: SimpleNamespace(logprob=-0.2), 7: SimpleNamespace(logprob=-2.0)},
+                {3: SimpleNamespace(logprob=-0.3)}]
+    np.testing.assert_allclose(vllm.sampled_logprobs(as_dicts, tokens), [-0.1, -2.0, -0.3])
+    with pytest.raises(RuntimeError, match="no log-prob for token 7 at position 1"):
+        vllm.sampled_logprobs([as_dicts[0], {1: SimpleNamespace(logprob=-0.2)}, as_dicts[2]], tokens)
