@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import DENSE, SGLANG_PYTHON, SINGLE_TURN, cli
+from conftest import DENSE, MULTI_TURN, ROOT, SGLANG_PYTHON, SINGLE_TURN, cli
 from test_reference import independent
 
 from mismatch_probe.engines import GenerationRequest, ScoreRequest, get_entry
@@ -121,11 +121,24 @@ def test_prefill_scores_the_given_tokens_not_the_sampled_ones(engine):
         assert np.all(g < 0)
 
 
+def test_multi_turn_tool_use_continues_from_token_ids(engine, tmp_path):
+    """SGLang continues each conversation from its exact ids across calculator turns (tool outputs
+    spliced in as tokens, never re-tokenized); later turns are scored like the first."""
+    s = probe(tmp_path / "mt")
+    s.prompts, s.max_turns, s.max_prompts = str(MULTI_TURN), 4, 16
+    rec = run_compare(s, engine=engine).record
+    first, later = rec["metrics_by_turn"]["first"], rec["metrics_by_turn"]["later"]
+    assert first["n_model_tokens"] > 0 and later["n_model_tokens"] > 0
+    assert first["n_model_tokens"] + later["n_model_tokens"] == rec["metrics"]["n_model_tokens"]
+    assert 0 < later["k3_kl"] < 5e-4 and 0 < first["k3_kl"] < 5e-4
+    assert rec["tokenization_check"]["n_checked"] > 0
+
+
 def compare_cli(tmp_path, *args, expect_rc: int = 0):
+    """probes/demo-sglang.toml, smaller, with flags on top (as a user runs it)."""
     out = tmp_path / "run"
-    proc = cli("compare", "--engine", "sglang", "--engine-python", SGLANG_PYTHON, "--model", str(DENSE),
-               "--prompts", str(SINGLE_TURN), "--out", str(out), "--max-prompts", "16", "--n", "2",
-               "--max-tokens", "48", "--seed", "3", "--train-dtype", "float32", *args)
+    proc = cli("compare", str(ROOT / "probes" / "demo-sglang.toml"), "--engine-python", SGLANG_PYTHON,
+               "--out", str(out), "--max-prompts", "16", "--n", "2", "--max-tokens", "48", "--seed", "3", *args)
     assert proc.returncode == expect_rc, proc.stderr[-3000:]
     return json.loads((out / "run.json").read_text()) if expect_rc == 0 else proc
 
@@ -141,15 +154,13 @@ def test_fp32_engine_with_raw_logprobs_matches_the_fp32_reference(tmp_path):
     assert rec["metrics"]["k3_kl"] < 1e-8 and rec["metrics"]["prob_diff_max"] < 1e-4
     dvp = rec["decode_vs_prefill"]
     assert dvp["n_model_tokens"] == rec["metrics"]["n_model_tokens"] and dvp["k3_kl"] < 1e-8
-    assert rec["engine_process"]["exit_code"] == 0
+    assert rec["engine_process"]["exit_code"] == 0 and rec["spec"]["reference"]["logits_fp32"] is True
     assert (tmp_path / "run" / "report.html").is_file()
 
 
 def test_tensor_parallel_2_and_an_fp32_lm_head(tmp_path):
-    """TP=2 (one core per rank on CPU) and SGLang's fp32 LM head, both recorded as built; the fp32
-    head takes most of bf16's mismatch away (the logits are where bf16 rounds hardest)."""
-    rec = compare_cli(tmp_path, "--tp", "2", "--engine-dtype", "bfloat16", "--engine-logits-fp32",
-                      "--no-prefix-caching")
+    """TP=2 (one core per rank on CPU), SGLang's fp32 LM head and no radix cache, all recorded as built."""
+    rec = compare_cli(tmp_path, "--tp", "2", "--engine-logits-fp32", "--no-prefix-caching", "--temperature", "1.0")
     eng = rec["engine"]
     assert eng["tp_size"] == 2 and eng["requested"]["tp_size"] == 2
     assert eng["enable_fp32_lm_head"] is True and eng["disable_radix_cache"] is True
