@@ -1,9 +1,13 @@
-"""vLLM vs the HF reference on the fixture, over the settings that matter: TP=1/2, bf16/fp32 engine,
-dense/MoE. One `mismatch-probe compare` per cell (each starts its own engine, as a user's run does).
+"""Each engine vs the HF reference on the fixture, over the settings that matter: TP=1/2, bf16/fp32
+engine, dense/MoE, SGLang's fp32 LM head. One `mismatch-probe compare` per cell (each starts its own
+engine, as a user's run does), all on the same prompts and sampling settings.
 
-    .venv/bin/python benchmarks/vllm_matrix.py [--out reports/vllm-matrix] [--prompts 32 --n 4]
+    .venv/bin/python benchmarks/engine_matrix.py [--engines vllm,sglang] [--sglang-python .venv-sglang/bin/python]
+                                                 [--out reports/engine-matrix] [--prompts 32 --n 4]
 
-Prints one table: engine-vs-reference and decode-vs-prefill metrics, and the wall-time split.
+An engine installed in another venv runs there (--vllm-python / --sglang-python, passed on as
+--engine-python). Prints one table: engine-vs-reference and decode-vs-prefill metrics, and the
+wall-time split.
 """
 
 from __future__ import annotations
@@ -16,31 +20,46 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = {"dense": ROOT / "fixtures/models/tiny-qwen2", "moe": ROOT / "fixtures/models/tiny-qwen3-moe"}
-CELLS = [  # (model, tp, engine dtype)
-    ("dense", 1, "bfloat16"), ("dense", 2, "bfloat16"), ("dense", 1, "float32"),
-    ("moe", 1, "bfloat16"), ("moe", 2, "bfloat16"), ("moe", 1, "float32"),
+# (engine, model, tp, engine dtype, extra flags)
+CELLS = [
+    ("vllm", "dense", 1, "bfloat16", ()), ("vllm", "dense", 2, "bfloat16", ()), ("vllm", "dense", 1, "float32", ()),
+    ("vllm", "moe", 1, "bfloat16", ()), ("vllm", "moe", 2, "bfloat16", ()), ("vllm", "moe", 1, "float32", ()),
+    # SGLang's CPU fallback runs dense models only (fused MoE needs the real sgl-kernel)
+    ("sglang", "dense", 1, "bfloat16", ()), ("sglang", "dense", 2, "bfloat16", ()),
+    ("sglang", "dense", 1, "float32", ()), ("sglang", "dense", 1, "bfloat16", ("--engine-logits-fp32",)),
 ]
+# what each engine needs on a small CPU box (GPU runs can drop these)
+ENGINE_FLAGS = {"vllm": ("--enforce-eager", "--gpu-memory-utilization", "0.3"), "sglang": ()}
 TIMING_KEYS = ("setup_s", "engine_start_s", "generation_s", "prefill_s", "engine_stop_s", "reference_load_s",
                "scoring_s", "metrics_s", "report_s")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(ROOT / "reports" / "vllm-matrix"))
+    ap.add_argument("--engines", default="vllm,sglang")
+    ap.add_argument("--vllm-python", help="python of a venv with vLLM (default: this one)")
+    ap.add_argument("--sglang-python", help="python of a venv with SGLang (default: this one)")
+    ap.add_argument("--out", default=str(ROOT / "reports" / "engine-matrix"))
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args()
+    engines = args.engines.split(",")
+    pythons = {"vllm": args.vllm_python, "sglang": args.sglang_python}
     exe = Path(sys.executable).with_name("mismatch-probe")
     rows = []
-    for model, tp, dtype in CELLS:
-        name = f"{model}-tp{tp}-{dtype}"
+    for engine, model, tp, dtype, extra in CELLS:
+        if engine not in engines:
+            continue
+        name = f"{engine}-{model}-tp{tp}-{dtype}" + "".join(f.replace("--", "-") for f in extra)
         out = Path(args.out) / name
-        cmd = [str(exe), "compare", "--engine", "vllm", "--model", str(MODELS[model]),
+        cmd = [str(exe), "compare", "--engine", engine, "--model", str(MODELS[model]),
                "--prompts", str(ROOT / "fixtures/prompts/single_turn.jsonl"), "--out", str(out), "--overwrite",
                "--max-prompts", str(args.prompts), "--n", str(args.n), "--max-tokens", str(args.max_tokens),
                "--tp", str(tp), "--engine-dtype", dtype, "--train-dtype", "float32", "--logits-fp32",
-               "--enforce-eager", "--gpu-memory-utilization", "0.3", "--json"]
+               *ENGINE_FLAGS[engine], *extra, "--json"]
+        if pythons[engine]:
+            cmd += ["--engine-python", pythons[engine]]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             print(f"{name}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)
