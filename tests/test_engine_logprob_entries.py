@@ -26,6 +26,16 @@ def test_sglang_triples_are_checked_against_the_sampled_ids():
         sglang.sampled_logprobs(None, tokens)
 
 
+def test_sglang_finish_reasons_and_an_abort_that_is_not_a_sample():
+    assert sglang.finish_reason({"finish_reason": {"type": "stop", "matched": 2}}, "r") == "stop"
+    assert sglang.finish_reason({"finish_reason": {"type": "length", "length": 64}}, "r") == "length"
+    assert sglang.finish_reason({"finish_reason": None}, "r") == "length"  # max_new_tokens = 0
+    abort = {"type": "abort", "message": "Input length (9000 tokens) exceeds the maximum allowed length",
+             "status_code": 400, "err_type": None}
+    with pytest.raises(RuntimeError, match=r"aborted sampling request 3: Input length \(9000 tokens\).*--max-model-len"):
+        sglang.finish_reason({"finish_reason": abort}, "sampling request 3")
+
+
 def test_vllm_entries_are_looked_up_by_id_in_flat_and_dict_form():
     tokens = np.array([4, 7, 3], np.int32)
     # per position: the sampled token, then the top-1 when it differs (vLLM's order)

@@ -235,14 +235,13 @@ class SGLangEngine:
             input_ids=[r.prompt_token_ids.tolist() for r in requests], sampling_params=params, return_logprob=True,
         )
         completions = []
-        for out in outputs:
+        for i, out in enumerate(outputs):
             tokens = np.asarray(out["output_ids"], dtype=np.int32)
             meta = out["meta_info"]
-            finish = meta.get("finish_reason") or {}
             completions.append(Completion(
                 token_ids=tokens,
                 logprobs=sampled_logprobs(meta.get("output_token_logprobs"), tokens),
-                finish_reason="length" if finish.get("type") in (None, "length") else "stop",
+                finish_reason=finish_reason(meta, f"sampling request {i}"),
             ))
         if on_progress:
             on_progress(len(requests))
@@ -266,6 +265,7 @@ class SGLangEngine:
             )
             for i, out in zip(todo, outputs):
                 r = requests[i]
+                finish_reason(out["meta_info"], f"prefill request {i}")
                 entries = out["meta_info"].get("input_token_logprobs")
                 result[i] = sampled_logprobs(entries[1:] if entries else entries, r.token_ids[r.start:])
         if on_progress:
@@ -276,6 +276,19 @@ class SGLangEngine:
         engine, self.engine = getattr(self, "engine", None), None
         if engine is not None:
             engine.shutdown()
+
+
+def finish_reason(meta: dict, what: str) -> str:
+    """"stop" or "length" from SGLang's ``meta_info``. An aborted request (prompt over the context
+    length, KV cache too small for it, ...) is not a sample to score: its tokens stop wherever the
+    abort hit, so it raises with SGLang's own message instead of passing for a normal stop."""
+    finish = meta.get("finish_reason") or {}
+    kind = finish.get("type")
+    if kind == "abort":
+        raise RuntimeError(f"SGLang aborted {what}: {finish.get('message') or 'no message'} (status "
+                           f"{finish.get('status_code')}); if it names the KV cache or the context length, raise "
+                           "--max-total-tokens / --max-model-len or lower --max-tokens")
+    return "length" if kind in (None, "length") else "stop"
 
 
 def sampled_logprobs(entries, token_ids: np.ndarray) -> np.ndarray:
