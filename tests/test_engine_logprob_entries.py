@@ -1,5 +1,6 @@
-"""Reading the sampled tokens' log-probs out of each engine's own output format, without the engines:
-looked up by token id, never by position in a top-k list; anything missing or misaligned raises."""
+"""The engine adapters' pure parts, without the engines. Reading the sampled tokens' log-probs out of
+each engine's own output format: looked up by token id, never by position in a top-k list; anything
+missing or misaligned raises. Checking ``[engine.extra_args]`` against the engine's own arguments."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import numpy as np
 import pytest
 
 from mismatch_probe.engines import sglang, vllm
+from mismatch_probe.engines.base import check_extra_args
+from mismatch_probe.errors import ConfigError
 
 
 def test_sglang_triples_are_checked_against_the_sampled_ids():
@@ -48,3 +51,18 @@ def test_vllm_entries_are_looked_up_by_id_in_flat_and_dict_form():
     np.testing.assert_allclose(vllm.sampled_logprobs(as_dicts, tokens), [-0.1, -2.0, -0.3])
     with pytest.raises(RuntimeError, match="no log-prob for token 7 at position 1"):
         vllm.sampled_logprobs([as_dicts[0], {1: SimpleNamespace(logprob=-0.2)}, as_dicts[2]], tokens)
+
+
+def test_extra_args_must_be_engine_arguments_mismatch_probe_does_not_set():
+    known = {"enable_prefix_caching", "max_logprobs", "tensor_parallel_size", "seed"}
+    check_extra_args({"max_logprobs": 5}, known, {"tensor_parallel_size"}, "vLLM 0.32", "EngineArgs")
+    check_extra_args({}, known, {"tensor_parallel_size"}, "vLLM 0.32", "EngineArgs")
+    with pytest.raises(ConfigError, match=r"vLLM 0.32 has no argument 'enable_prefx_caching' \(EngineArgs\)") as e:
+        check_extra_args({"enable_prefx_caching": True}, known, (), "vLLM 0.32", "EngineArgs")
+    assert e.value.hint == "did you mean 'enable_prefix_caching'?"
+    with pytest.raises(ConfigError) as e:
+        check_extra_args({"zzz": 1}, known, (), "SGLang 0.5.23", "ServerArgs")
+    assert e.value.hint == "see ServerArgs"
+    with pytest.raises(ConfigError, match="sets 'tensor_parallel_size', which mismatch-probe sets itself"):
+        check_extra_args({"max_logprobs": 5, "tensor_parallel_size": 2}, known, {"tensor_parallel_size": 1},
+                         "vLLM 0.32", "EngineArgs")

@@ -19,7 +19,6 @@ sampled one. The decode-vs-prefill re-score asks for ``input_token_logprobs`` fr
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import inspect
 import os
 from collections.abc import Callable, Sequence
@@ -30,7 +29,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..sampling import LogprobSemantics
 from ..spec import EngineSpec, SamplingSpec
-from .base import Completion, GenerationRequest, ScoreRequest
+from .base import Completion, GenerationRequest, ScoreRequest, check_extra_args
 from .cpu_threads import cpu_thread_binding
 from .hf import batch_seed
 
@@ -140,19 +139,10 @@ class SGLangEngine:
                     defaults[key] = value
             if spec.max_total_tokens is None and spec.gpu_memory_utilization is None:
                 defaults["max_total_tokens"] = CPU_MAX_TOTAL_TOKENS
-        for key, value in spec.extra_args.items():
-            if key not in known:
-                close = difflib.get_close_matches(key, sorted(known), n=1)
-                raise ConfigError(
-                    f"engine.extra_args: SGLang {self.version} has no server argument {key!r}",
-                    hint=f"did you mean {close[0]!r}?" if close else "see sglang.srt.server_args.ServerArgs",
-                )
-            if key in args:
-                raise ConfigError(f"engine.extra_args sets {key!r}, which mismatch-probe sets itself",
-                                  hint="use the dedicated engine setting (see mismatch-probe compare --help)")
-            defaults.pop(key, None)  # the user's own value wins over a CPU default
-            args[key] = value
-        return {**args, **defaults}, defaults
+        check_extra_args(spec.extra_args, known, args, f"SGLang {self.version}", "sglang.srt.server_args.ServerArgs")
+        # the user's own value wins over a CPU default
+        defaults = {k: v for k, v in defaults.items() if k not in spec.extra_args}
+        return {**args, **spec.extra_args, **defaults}, defaults
 
     def _check_effective(self) -> None:
         """A setting SGLang resolved to something else is an error, not a footnote."""

@@ -24,7 +24,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..sampling import LogprobSemantics, engine_semantics
 from ..spec import EngineSpec, SamplingSpec
-from .base import Completion, GenerationRequest, ScoreRequest
+from .base import Completion, GenerationRequest, ScoreRequest, check_extra_args
 from .cpu_threads import cpu_thread_binding
 from .hf import batch_seed
 
@@ -121,20 +121,8 @@ class VLLMEngine:
                     )
             else:
                 args["disable_cascade_attn"] = not spec.cascade_attn
-        for key, value in spec.extra_args.items():
-            if key not in known:
-                import difflib
-
-                close = difflib.get_close_matches(key, sorted(known), n=1)
-                raise ConfigError(
-                    f"engine.extra_args: vLLM {self.version} has no engine argument {key!r}",
-                    hint=f"did you mean {close[0]!r}?" if close else "see vllm.engine.arg_utils.EngineArgs",
-                )
-            if key in args:
-                raise ConfigError(f"engine.extra_args sets {key!r}, which mismatch-probe sets itself",
-                                  hint="use the dedicated engine setting (see mismatch-probe compare --help)")
-            args[key] = value
-        return args
+        check_extra_args(spec.extra_args, known, args, f"vLLM {self.version}", "vllm.engine.arg_utils.EngineArgs")
+        return {**args, **spec.extra_args}
 
     def _effective(self) -> dict:
         out = {}
