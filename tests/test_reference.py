@@ -7,6 +7,7 @@ import pytest
 import torch
 from conftest import DENSE, MOE
 
+from mismatch_probe.engines import ScoreRequest
 from mismatch_probe.errors import DataError
 from mismatch_probe.reference import ReferenceScorer
 from mismatch_probe.sampling import LogprobSemantics
@@ -48,6 +49,21 @@ def independent(model_path, rollouts, dtype=torch.float32, temperature=None):
         lps.append(lp_all[pos - 1, tgt].numpy())
         ents.append(-(lp_all[pos - 1].exp() * lp_all[pos - 1]).sum(-1).numpy())
     return lps, ents
+
+
+def check_engine_prefill_against_independent(engine, starts):
+    """An engine's prefill log-probs of arbitrary, never sampled sequences (so it really re-runs them)
+    against an fp32 HF forward, position by position from each request's start, to bf16 precision."""
+    rng = np.random.default_rng(3)
+    seqs = [rng.integers(3, 900, size=n).astype(np.int32) for n in (12, 30, 7)]
+    got = engine.prefill_logprobs([ScoreRequest(s, k) for s, k in zip(seqs, starts)])
+    rollouts = [Rollout(i, "x", s, np.zeros(len(s), np.int16), np.arange(len(s)) >= k,
+                        np.zeros(len(s), np.float32), "stop") for i, (s, k) in enumerate(zip(seqs, starts))]
+    want, _ = independent(DENSE, rollouts)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        assert np.abs(g - w).max() < 0.25 and np.abs(g - w).mean() < 0.05  # bf16 weights vs fp32
+        assert np.all(g < 0)
 
 
 @pytest.mark.parametrize("model", [DENSE, MOE], ids=["dense", "moe"])

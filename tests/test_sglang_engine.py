@@ -14,14 +14,13 @@ import sys
 import numpy as np
 import pytest
 from conftest import DENSE, MULTI_TURN, ROOT, SGLANG_PYTHON, SINGLE_TURN, cli
-from test_reference import independent
+from test_reference import check_engine_prefill_against_independent
 
-from mismatch_probe.engines import GenerationRequest, ScoreRequest, get_entry
+from mismatch_probe.engines import GenerationRequest, get_entry
 from mismatch_probe.engines.process import EngineProcess
 from mismatch_probe.errors import ConfigError
 from mismatch_probe.pipeline import run_compare
 from mismatch_probe.spec import EngineSpec, ProbeSpec, SamplingSpec
-from mismatch_probe.table import Rollout
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
@@ -108,17 +107,7 @@ def test_sampled_tokens_carry_their_own_logprobs(engine):
 def test_prefill_scores_the_given_tokens_not_the_sampled_ones(engine):
     """Prefill log-probs (logprob_start_len) of arbitrary, never sampled sequences agree with an fp32
     HF forward to bf16 precision, position by position from each request's start."""
-    rng = np.random.default_rng(3)
-    seqs = [rng.integers(3, 900, size=n).astype(np.int32) for n in (12, 30, 7)]
-    starts = [4, 10, 1]
-    got = engine.prefill_logprobs([ScoreRequest(s, k) for s, k in zip(seqs, starts)])
-    rollouts = [Rollout(i, "x", s, np.zeros(len(s), np.int16), np.arange(len(s)) >= k,
-                        np.zeros(len(s), np.float32), "stop") for i, (s, k) in enumerate(zip(seqs, starts))]
-    want, _ = independent(DENSE, rollouts)
-    for g, w in zip(got, want):
-        assert g.shape == w.shape
-        assert np.abs(g - w).max() < 0.25 and np.abs(g - w).mean() < 0.05  # bf16 weights vs fp32
-        assert np.all(g < 0)
+    check_engine_prefill_against_independent(engine, starts=[4, 10, 1])
 
 
 def test_multi_turn_tool_use_continues_from_token_ids(engine, tmp_path):
@@ -173,7 +162,7 @@ def test_tensor_parallel_2_and_an_fp32_lm_head(tmp_path):
 
 def test_settings_sglang_cannot_honor_fail_before_sampling(tmp_path):
     log = tmp_path / "engine.log"
-    with pytest.raises(ConfigError, match="no server argument 'disable_radx_cache'.*disable_radix_cache"):
+    with pytest.raises(ConfigError, match="has no argument 'disable_radx_cache'.*disable_radix_cache"):
         EngineProcess(get_entry("sglang"), DENSE, engine_spec(extra_args={"disable_radx_cache": True}), log_path=log)
     with pytest.raises(ConfigError, match="sets 'tp_size', which mismatch-probe sets itself"):
         EngineProcess(get_entry("sglang"), DENSE, engine_spec(tensor_parallel_size=2, extra_args={"tp_size": 2}),

@@ -12,14 +12,13 @@ import sys
 import numpy as np
 import pytest
 from conftest import DENSE, MOE, SINGLE_TURN, cli
-from test_reference import independent
+from test_reference import check_engine_prefill_against_independent
 
-from mismatch_probe.engines import GenerationRequest, ScoreRequest, get_entry
+from mismatch_probe.engines import GenerationRequest, get_entry
 from mismatch_probe.engines.process import EngineProcess
 from mismatch_probe.errors import ConfigError
 from mismatch_probe.pipeline import run_compare
 from mismatch_probe.spec import EngineSpec, ProbeSpec, SamplingSpec
-from mismatch_probe.table import Rollout
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -113,17 +112,7 @@ def test_sampled_tokens_carry_their_own_logprobs(engine):
 def test_prefill_scores_the_given_tokens_not_the_sampled_ones(engine):
     """Prefill log-probs of arbitrary (never sampled) sequences agree with an fp32 HF forward to
     bf16 precision: the engine really re-runs the sequence."""
-    rng = np.random.default_rng(3)
-    seqs = [rng.integers(3, 900, size=n).astype(np.int32) for n in (12, 30, 7)]
-    starts = [4, 10, 2]
-    got = engine.prefill_logprobs([ScoreRequest(s, k) for s, k in zip(seqs, starts)])
-    rollouts = [Rollout(i, "x", s, np.zeros(len(s), np.int16), np.arange(len(s)) >= k,
-                        np.zeros(len(s), np.float32), "stop") for i, (s, k) in enumerate(zip(seqs, starts))]
-    want, _ = independent(DENSE, rollouts)
-    for g, w in zip(got, want):
-        assert g.shape == w.shape
-        assert np.abs(g - w).max() < 0.25 and np.abs(g - w).mean() < 0.05  # bf16 weights vs fp32
-        assert np.all(g < 0)
+    check_engine_prefill_against_independent(engine, starts=[4, 10, 2])
 
 
 def test_unsupported_settings_fail_loudly(tmp_path):
@@ -132,7 +121,7 @@ def test_unsupported_settings_fail_loudly(tmp_path):
         EngineProcess(get_entry("vllm"), DENSE, dense_engine_spec(batch_invariant=True), log_path=log)
     with pytest.raises(ConfigError, match="no cascade attention"):
         EngineProcess(get_entry("vllm"), DENSE, dense_engine_spec(cascade_attn=True), log_path=log)
-    with pytest.raises(ConfigError, match="no engine argument 'enable_prefx_caching'.*enable_prefix_caching"):
+    with pytest.raises(ConfigError, match="has no argument 'enable_prefx_caching'.*enable_prefix_caching"):
         EngineProcess(get_entry("vllm"), DENSE, dense_engine_spec(extra_args={"enable_prefx_caching": True}),
                       log_path=log)
 
