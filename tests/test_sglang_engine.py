@@ -55,6 +55,7 @@ def test_the_engine_runs_in_its_own_venv_and_says_what_it_built(engine):
     assert info["engine"] == "sglang" and info["versions"]["sglang"]
     assert info["dtype"] == "bfloat16" and info["tp_size"] == 1 and info["requested"]["skip_tokenizer_init"] is True
     assert info["logprobs_mode"] == "processed" and info["env"]["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "0"
+    assert info["random_seed"] == 0 and info["defaults_applied_by_mismatch_probe"]["random_seed"] == 0
     if info["platform"] == "cpu":
         # the CPU fallback: SGLang's own CPU engine with its torch-native kernels and a KV-cache cap
         assert info["env"]["SGLANG_USE_CPU_ENGINE"] == "1" and info["attention_backend"] == "torch_native"
@@ -123,10 +124,16 @@ def test_multi_turn_tool_use_continues_from_token_ids(engine, tmp_path):
     assert rec["tokenization_check"]["n_checked"] > 0
 
 
-def compare_cli(tmp_path, *args, expect_rc: int = 0):
-    """probes/demo-sglang.toml, smaller, with flags on top (as a user runs it)."""
+def compare_cli(tmp_path, *args, expect_rc: int = 0, spec_tail: str = ""):
+    """probes/demo-sglang.toml, smaller, with flags on top (as a user runs it); ``spec_tail`` adds
+    TOML to a copy of the spec."""
+    spec = ROOT / "probes" / "demo-sglang.toml"
+    if spec_tail:
+        text = spec.read_text().replace('"../', f'"{ROOT}/') + "\n" + spec_tail
+        spec = tmp_path / "spec.toml"
+        spec.write_text(text)
     out = tmp_path / "run"
-    proc = cli("compare", str(ROOT / "probes" / "demo-sglang.toml"), "--engine-python", SGLANG_PYTHON,
+    proc = cli("compare", str(spec), "--engine-python", SGLANG_PYTHON,
                "--out", str(out), "--max-prompts", "16", "--n", "2", "--max-tokens", "48", "--seed", "3", *args)
     assert proc.returncode == expect_rc, proc.stderr[-3000:]
     return json.loads((out / "run.json").read_text()) if expect_rc == 0 else proc
@@ -148,9 +155,14 @@ def test_fp32_engine_with_raw_logprobs_matches_the_fp32_reference(tmp_path):
 
 
 def test_tensor_parallel_2_and_an_fp32_lm_head(tmp_path):
-    """TP=2 (one core per rank on CPU), SGLang's fp32 LM head and no radix cache, all recorded as built."""
-    rec = compare_cli(tmp_path, "--tp", "2", "--engine-logits-fp32", "--no-prefix-caching", "--temperature", "1.0")
+    """TP=2 (one core per rank on CPU), SGLang's fp32 LM head, no radix cache and an engine seed
+    from [engine.extra_args], all recorded as built."""
+    rec = compare_cli(tmp_path, "--tp", "2", "--engine-logits-fp32", "--no-prefix-caching", "--temperature", "1.0",
+                      spec_tail="[engine.extra_args]\nrandom_seed = 7\n")
     eng = rec["engine"]
+    # the engine seed is a default mismatch-probe sets, which [engine.extra_args] overrides
+    assert eng["random_seed"] == 7 and eng["requested"]["random_seed"] == 7
+    assert "random_seed" not in eng["defaults_applied_by_mismatch_probe"]
     assert eng["tp_size"] == 2 and eng["requested"]["tp_size"] == 2
     assert eng["enable_fp32_lm_head"] is True and eng["disable_radix_cache"] is True
     if eng["platform"] == "cpu":

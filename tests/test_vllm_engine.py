@@ -37,7 +37,7 @@ def dense_engine_spec(**kw) -> EngineSpec:
 def engine(tmp_path_factory):
     """A dense bf16 engine with processed log-probs, shared by this module's tests."""
     log = tmp_path_factory.mktemp("vllm") / "engine.log"
-    eng = EngineProcess(get_entry("vllm"), DENSE, dense_engine_spec(), log_path=log)
+    eng = EngineProcess(get_entry("vllm"), DENSE, dense_engine_spec(extra_args={"seed": 11}), log_path=log)
     yield eng
     eng.close()
 
@@ -54,6 +54,8 @@ def probe(out, top_p: float = SAMPLING.top_p, logprobs: str = "engine") -> Probe
 def test_parent_process_never_imports_vllm(engine):
     assert engine.info()["engine"] == "vllm"
     assert "vllm" not in sys.modules
+    # the engine seed (what the CPU build samples from) is mismatch-probe's 0 unless extra_args set it
+    assert engine.info()["requested"]["seed"] == 11
 
 
 def test_matched_logprob_semantics_sit_at_the_dtype_floor(engine, tmp_path):

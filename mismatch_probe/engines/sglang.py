@@ -113,7 +113,6 @@ class SGLangEngine:
             "model_path": str(self.model_path),
             "skip_tokenizer_init": True,  # token ids in, token ids out: nothing is re-tokenized
             "trust_remote_code": trust_remote_code,
-            "random_seed": 0,  # sampling is seeded per request where SGLang allows it (see info())
             "log_level": "warning",
         }
         for field_name, (arg, convert) in SETTINGS.items():
@@ -132,7 +131,9 @@ class SGLangEngine:
             args["chunked_prefill_size"] = -1  # SGLang's switch for "no chunked prefill"
         elif spec.chunked_prefill:
             args["chunked_prefill_size"] = None  # its default size, chosen per device
-        defaults = {}
+        # sampling is seeded per request where SGLang allows it (see info()); elsewhere it draws from
+        # this engine seed, fixed so that runs repeat, and [engine.extra_args] random_seed varies it
+        defaults = {"random_seed": 0}
         if self.device == "cpu":
             for key, value in CPU_DEFAULTS.items():
                 if key not in args:

@@ -100,7 +100,6 @@ class VLLMEngine:
         known = {f for f in EngineArgs.__dataclass_fields__}
         args: dict = {
             "model": str(self.model_path),
-            "seed": 0,  # sampling is seeded per request; this only fixes engine-global randomness
             "logprobs_mode": LOGPROBS_MODE[spec.logprobs_mode],
             "trust_remote_code": trust_remote_code,
         }
@@ -122,7 +121,9 @@ class VLLMEngine:
             else:
                 args["disable_cascade_attn"] = not spec.cascade_attn
         check_extra_args(spec.extra_args, known, args, f"vLLM {self.version}", "vllm.engine.arg_utils.EngineArgs")
-        return {**args, **spec.extra_args}
+        # Sampling is seeded per request where vLLM allows it; elsewhere (its CPU build) it draws
+        # from this engine seed, fixed so that runs repeat; [engine.extra_args] seed varies it.
+        return {"seed": 0, **args, **spec.extra_args}
 
     def _effective(self) -> dict:
         out = {}
