@@ -13,6 +13,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 from conftest import DENSE, MULTI_TURN, ROOT, SGLANG_PYTHON, SINGLE_TURN, cli
 from test_reference import check_engine_prefill_against_independent
 
@@ -181,3 +182,10 @@ def test_settings_sglang_cannot_honor_fail_before_sampling(tmp_path):
                       log_path=log)
     proc = compare_cli(tmp_path, "--cascade-attn", expect_rc=2)
     assert "engine 'sglang' has no setting engine.cascade_attn" in proc.stderr and "Traceback" not in proc.stderr
+    if not torch.cuda.is_available():
+        # SGLang's deterministic mode (and rl_on_policy_target, which implies it) needs a GPU
+        # attention backend; on CPU that is SGLang's own refusal, naming the backend set for it
+        for kw in ({"batch_invariant": True}, {"rl_on_policy_target": "fsdp"}):
+            with pytest.raises(ConfigError, match="deterministic inference.*'torch_native'.*"
+                                                  "mismatch-probe itself set .*attention_backend='torch_native'"):
+                EngineProcess(get_entry("sglang"), DENSE, engine_spec(**kw), log_path=log)

@@ -98,8 +98,11 @@ class SGLangEngine:
         try:
             self.engine = sglang.Engine(**self.requested)
         except (ValueError, TypeError) as exc:  # SGLang validates its arguments with these
+            # SGLang's message may blame a value the user never gave (a CPU default set here)
+            set_here = ", ".join(f"{k}={v!r}" for k, v in self.defaults_applied.items())
             raise ConfigError(f"SGLang {self.version} refused the engine settings: {exc}",
-                              hint="see engine.log in the run directory for SGLang's own log") from None
+                              hint=(f"mismatch-probe itself set {set_here} (on {self.device}); " if set_here else "")
+                              + "see engine.log in the run directory for SGLang's own log") from None
         self.server_info = self.engine.get_server_info()
         self.effective = {k: self.server_info.get(k) for k in RECORDED}
         self._check_effective()
