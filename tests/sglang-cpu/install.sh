@@ -19,7 +19,7 @@ venv=${1:?usage: bash tests/sglang-cpu/install.sh VENV_DIR}
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
 SGLANG_VERSION=0.5.23
-TORCHVISION_VERSION=0.29.2
+TORCHVISION_VERSION=0.29.1  # the newest the machine's pip constraints allow (torchvision<=0.29.1); only its pure-Python part is used
 
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
