@@ -44,9 +44,19 @@ METRIC_DOCS = (
               "the parallelism study's headline number; 0 is perfect", "lower"),
     MetricDoc("mult_prob_error", "token mult. prob error", "mean exp(|δ|); 1.0 is perfect",
               "NeMo-RL's token_mult_prob_error; its threshold is 1.05", "lower"),
-    MetricDoc("chi2_token", "χ² (token)", "mean(ratio²) − 1: variance of token importance weights", "0 is perfect",
+    MetricDoc("chi2_token", "χ² (token)",
+              "mean(ratio²) − 1, as verl computes it: the variance of token importance weights if their mean were "
+              "exactly 1; the sample mean fluctuates around 1, so near 0 this can dip below 0 (see χ² (token, s.n.))",
+              "0 is perfect", "lower"),
+    MetricDoc("chi2_token_sn", "χ² (token, s.n.)",
+              "self-normalized mean(ratio²) / mean(ratio)² − 1 = 1 / ESS − 1: never negative", "0 is perfect",
               "lower"),
-    MetricDoc("chi2_seq", "χ² (sequence)", "mean(exp(2·clamp(Σδ, ±20))) − 1: variance of sequence importance weights",
+    MetricDoc("chi2_seq", "χ² (sequence)",
+              "mean(exp(2·clamp(Σδ, ±20))) − 1, as verl computes it: the variance of sequence importance weights "
+              "if their mean were 1; can dip below 0 near 0 (see χ² (sequence, s.n.))",
+              "0 is perfect", "lower"),
+    MetricDoc("chi2_seq_sn", "χ² (sequence, s.n.)",
+              "self-normalized mean(W²) / mean(W)² − 1 of sequence weights W = exp(clamp(Σδ, ±20)): never negative",
               "0 is perfect", "lower"),
     MetricDoc("ess", "ESS (normalized)", "effective sample size of token ratios, 1 / mean((w / mean w)²)",
               "1.0 is perfect", "higher"),
@@ -71,6 +81,27 @@ CORRECTION_DOCS = {
     "geo_rejected_share": ("geometric rejection", "sequences whose geometric-mean ratio leaves [1 − ε, 1 + ε]"),
     "worst_token_rejected_share": ("worst-token rejection", "sequences holding a token with ratio below τ"),
 }
+
+
+def negative_chi2_note(record: dict) -> str | None:
+    """Why the run's chi-square estimates are negative, when one is (all tokens, and the turn
+    groups of a multi-turn run)."""
+    by_turn = record.get("metrics_by_turn") or {}
+    groups = [("", record.get("metrics"))]
+    if (by_turn.get("later") or {}).get("n_model_tokens"):  # else "first turns" is all of them again
+        groups += [(" (first turns)", by_turn.get("first")), (" (later turns)", by_turn.get("later"))]
+    negative = []
+    for where, metrics in groups:
+        for key in ("chi2_token", "chi2_seq"):
+            value = (metrics or {}).get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+                negative.append(f"{key}{where} = {value:.3g}")
+    if not negative:
+        return None
+    return (f"{', '.join(negative)}: below 0, and not a bug. chi2_token and chi2_seq are mean(w²) − 1 as verl "
+            "computes them, which assumes the importance weights w average exactly 1; their sample mean "
+            "fluctuates around 1, so when the true value is near 0 the estimate can land below it. "
+            "chi2_token_sn and chi2_seq_sn (mean(w²) / mean(w)² − 1) cannot go negative.")
 
 
 def k3_context(value) -> str:

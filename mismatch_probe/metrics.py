@@ -14,7 +14,11 @@ Conventions, documented once:
   in ``n_zero_prob_train``.
 * NaN anywhere, ``+inf`` anywhere, or ``logp_infer == -inf`` (the engine reports zero probability
   for a token it sampled) are contract violations and raise :class:`DataError`.
-* Sequence-level values (``seq_*``, ``log_ppl_*``, ``chi2_seq``) reduce each sequence over its
+* ``chi2_token`` / ``chi2_seq`` are ``E[w^2] - 1`` as verl computes them (comparable with verl
+  dashboards). They assume ``E[w] = 1``; the sample mean of ``w`` fluctuates around 1, so near
+  zero they can come out slightly negative. ``chi2_token_sn`` / ``chi2_seq_sn`` are the
+  self-normalized ``E[w^2] / E[w]^2 - 1``, computed from squared deviations, never negative.
+* Sequence-level values (``seq_*``, ``log_ppl_*``, ``chi2_seq*``) reduce each sequence over its
   own tokens first, then average over sequences; everything else averages over tokens.
 * A group with no model tokens gives ``None`` for every value and 0 for the counts.
 """
@@ -244,6 +248,27 @@ class _Moments:
             return None
         return self.cxy / math.sqrt(self.m2x * self.m2y)
 
+    def relative_variance_x(self) -> float | None:
+        """``mean((x - mean x)^2) / (mean x)^2`` = ``E[x^2] / E[x]^2 - 1``, from a sum of squares, so
+        it is never negative (the difference form can round below 0)."""
+        if self.n == 0 or self.mean_x == 0:
+            return None
+        return (self.m2x / self.n) / (self.mean_x * self.mean_x)
+
+
+def self_normalized_chi2(weights: np.ndarray) -> float | None:
+    """``E[w^2] / E[w]^2 - 1`` of importance weights: the chi-square divergence estimate that
+    normalizes by the weights' own sample mean instead of assuming it is 1, so it is >= 0 by
+    construction (it is ``1 / ESS - 1``)."""
+    w = np.asarray(weights, dtype=np.float64)
+    if len(w) == 0:
+        return None
+    mean = w.mean()
+    if not mean > 0:
+        return None
+    with np.errstate(over="ignore", invalid="ignore"):
+        return float(np.mean((w - mean) ** 2) / (mean * mean))
+
 
 def pearson(x: np.ndarray, y: np.ndarray) -> float | None:
     """Pearson correlation in float64; None for fewer than two points, a constant side, or non-finite values."""
@@ -275,6 +300,7 @@ class MetricsAccumulator:
         self._sums = {k: 0.0 for k in ("k1", "k2", "k3", "abs_delta", "prob_diff", "mult_error", "ratio", "ratio2")}
         self._prob_diff_max = -math.inf
         self._moments = _Moments()
+        self._ratio_moments = _Moments()  # x = y = token ratio: its running variance (chi2_token_sn)
         self._counts = {"token_tis": 0, "token_mask": 0, "zero_prob_train": 0}
         self._abs_delta: list[np.ndarray] = []
         self._p_bucket: list[np.ndarray] = []
@@ -308,6 +334,7 @@ class MetricsAccumulator:
                 self._sums[key] += float(arr.sum())
         self._prob_diff_max = max(self._prob_diff_max, float(t.prob_diff.max()))
         self._moments.add(t.p_train, t.p_infer)
+        self._ratio_moments.add(t.ratio, t.ratio)
         self._counts["token_tis"] += int((t.delta > math.log(th.token_tis)).sum())
         self._counts["token_mask"] += int(
             ((t.delta < math.log(th.token_mask_low)) | (t.delta > math.log(th.token_mask_high))).sum()
@@ -362,6 +389,7 @@ class MetricsAccumulator:
         with np.errstate(over="ignore", invalid="ignore"):
             clamped = np.clip(seq.log_ratio, -SEQ_LOG_RATIO_CLAMP, SEQ_LOG_RATIO_CLAMP)
             chi2_seq = float(np.mean(np.exp(2.0 * clamped)) - 1.0)
+            chi2_seq_sn = self_normalized_chi2(np.exp(clamped))
             ess = (s["ratio"] ** 2) / (n * s["ratio2"]) if s["ratio2"] > 0 else None
             log_ppl_diff = seq.log_ppl_train - seq.log_ppl_infer
         gt = int((seq.max_mismatch > 0.5).sum())
@@ -379,6 +407,8 @@ class MetricsAccumulator:
             mult_prob_error=mean["mult_error"],
             chi2_token=mean["ratio2"] - 1.0,
             chi2_seq=chi2_seq,
+            chi2_token_sn=self._ratio_moments.relative_variance_x(),
+            chi2_seq_sn=chi2_seq_sn,
             ess=ess,
             pearson_prob=self._moments.pearson(),
             log_ppl_infer=float(seq.log_ppl_infer.mean()),
@@ -497,7 +527,7 @@ class MetricsAccumulator:
 _EXTRA_KEYS = (
     "k2_kl", "abs_delta_p50", "abs_delta_p90", "abs_delta_max", "log_ppl_diff_mean",
     "log_ppl_abs_diff_mean", "seq_mean_mismatch_mean", "seq_log_ratio_mean", "seq_geo_ratio_mean",
-    "seq_min_token_ratio_min", "pearson_log_ppl",
+    "seq_min_token_ratio_min", "pearson_log_ppl", "chi2_token_sn", "chi2_seq_sn",
 )
 
 
@@ -616,6 +646,6 @@ def compute_metrics(
 __all__ = [
     "CANONICAL_KEYS", "CORRECTION_KEYS", "CorrectionThresholds", "MetricsAccumulator", "RoutingAccumulator",
     "RoutingComparison", "TokenTerms", "compare_routing", "shared_experts",
-    "SequenceTerms", "check_logprobs", "compute_metrics", "quantiles", "segment_starts", "sequence_terms",
-    "token_terms",
+    "SequenceTerms", "check_logprobs", "compute_metrics", "quantiles", "segment_starts", "self_normalized_chi2",
+    "sequence_terms", "token_terms",
 ]

@@ -7,6 +7,8 @@ import re
 
 from rich.table import Table
 
+from .metric_docs import negative_chi2_note
+
 SUMMARY_ROWS = (
     ("k3_kl", "K3 KL (mean, 'vllm-kl')"),
     ("k1_kl", "K1 KL (mean -delta)"),
@@ -18,7 +20,9 @@ SUMMARY_ROWS = (
     ("seq_max_mismatch_gt_0_5_share", "share of seqs with max mismatch > 0.5"),
     ("mult_prob_error", "token mult. prob error"),
     ("chi2_token", "chi2 (token)"),
+    ("chi2_token_sn", "chi2 (token, self-normalized)"),
     ("chi2_seq", "chi2 (sequence)"),
+    ("chi2_seq_sn", "chi2 (sequence, self-normalized)"),
     ("ess", "ESS (token ratios, normalized)"),
     ("pearson_prob", "Pearson r of token probs"),
     ("log_ppl_infer", "log-ppl (engine)"),
@@ -89,6 +93,8 @@ def notes(record: dict) -> list[str]:
     prefill = record.get("decode_vs_prefill") or {}
     if prefill.get("skipped"):
         out.append(f"decode vs prefill: not measured, {prefill['skipped']}")
+    if chi2 := negative_chi2_note(record):
+        out.append(f"note: {chi2}")
     return out
 
 

@@ -73,14 +73,14 @@ def test_every_status_and_exit_code(bf16_run, tmp_path):
 def test_missing_nan_and_infinite_values_fail_closed(bf16_run, tmp_path):
     body = (check("k3_kl", "<=", "threshold = 1", "warn", name="k3")
             + check("metrics_by_turn.later.k3_kl", "<=", "threshold = 1", "warn", name="later")
-            + check("chi2_token", ">=", "threshold = 0", name="chi2"))
+            + check("chi2_token_sn", ">=", "threshold = 0", name="chi2"))  # >= 0 by construction
     path = thresholds(tmp_path, body)
     proc, res = gate(bf16_run, path)  # single-turn run: no later turns
     assert proc.returncode == 1
     assert [c["status"] for c in res["checks"]] == ["PASS", "FAIL", "PASS"]  # fails even at warn severity
     assert "missing" in res["checks"][1]["message"]
     for name, value in (("nan", float("nan")), ("inf", "inf"), ("null", None)):
-        run = edited_copy(bf16_run, tmp_path, name, k3_kl=value, chi2_token=value)
+        run = edited_copy(bf16_run, tmp_path, name, k3_kl=value, chi2_token_sn=value)
         proc, res = gate(run, path)
         assert proc.returncode == 1, name
         assert res["checks"][0]["status"] == "FAIL" and res["checks"][2]["status"] == "FAIL", name

@@ -52,6 +52,7 @@ def reference_metrics(seqs: list[tuple[list[float], list[float]]], th: Correctio
         seq_lr.append(sum(dd))
         seq_min.append(min(dd))
         seq_n.append(len(dd))
+    seq_w = [math.exp(max(-20.0, min(20.0, s))) for s in seq_lr]
     metrics = {
         "k3_kl": mean([ri - di - 1 for ri, di in zip(r, d)]),
         "k1_kl": mean([-x for x in d]),
@@ -64,6 +65,9 @@ def reference_metrics(seqs: list[tuple[list[float], list[float]]], th: Correctio
         "mult_prob_error": mean([math.exp(abs(x)) for x in d]),
         "chi2_token": mean([x * x for x in r]) - 1,
         "chi2_seq": mean([math.exp(2 * max(-20.0, min(20.0, s))) for s in seq_lr]) - 1,
+        # the self-normalized forms, by their published definition E[w^2] / E[w]^2 - 1
+        "chi2_token_sn": mean([x * x for x in r]) / mean(r) ** 2 - 1,
+        "chi2_seq_sn": mean([w * w for w in seq_w]) / mean(seq_w) ** 2 - 1,
         "ess": 1 / mean([(w / mean(r)) ** 2 for w in r]),
         "pearson_prob": cov / math.sqrt(vx * vy),
         "log_ppl_infer": mean(seq_ppl_i),
@@ -108,10 +112,12 @@ def test_all_metrics_match_float64_reference(scale):
     lt, li, starts = flat(seqs)
     got, corr = compute_metrics(lt, li, starts, th)
     want, want_corr = reference_metrics(seqs, th)
-    for key in CANONICAL_KEYS:
+    for key in CANONICAL_KEYS + ("chi2_token_sn", "chi2_seq_sn"):
         # quantiles come from |delta| kept as float32 (4 bytes a token); all else is float64
         rel = 1e-6 if key == "abs_delta_p99" else 1e-9
-        assert got[key] == pytest.approx(want[key], rel=rel, abs=1e-15), key
+        # E[w^2] / E[w]^2 - 1 as written cancels to ~1e-16 absolute error when the true value is ~1e-8
+        abs_tol = 1e-12 if key.endswith("_sn") else 1e-15
+        assert got[key] == pytest.approx(want[key], rel=rel, abs=abs_tol), key
     for key in CORRECTION_KEYS:
         assert corr[key] == pytest.approx(want_corr[key], abs=1e-12), key
 
@@ -134,6 +140,7 @@ def test_hand_computed_single_token():
     assert m["prob_diff_max"] == pytest.approx(0.25)
     assert m["mult_prob_error"] == pytest.approx(2.0)
     assert m["chi2_token"] == pytest.approx(3.0)
+    assert m["chi2_token_sn"] == 0 and m["chi2_seq_sn"] == 0  # one weight: no spread around its own mean
     assert m["ess"] == pytest.approx(1.0)
     assert m["pearson_prob"] is None  # undefined for one token
     assert m["log_ppl_infer"] == pytest.approx(math.log(4))
@@ -178,6 +185,7 @@ def test_neg_inf_logp_train_is_zero_probability():
     assert m["k3_kl"] == math.inf and m["k1_kl"] == math.inf and m["abs_delta_mean"] == math.inf
     assert m["abs_delta_p99"] == math.inf  # interpolation touching an infinite value stays inf
     assert m["chi2_token"] == pytest.approx((0 + 1) / 2 - 1)  # ratios 0 and 1
+    assert m["chi2_token_sn"] == pytest.approx((0 + 1) / 2 / 0.5**2 - 1)  # = 1
     assert c["worst_token_rejected_share"] == 1.0  # ratio 0 < 1e-4
     assert m["log_ppl_train"] == math.inf
 
@@ -211,6 +219,21 @@ def test_streaming_equals_one_shot():
     for key in whole:
         assert got[key] == pytest.approx(whole[key], rel=1e-12), key
     assert got_c == whole_c
+
+
+def test_self_normalized_chi2_is_never_negative_where_the_verl_form_is():
+    # Weights 0.9 and 1.05 (mean 0.975): E[w^2] - 1 = -0.0487 < 0 though the weights do differ;
+    # E[w^2] / E[w]^2 - 1 = 0.075^2 / 0.975^2 = 0.005917...
+    lt = np.log(np.array([0.9, 1.05]) * 0.5)
+    li = np.log(np.array([0.5, 0.5]))
+    m, _ = compute_metrics(lt, li, np.array([0, 1]))
+    assert m["chi2_token"] == pytest.approx((0.81 + 1.1025) / 2 - 1) and m["chi2_token"] < 0
+    assert m["chi2_token_sn"] == pytest.approx(0.075**2 / 0.975**2, rel=1e-12)
+    assert m["chi2_seq"] < 0 and m["chi2_seq_sn"] == pytest.approx(m["chi2_token_sn"], rel=1e-12)
+    assert m["ess"] == pytest.approx(1 / (1 + m["chi2_token_sn"]), rel=1e-12)
+    # equal weights: exactly 0, never a rounding residue below it
+    m, _ = compute_metrics(np.full(1000, np.log(0.3)), np.full(1000, np.log(0.3 / 1.0001)), np.arange(0, 1000, 7))
+    assert m["chi2_token_sn"] >= 0 and m["chi2_token_sn"] < 1e-20 and m["chi2_seq_sn"] >= 0
 
 
 def test_chi2_seq_clamps_the_sequence_log_ratio():
