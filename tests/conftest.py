@@ -50,6 +50,15 @@ def token_rows(run_dir: Path, *, model_only: bool = False):
     return t.filter(t.column("is_model_token")) if model_only else t
 
 
+def check_first_and_later_turns(rec: dict) -> None:
+    """A real engine's multi-turn run: both turn groups scored, partitioning the model tokens, each
+    at the bf16-vs-fp32 floor."""
+    first, later = rec["metrics_by_turn"]["first"], rec["metrics_by_turn"]["later"]
+    assert first["n_model_tokens"] > 0 and later["n_model_tokens"] > 0
+    assert first["n_model_tokens"] + later["n_model_tokens"] == rec["metrics"]["n_model_tokens"]
+    assert 0 < later["k3_kl"] < 5e-4 and 0 < first["k3_kl"] < 5e-4
+
+
 def pytest_collection_modifyitems(config, items):
     skips = {}
     if importlib.util.find_spec("vllm") is None:

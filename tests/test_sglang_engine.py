@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import DENSE, MULTI_TURN, ROOT, SGLANG_PYTHON, SINGLE_TURN, cli
+from conftest import DENSE, MULTI_TURN, ROOT, SGLANG_PYTHON, SINGLE_TURN, check_first_and_later_turns, cli
 from test_reference import check_engine_prefill_against_independent
 
 from mismatch_probe.engines import GenerationRequest, get_entry
@@ -118,10 +118,7 @@ def test_multi_turn_tool_use_continues_from_token_ids(engine, tmp_path):
     s = probe(tmp_path / "mt")
     s.prompts, s.max_turns, s.max_prompts = str(MULTI_TURN), 4, 16
     rec = run_compare(s, engine=engine).record
-    first, later = rec["metrics_by_turn"]["first"], rec["metrics_by_turn"]["later"]
-    assert first["n_model_tokens"] > 0 and later["n_model_tokens"] > 0
-    assert first["n_model_tokens"] + later["n_model_tokens"] == rec["metrics"]["n_model_tokens"]
-    assert 0 < later["k3_kl"] < 5e-4 and 0 < first["k3_kl"] < 5e-4
+    check_first_and_later_turns(rec)
     assert rec["tokenization_check"]["n_checked"] > 0
 
 
