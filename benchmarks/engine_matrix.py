@@ -29,7 +29,7 @@ CELLS = [
     ("sglang", "dense", 1, "float32", ()), ("sglang", "dense", 1, "bfloat16", ("--engine-logits-fp32",)),
 ]
 # what each engine needs on a small CPU box (GPU runs can drop these)
-ENGINE_FLAGS = {"vllm": ("--enforce-eager", "--gpu-memory-utilization", "0.3"), "sglang": ()}
+ENGINE_FLAGS = {"vllm": ("--enforce-eager",), "sglang": ()}
 TIMING_KEYS = ("setup_s", "engine_start_s", "generation_s", "prefill_s", "engine_stop_s", "reference_load_s",
                "scoring_s", "metrics_s", "report_s")
 

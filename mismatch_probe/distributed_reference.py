@@ -25,9 +25,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .errors import ConfigError, DataError, ProbeError
-from .hf_models import check_model_dir, read_config, resolve_device
+from .hf_models import check_model_dir, choose_attention, read_config, resolve_device
 from .sampling import LogprobSemantics
-from .spec import ReferenceSpec
+from .spec import SP_ATTN_IMPLEMENTATIONS, ReferenceSpec
 from .table import Rollout
 
 STOP_TIMEOUT_S = 60
@@ -42,7 +42,7 @@ class ReferenceRankError(ProbeError):
         self.remote_traceback = remote_traceback
 
 
-def check_reference_layout(model_path: Path, spec: ReferenceSpec) -> str:
+def check_reference_layout(model_path: Path, spec: ReferenceSpec, *, trust_remote_code: bool = False) -> str:
     """Fail early (before the engine samples anything) when the model's heads do not split over
     the layout or there are too few GPUs; returns the device type the ranks will use."""
     import torch
@@ -51,6 +51,13 @@ def check_reference_layout(model_path: Path, spec: ReferenceSpec) -> str:
 
     sp, tp = spec.sequence_parallel_size, spec.tensor_parallel_size
     check_layout(read_config(model_path), sp, tp)
+    if sp > 1:
+        attention = choose_attention(model_path, spec.attn_implementation, trust_remote_code=trust_remote_code)
+        if attention.used not in SP_ATTN_IMPLEMENTATIONS:
+            raise ConfigError(f"Ulysses sequence parallelism (--train-sp) needs per-sequence attention "
+                              f"({' or '.join(SP_ATTN_IMPLEMENTATIONS)}), and this model runs {attention.used}"
+                              + (f": {attention.fallback_reason}" if attention.fallback_reason else ""),
+                              hint="score it with --train-sp 1 (--train-tp is fine)")
     device_type = resolve_device(spec.device)
     if device_type == "cuda" and torch.cuda.device_count() < sp * tp:
         raise ConfigError(f"the reference layout needs {sp * tp} GPUs (sp {sp} x tp {tp}), and torch "
@@ -67,7 +74,7 @@ class DistributedReferenceScorer:
         sp, tp = spec.sequence_parallel_size, spec.tensor_parallel_size
         self.world_size = sp * tp
         model_path = check_model_dir(model_path)
-        device_type = check_reference_layout(model_path, spec)
+        device_type = check_reference_layout(model_path, spec, trust_remote_code=trust_remote_code)
         ctx = mp.get_context("spawn")
         self._tasks = [ctx.SimpleQueue() for _ in range(self.world_size)]
         self._results = ctx.Queue()

@@ -78,7 +78,8 @@ def gpus() -> list[dict]:
 
 
 def git_commit() -> str | None:
-    """Commit of the mismatch-probe checkout this code runs from, if it is one (``-dirty`` if modified)."""
+    """Commit of the mismatch-probe checkout this code runs from, if it is one (``-dirty`` if its
+    package code or pyproject.toml differ from it)."""
     root = Path(__file__).resolve().parent.parent
     if not (root / ".git").exists() or not shutil.which("git"):
         return None
@@ -86,8 +87,11 @@ def git_commit() -> str | None:
         sha = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
         if sha.returncode != 0:
             return None
+        # dirty means the code differs from the commit: run outputs (reports/, the committed example
+        # runs among them) and fixtures being rewritten do not make the code that wrote them dirty
         dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--",
+             "mismatch_probe", "pyproject.toml"],
             capture_output=True, text=True, timeout=10,
         )
         return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")

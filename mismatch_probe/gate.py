@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .errors import ConfigError
+from .files import read_text
 from .spec import unknown_key
 
 OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge, "==": operator.eq}
@@ -138,10 +139,7 @@ def _key_line(text: str, header_line: int, key: str) -> int:
 def load_gate(path: str | Path) -> GateSpec:
     """Parse and validate a thresholds file; every problem is a :class:`ConfigError` naming its line."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read the thresholds file {path}: {exc.strerror}") from None
+    text = read_text(path, "thresholds file")
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -325,7 +323,7 @@ def sequence_values(run_dir: str | Path) -> dict[str, dict]:
 
     from .analysis import TURN_GROUPS
     from .metrics import MetricsAccumulator, segment_starts
-    from .table import iter_model_tokens, shard_paths, TOKENS_DIR
+    from .table import TOKENS_DIR, iter_model_tokens, shard_paths
 
     if not shard_paths(Path(run_dir), TOKENS_DIR):
         raise FileNotFoundError(f"{run_dir} has no per-token table ({TOKENS_DIR}/)")
@@ -422,9 +420,8 @@ def evaluate(gate: GateSpec, record: dict, run_dir: str | Path | None = None,
 def run_gate(run_dir: str | Path, thresholds: str | Path, baseline_dir: str | Path | None = None,
              gate: GateSpec | None = None) -> GateResult:
     gate = gate or load_gate(thresholds)
-    from .table import read_run_record
-
     from .analysis import with_numbers
+    from .table import read_run_record
 
     record = with_numbers(read_run_record(run_dir))
     baseline = with_numbers(read_run_record(baseline_dir, "baseline")) if baseline_dir is not None else None

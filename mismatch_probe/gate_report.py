@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
-from .gate import GateResult
-from .gate import format_value
+from .gate import GateResult, format_value
 
 STATUS_STYLE = {"PASS": "green", "WARN": "yellow", "FAIL": "bold red", "ERROR": "bold magenta"}
 STATUS_ICON = {"PASS": "✅", "WARN": "⚠️", "FAIL": "❌", "ERROR": "⛔"}

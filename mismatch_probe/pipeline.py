@@ -22,7 +22,7 @@ import shutil
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +33,7 @@ from .distributions import DISTRIBUTIONS_JSON, DistributionAccumulator, worst_se
 from .distributions import save as save_distributions
 from .engines.base import Engine
 from .errors import ConfigError, DataError, ProbeError
+from .files import portable_path, relative_to_dir, resolve_from_dir
 from .report_md import render_markdown
 from .sampling import LogprobSemantics, reference_semantics
 from .spec import ProbeSpec
@@ -83,7 +84,7 @@ def default_out_dir(spec: ProbeSpec) -> Path:
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 def _write_record(run_dir: Path, record: dict) -> None:
@@ -164,10 +165,7 @@ def run_compare(
     if spec.reference.sequence_parallel_size * spec.reference.tensor_parallel_size > 1:
         from .distributed_reference import check_reference_layout
 
-        check_reference_layout(model_path, spec.reference)
-    out = Path(spec.out) if spec.out else default_out_dir(spec)
-    previous = prepare_run_dir(spec, out, overwrite=overwrite)
-
+        check_reference_layout(model_path, spec.reference, trust_remote_code=spec.trust_remote_code)
     tokenizer = load_tokenizer(model_path, trust_remote_code=spec.trust_remote_code)
     model_len = max_model_len(model_path, tokenizer)
     prompts = tokenize_prompts(
@@ -178,6 +176,9 @@ def run_compare(
         max_new_tokens=spec.sampling.max_tokens,
     )
     stops = stop_token_ids(model_path, tokenizer)
+    # only now, with the inputs checked, does the run directory appear
+    out = Path(spec.out) if spec.out else default_out_dir(spec)
+    previous = prepare_run_dir(spec, out, overwrite=overwrite)
     environment = fingerprint()
     # setup: checks, library imports, tokenizer, prompts, fingerprint
     timings: dict = {"setup_s": round(time.perf_counter() - t_start, 3)}
@@ -190,11 +191,14 @@ def run_compare(
         "status": "running",
         "created_at": (previous or {}).get("created_at", _now()),
         "spec": spec.to_dict(),
+        "spec_file": spec.given_paths.get("spec_file"),
         "spec_fingerprint": spec.fingerprint(),
+        "rollout_fingerprint": spec.rollout_fingerprint(),
         "environment": environment,
         "inputs": {
-            "model": str(model_path.resolve()),
-            "prompts": str(Path(spec.prompts).resolve()),
+            # relative to the working directory when under it: no machine's absolute paths in a record
+            "model": portable_path(model_path),
+            "prompts": portable_path(spec.prompts),
             "n_prompts": len(prompts),
             "n_samples": len(samples),
             "n_shards": len(shards),
@@ -212,7 +216,8 @@ def run_compare(
 
     # ---- 1. rollouts (engine worker) ------------------------------------------------------
     rollout_dir, token_dir = out / ROLLOUTS_DIR, out / TOKENS_DIR
-    rollouts_from = rollouts_from or ((previous or {}).get("rollouts_from") or {}).get("run")
+    if rollouts_from is None and (earlier := ((previous or {}).get("rollouts_from") or {}).get("run")):
+        rollouts_from = resolve_from_dir(out, earlier)  # recorded relative to this run directory
     if rollouts_from is not None:
         _adopt_rollouts(spec, Path(rollouts_from), record, len(shards), rollout_dir)
         _write_record(out, record)
@@ -426,7 +431,9 @@ def _adopt_rollouts(spec: ProbeSpec, source: Path, record: dict, n_shards: int, 
     from .table import read_run_record
 
     theirs = read_run_record(source, "--rollouts-from", require_complete=False)
-    if rollout_fingerprint(theirs.get("spec") or {}) != spec.rollout_fingerprint():
+    # computed from absolute paths when that run started (older records: from their spec, which held them)
+    theirs_fingerprint = theirs.get("rollout_fingerprint") or rollout_fingerprint(theirs.get("spec") or {})
+    if theirs_fingerprint != spec.rollout_fingerprint():
         raise ConfigError(
             f"--rollouts-from {source} was sampled with another model, prompt set, engine or sampling setting",
             hint="its spec must match this one everywhere but [reference] and [corrections]",
@@ -455,7 +462,8 @@ def _adopt_rollouts(spec: ProbeSpec, source: Path, record: dict, n_shards: int, 
     prefill = bool((theirs.get("logprob_semantics") or {}).get("prefill"))
     record["logprob_semantics"] = _semantics_record(spec, LogprobSemantics.from_record(engine_semantics),
                                                     prefill=prefill)
-    record["rollouts_from"] = {"run": str(source.resolve()), "spec_fingerprint": theirs.get("spec_fingerprint")}
+    record["rollouts_from"] = {"run": relative_to_dir(source, rollout_dir.parent),
+                               "spec_fingerprint": theirs.get("spec_fingerprint")}
 
 
 @dataclass

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import ConfigError
+from .files import not_utf8
 
 
 @dataclass
@@ -82,8 +83,12 @@ def read_prompt_records(path: str | Path, max_prompts: int | None = None) -> lis
     if not p.is_file():
         raise ConfigError(f"prompts file {str(p)!r} does not exist")
     records = []
-    with open(p, encoding="utf-8") as f:
-        for lineno, raw in enumerate(f, start=1):
+    with open(p, "rb") as f:
+        for lineno, raw_bytes in enumerate(f, start=1):
+            try:
+                raw = raw_bytes.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise not_utf8(p, exc, raw_bytes, line=lineno) from None
             if not raw.strip():
                 continue
             where = f"{p}:{lineno}"

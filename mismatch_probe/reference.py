@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from .errors import ConfigError, DataError
-from .hf_models import free_accelerator_memory, load_causal_lm, read_config, resolve_device
+from .hf_models import choose_attention, free_accelerator_memory, load_causal_lm, read_config, resolve_device
 from .parallel import ParallelContext, UlyssesAttention, apply_tensor_parallel, check_layout, gather_rows
 from .routing import RouterRecorder
 from .sampling import LogprobSemantics, entropy_from_logprobs, logprobs_under
@@ -35,6 +35,10 @@ from .table import Rollout
 from .varlen_attention import register as register_varlen_sdpa
 
 LM_HEAD_CHUNK_TOKENS = 2048
+PACKED_MASKS = {
+    "model": "built by the model from the position ids",
+    "precomputed": "built from the position ids by mismatch-probe (the model's own mask ignores them)",
+}
 
 
 @dataclass
@@ -67,9 +71,10 @@ class ReferenceScorer:
         self.spec = spec
         self.parallel = parallel
         self.device = parallel.device if parallel else resolve_device(spec.device)
+        self.attention = choose_attention(self.model_path, spec.attn_implementation, trust_remote_code=trust_remote_code)
         # Packed + sdpa would otherwise build a dense [T x T] block mask per micro-batch.
-        self.varlen = spec.packing and spec.attn_implementation == "sdpa"
-        attn = register_varlen_sdpa() if self.varlen else spec.attn_implementation
+        self.varlen = spec.packing and self.attention.used == "sdpa"
+        attn = register_varlen_sdpa() if self.varlen else self.attention.used
         self.ulysses = None
         if parallel and parallel.sp > 1:
             self.ulysses = UlyssesAttention(inner=attn)
@@ -92,6 +97,10 @@ class ReferenceScorer:
         self._head_fp32: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.routing = RouterRecorder(self.model)
         self._self_check()  # before any sharding: it checks the architecture, on each rank alone
+        # how packed rows keep their sequences apart, when attention is not per sequence (varlen)
+        self.packed_masks: str | None = None
+        if spec.packing and not self.varlen and self.ulysses is None:
+            self.packed_masks = self._check_packed_isolation()
         self.layout: dict = {}
         if parallel:
             self.layout = check_layout(read_config(self.model_path), parallel.sp, parallel.tp)
@@ -104,8 +113,9 @@ class ReferenceScorer:
         return {
             "dtype": self.spec.dtype,
             "logits_fp32": self.spec.logits_fp32,
-            "attn_implementation": self.spec.attn_implementation,
+            **self.attention.record(),
             "attention_kernel": self._attention_kernel(),
+            **({"packed_attention_mask": PACKED_MASKS[self.packed_masks]} if self.packed_masks else {}),
             "packing": "padding-free" if self.spec.packing else "padded",
             "micro_batch_size": self.spec.micro_batch_size,
             "max_tokens_per_micro_batch": self.spec.max_tokens_per_micro_batch if self.spec.packing else None,
@@ -117,7 +127,7 @@ class ReferenceScorer:
         }
 
     def _attention_kernel(self) -> str:
-        kernel = "sdpa per sequence (varlen)" if self.varlen else self.spec.attn_implementation
+        kernel = "sdpa per sequence (varlen)" if self.varlen else self.attention.used
         return f"Ulysses all-to-all around {kernel}" if self.ulysses else kernel
 
     def _parallel_info(self) -> dict:
@@ -165,6 +175,45 @@ class ReferenceScorer:
                 f"(max diff {float((got - expected).abs().max()):.3g}); this architecture post-processes logits "
                 "in a way the reference does not implement"
             )
+
+    @torch.inference_mode()
+    def _check_packed_isolation(self) -> str:
+        """Packed rows rely on the model building a block-diagonal mask from the position ids.
+        Some architectures ignore them (transformers' gpt-oss builds its masks without them), so a
+        sequence would attend to the ones packed before it. Score the same sequence after two
+        different neighbours: with isolation its logits do not move. If they do, pass masks built
+        from the position ids ourselves; if even that fails, refuse packing."""
+        vocab = self.lm_head.weight.shape[0]
+        n = 24
+        seq = torch.arange(3, 3 + n, device=self.device) % vocab
+        pos = self._tensor(np.concatenate([np.arange(n), np.arange(n)]))[None]
+
+        def logits_after(first: torch.Tensor, masks: bool) -> torch.Tensor:
+            ids = torch.cat([first, seq])[None]
+            extra = {"attention_mask": self._packed_attention_mask(pos)} if masks else {}
+            hidden = self.decoder(input_ids=ids, position_ids=pos, use_cache=False, **extra).last_hidden_state
+            return self._logits(hidden[0, n:], fp32=True)
+
+        neighbours = (torch.arange(5, 5 + n, device=self.device) * 7 % vocab,
+                      torch.arange(9, 9 + n, device=self.device) * 13 % vocab)
+        for masks in (False, True):
+            a, b = (logits_after(first, masks) for first in neighbours)
+            if torch.allclose(a, b, rtol=1e-4, atol=1e-4 * float(a.abs().max())):
+                return "precomputed" if masks else "model"
+        raise ConfigError(f"{type(self.model).__name__}: sequences packed into one row attend to each other "
+                          f"with attn_implementation={self.attention.used!r}",
+                          hint="score padded micro-batches instead: --no-packing (reference.packing = false)")
+
+    def _packed_attention_mask(self, position_ids: torch.Tensor):
+        """The model's masks for a packed row, built by transformers from the position ids (a dict
+        by layer type for models with sliding or chunked layers)."""
+        from transformers.masking_utils import create_masks_for_generate
+
+        # only the batch size, length, dtype and device of the embeddings are read
+        embeds = torch.zeros((1, 1, 1), dtype=self.lm_head.weight.dtype, device=self.device)
+        embeds = embeds.expand(1, position_ids.shape[1], 1)
+        return create_masks_for_generate(self.model.config, embeds, attention_mask=None, past_key_values=None,
+                                         position_ids=position_ids)
 
     # ---- scoring ---------------------------------------------------------------------------
 
@@ -239,9 +288,12 @@ class ReferenceScorer:
         src = np.concatenate([off + np.flatnonzero(r.is_model_token) - 1 for off, r in zip(offsets, group)])
         if self.ulysses is not None:
             return self._forward_packed_ulysses(ids, pos, lengths, src)
+        position_ids = self._tensor(pos)[None]
         extra = self._packed_kwargs(lengths) if self.varlen else {}
+        if self.packed_masks == "precomputed":
+            extra["attention_mask"] = self._packed_attention_mask(position_ids)
         hidden = self.decoder(
-            input_ids=self._tensor(ids)[None], position_ids=self._tensor(pos)[None], use_cache=False, **extra
+            input_ids=self._tensor(ids)[None], position_ids=position_ids, use_cache=False, **extra
         ).last_hidden_state[0]
         return _Forward(hidden, self._tensor(src))
 

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import __version__
-from .errors import ConfigError
 from .analysis import lookup, with_numbers
+from .errors import ConfigError
+from .files import portable_path, resolve_from_dir
 from .metric_docs import CORRECTION_DOCS, METRIC_DOC, METRIC_DOCS, k3_context, rank
 from .summary import fmt as summary_fmt
 from .summary import layout_label, plain_notes, short_dtype
@@ -367,7 +368,7 @@ def render_run(run: RunData, figures: list[dict] | None = None) -> str:
 
 
 def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
 
 
 # ---- several runs ---------------------------------------------------------------------------
@@ -470,11 +471,11 @@ def render_comparison(runs: list[RunData]) -> str:
     if len(thresholds) > 1:
         warnings.append("The runs use different correction thresholds; their what-if shares are not comparable.")
 
-    sources = {((r.record.get("rollouts_from") or {}).get("run") or str(r.path.resolve())) for r in runs}
+    sources = {resolve_from_dir(r.path, (r.record.get("rollouts_from") or {}).get("run") or ".") for r in runs}
     figure_runs = [{"label": r.label, "color": r.color, "record": r.record, "dist": r.dist} for r in runs]
     context = {
         "title": f"mismatch-probe: {len(runs)} runs compared",
-        "runs": [{"label": r.label, "color": r.color, "path": str(r.path), "hardware": gpu_type(r.record),
+        "runs": [{"label": r.label, "color": r.color, "path": portable_path(r.path), "hardware": gpu_type(r.record),
                   "engine": engine_label(r.record), "reference": reference_label(r.record),
                   "tokens": (r.record.get("metrics") or {}).get("n_model_tokens"),
                   "sequences": (r.record.get("metrics") or {}).get("n_sequences"),
@@ -485,7 +486,7 @@ def render_comparison(runs: list[RunData]) -> str:
         "metric_rows": metric_rows,
         "correction_rows": correction_rows,
         "warnings": warnings,
-        "shared_rollouts": next(iter(sources)) if len(sources) == 1 else None,
+        "shared_rollouts": portable_path(next(iter(sources))) if len(sources) == 1 else None,
         "figures": [{**f, "src": _data_uri(f["png"])} for f in comparison_figures(figure_runs)],
         "version": __version__,
         "generated_at": _now(),

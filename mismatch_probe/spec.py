@@ -15,13 +15,13 @@ import json
 import os
 import re
 import shutil
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import tomllib
-
 from .errors import ConfigError
+from .files import read_text
 from .metrics import CorrectionThresholds
 from .sampling import LOGPROBS_MODES
 
@@ -30,7 +30,8 @@ DTYPE_ALIASES = {
     "bfloat16": "bfloat16", "bf16": "bfloat16",
     "float16": "float16", "fp16": "float16", "half": "float16",
 }
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+# auto: sdpa where the architecture supports it, else eager (hf_models.choose_attention)
+ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
 DEVICES = ("auto", "cpu", "cuda")
 # attention that runs per packed sequence from cu_seq_lens, without a [T x T] mask
 SP_ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3")
@@ -67,7 +68,7 @@ class EngineSpec:
     prefill_check: bool = True
     # hf
     device: str = "auto"
-    attn_implementation: str | None = None  # hf default: sdpa
+    attn_implementation: str | None = None  # hf default: auto (sdpa where the architecture supports it, else eager)
     batch_size: int | None = None  # hf default: 32
     # vllm / sglang
     tensor_parallel_size: int = 1
@@ -83,6 +84,8 @@ class EngineSpec:
     kv_cache_dtype: str | None = None
     quantization: str | None = None
     max_model_len: int | None = None  # SGLang: context_length
+    # vLLM: the KV cache's size in bytes (per rank); on its CPU build mismatch-probe picks one that fits
+    kv_cache_memory_bytes: int | None = None
     # sglang
     attention_backend: str | None = None  # e.g. flashinfer, fa3, triton, torch_native
     rl_on_policy_target: str | None = None  # e.g. "fsdp": SGLang's kernels chosen to match that trainer
@@ -108,7 +111,7 @@ class ReferenceSpec:
 
     dtype: str = "bfloat16"
     logits_fp32: bool = False
-    attn_implementation: str = "sdpa"
+    attn_implementation: str = "auto"  # sdpa where the architecture supports it, else eager
     packing: bool = True  # padding-free: sequences concatenated, position ids restart per sequence
     micro_batch_size: int = 16  # sequences per forward
     max_tokens_per_micro_batch: int = 4096  # packed mode: token budget per forward
@@ -146,20 +149,44 @@ class ProbeSpec:
     # [[variants]]: reference (and correction) settings to score the same rollouts with, one run
     # each; every entry is {"name": ..., "reference": {...}, "corrections": {...}}
     variants: list = field(default_factory=list)
+    # The run uses absolute paths; run.json records them as the user gave them (in a spec file:
+    # relative to it; as flags: as typed), so a record carries no machine's directory layout.
+    # {"model": "../fixtures/models/tiny-qwen2", "engine.python": ...}; not part of any fingerprint.
+    given_paths: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def _resolved_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("given_paths")
+        return d
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The spec as run.json records it: paths as given (others relative to the working
+        directory when under it), every other value as the run uses it."""
+        from .files import portable_path
+
+        d = self._resolved_dict()
+        for dotted in PATH_FIELDS + ("engine.python",):
+            section, _, key = dotted.rpartition(".")
+            target = d[section] if section else d
+            if target.get(key) is None:
+                continue
+            given = self.given_paths.get(dotted)
+            # a bare interpreter name (python3) is looked up on PATH: keep it as typed
+            target[key] = given if given is not None else (
+                portable_path(target[key]) if "/" in target[key] else target[key])
+        return d
 
     def rollout_fingerprint(self) -> str:
         """Hash of what decides the rollouts (model, prompts, engine, sampling), not how they are scored."""
-        return rollout_fingerprint(self.to_dict())
+        return rollout_fingerprint(self._resolved_dict())
 
     def expand_variants(self, base_out: Path) -> list[tuple[str, ProbeSpec]]:
         """One spec per ``[[variants]]`` entry, writing to ``base_out/<variant name>``."""
         out = []
         for v in self.variants:
+            given = {k: p for k, p in self.given_paths.items() if k != "out"}
             spec = dataclasses.replace(copy.deepcopy(self), variants=[], out=str(Path(base_out) / v["name"]),
-                                       name=f"{self.name}-{v['name']}" if self.name else v["name"])
+                                       name=f"{self.name}-{v['name']}" if self.name else v["name"], given_paths=given)
             for section in VARIANT_SECTIONS:
                 if v.get(section):
                     try:
@@ -171,7 +198,7 @@ class ProbeSpec:
 
     def fingerprint(self) -> str:
         """Hash of everything that changes the results (not where they are written)."""
-        d = self.to_dict()
+        d = self._resolved_dict()
         d.pop("out", None)
         d.pop("name", None)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
@@ -200,7 +227,8 @@ class ProbeSpec:
         _check(s.top_k >= 0, f"sampling.top_k must be >= 0 (0 or -1 disables it), got {s.top_k}")
         _check(s.max_tokens >= 1, f"sampling.max_tokens must be >= 1, got {s.max_tokens}")
         _check(s.n >= 1, f"sampling.n must be >= 1, got {s.n}")
-        for name in ("batch_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_total_tokens"):
+        for name in ("batch_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_total_tokens",
+                     "kv_cache_memory_bytes"):
             value = getattr(e, name)
             _check(value is None or value >= 1, f"engine.{name} must be >= 1, got {value}")
         _check(e.tensor_parallel_size >= 1, f"engine.tensor_parallel_size must be >= 1, got {e.tensor_parallel_size}")
@@ -223,7 +251,7 @@ class ProbeSpec:
             if not r.packing:
                 raise ConfigError("Ulysses sequence parallelism (--train-sp) shards one packed row across ranks; "
                                   "padded micro-batches have no packed row", hint="use --packing (reference.packing = true)")
-            _check(r.attn_implementation in SP_ATTN_IMPLEMENTATIONS,
+            _check(r.attn_implementation in SP_ATTN_IMPLEMENTATIONS + ("auto",),
                    f"reference.attn_implementation {r.attn_implementation!r} cannot run under sequence parallelism "
                    f"(it needs a mask over the whole row); choose {' or '.join(SP_ATTN_IMPLEMENTATIONS)}")
         _check(self.shard_size >= 1, f"shard_size must be >= 1, got {self.shard_size}")
@@ -353,6 +381,7 @@ def spec_from_dict(data: dict, *, base_dir: Path | None = None, source: str = "s
                     raise unknown_key(sub, fields, f"{source} [{key}]")
                 updates[sub] = _coerce(v, fields[sub], f"{source}: {key}.{sub}")
             if key == "engine" and updates.get("python") and base_dir is not None and "/" in updates["python"]:
+                spec.given_paths["engine.python"] = updates["python"]
                 updates["python"] = os.path.abspath(base_dir / updates["python"])  # not resolve(): venv symlinks
             try:
                 setattr(spec, key, dataclasses.replace(section, **updates))
@@ -361,6 +390,7 @@ def spec_from_dict(data: dict, *, base_dir: Path | None = None, source: str = "s
         elif key in top_fields:
             v = _coerce(value, top_fields[key], f"{source}: {key}")
             if key in PATH_FIELDS and v is not None and base_dir is not None:
+                spec.given_paths[key] = v
                 v = str((base_dir / v).resolve()) if not Path(v).is_absolute() else v
             setattr(spec, key, v)
         else:
@@ -370,13 +400,15 @@ def spec_from_dict(data: dict, *, base_dir: Path | None = None, source: str = "s
 
 def load_spec_file(path: str | Path) -> ProbeSpec:
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"spec file {str(p)!r} does not exist")
+    if p.is_dir():
+        raise ConfigError(f"spec file {str(p)!r} is a directory", hint="give a probe spec (TOML), e.g. probes/demo.toml")
     try:
-        data = tomllib.loads(p.read_text())
+        data = tomllib.loads(read_text(p, "spec file"))
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{p}: invalid TOML ({exc})") from None
-    return spec_from_dict(data, base_dir=p.resolve().parent, source=str(p))
+    spec = spec_from_dict(data, base_dir=p.resolve().parent, source=str(p))
+    spec.given_paths["spec_file"] = str(p)  # as typed; run.json names the file it came from
+    return spec
 
 
 def apply_overrides(spec: ProbeSpec, overrides: dict[str, Any]) -> ProbeSpec:
@@ -390,6 +422,10 @@ def apply_overrides(spec: ProbeSpec, overrides: dict[str, Any]) -> ProbeSpec:
         if leaf not in fields:
             raise unknown_key(leaf, fields, "override")
         coerced = _coerce(value, fields[leaf], f"--{dotted.replace('.', '-').replace('_', '-')}")
+        if dotted in PATH_FIELDS or (dotted == "engine.python" and "/" in coerced):
+            spec.given_paths[dotted] = coerced  # as typed, relative to the working directory
+            # not resolve() for the python: a venv's bin/python is a symlink whose target is not the venv
+            coerced = os.path.abspath(coerced) if dotted == "engine.python" else str(Path(coerced).resolve())
         if not section_name:
             setattr(spec, leaf, coerced)
             continue

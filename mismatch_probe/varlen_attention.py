@@ -29,6 +29,8 @@ def _varlen_sdpa(
     cu_seq_lens_q: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
+    if kwargs.get("s_aux") is not None:  # attention sinks: SDPA has no term for them
+        raise ValueError(f"{VARLEN_SDPA} cannot run attention sinks (s_aux); use eager attention")
     if query.shape[2] != key.shape[2]:
         raise ValueError(f"{VARLEN_SDPA} is for full-sequence forwards without a KV cache")
     # from the shapes, not module.num_key_value_groups: Ulysses hands over a share of the heads

@@ -17,6 +17,7 @@ from test_reference import RAW, independent, make_rollouts
 
 from mismatch_probe.distributed_reference import ReferenceRankError
 from mismatch_probe.errors import ConfigError, DataError
+from mismatch_probe.files import resolve_from_dir
 from mismatch_probe.reference import ReferenceScorer, open_reference_scorer
 from mismatch_probe.spec import ProbeSpec, ReferenceSpec
 
@@ -188,7 +189,7 @@ reference.tensor_parallel_size = 2
         assert gap.max() < 2e-5
         rec = json.loads((runs / name / "run.json").read_text())
         assert rec["reference"]["parallel"]["mesh"] == {"sp": sp, "tp": tp}
-        assert rec["rollouts_from"]["run"] == str((runs / "one").resolve())
+        assert rec["rollouts_from"]["run"] == "../one"  # relative to the run directory: the pair moves together
         assert (runs / name / "reference.log").is_file()
 
 
@@ -232,7 +233,8 @@ def test_cli_train_sp_rescores_another_runs_rollouts(bf16_run, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     rec = json.loads((out / "run.json").read_text())
-    assert rec["reference"]["sequence_parallel_size"] == 2 and rec["rollouts_from"]["run"] == str(bf16_run.resolve())
+    assert rec["reference"]["sequence_parallel_size"] == 2
+    assert resolve_from_dir(out, rec["rollouts_from"]["run"]) == bf16_run.resolve()
     assert "engine_start_s" not in rec["timings"]
 
     def logp_train(run):

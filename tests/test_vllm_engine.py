@@ -22,15 +22,13 @@ from mismatch_probe.spec import EngineSpec, ProbeSpec, SamplingSpec
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-# On vLLM's CPU build gpu_memory_utilization is the share of the NUMA node's memory for the KV
-# cache; the fixture needs little, and two engines may be alive at once during a test session.
-MEMORY = 0.2
+# No memory settings: on vLLM's CPU build mismatch-probe sizes the KV cache itself (what the run
+# needs, capped by the NUMA node's free memory), which is what these tests rely on.
 SAMPLING = SamplingSpec(temperature=0.7, top_p=0.9, top_k=0, max_tokens=48, seed=5)
 
 
 def dense_engine_spec(**kw) -> EngineSpec:
-    return EngineSpec(name="vllm", dtype="bfloat16", logprobs_mode="processed", enforce_eager=True,
-                      gpu_memory_utilization=MEMORY, **kw)
+    return EngineSpec(name="vllm", dtype="bfloat16", logprobs_mode="processed", enforce_eager=True, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +129,7 @@ def test_unsupported_settings_fail_loudly(tmp_path):
 def compare_cli(tmp_path, *args):
     out = tmp_path / "run"
     proc = cli("compare", "--engine", "vllm", "--prompts", str(SINGLE_TURN), "--out", str(out),
-               "--max-prompts", "16", "--n", "2", "--max-tokens", "48", "--seed", "3",
-               "--gpu-memory-utilization", str(MEMORY), "--enforce-eager", *args)
+               "--max-prompts", "16", "--n", "2", "--max-tokens", "48", "--seed", "3", "--enforce-eager", *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((out / "run.json").read_text())
 
@@ -144,6 +141,34 @@ def test_fp32_engine_matches_fp32_reference(tmp_path):
     assert rec["metrics"]["k3_kl"] < 1e-8 and rec["metrics"]["prob_diff_max"] < 1e-3
     dvp = rec["decode_vs_prefill"]
     assert dvp["n_model_tokens"] == rec["metrics"]["n_model_tokens"] and dvp["k3_kl"] < 1e-8
+
+
+def test_flags_only_run_sizes_the_kv_cache_itself(tmp_path):
+    """No memory flag: vLLM's CPU default (0.92 of the NUMA node) need not be free; mismatch-probe
+    gives it what the run needs, capped by what the node has free, and records the choice."""
+    out = tmp_path / "run"
+    proc = cli("compare", "--model", str(DENSE), "--engine", "vllm", "--prompts", str(SINGLE_TURN),
+               "--out", str(out), "--max-prompts", "4", "--max-tokens", "16")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    eng = json.loads((out / "run.json").read_text())["engine"]
+    sizing = eng["kv_cache_sizing"]
+    assert eng["kv_cache_memory_bytes"] == sizing["kv_cache_memory_bytes"] == min(sizing["needed_bytes"],
+                                                                                   sizing["cap_bytes"])
+    # the fixture: 4 layers x 2 KV heads x head_dim 64 x K and V x 2 bytes (bf16 checkpoint)
+    assert sizing["bytes_per_token"] == 4 * 2 * 64 * 2 * 2
+    assert sizing["cap_bytes"] < sizing["node_available_bytes"]
+
+
+def test_a_memory_refusal_names_mismatch_probes_own_settings(tmp_path):
+    """All of the node's memory cannot be free: vLLM refuses, and the message says which of our
+    flags and spec keys size its memory (vLLM's own message names only vLLM's)."""
+    proc = cli("compare", "--model", str(DENSE), "--engine", "vllm", "--prompts", str(SINGLE_TURN),
+               "--out", str(tmp_path / "run"), "--max-prompts", "2", "--max-tokens", "8",
+               "--gpu-memory-utilization", "1.0")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "less than desired CPU memory utilization" in proc.stderr
+    assert "--kv-cache-memory-bytes N (engine.kv_cache_memory_bytes)" in proc.stderr
+    assert "engine.gpu_memory_utilization" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_moe_at_tensor_parallel_2(tmp_path):
@@ -164,15 +189,12 @@ def test_multi_turn_tool_use_continues_from_token_ids(engine, tmp_path):
     """vLLM continues each conversation from its exact ids across tool turns; later turns are scored.
     32 conversations of 100+ tokens exceed one step's token budget, so chunked prefill splits prompts
     (the case that kills per-request seeded sampling on vLLM's CPU build)."""
-    from conftest import MULTI_TURN
+    from conftest import MULTI_TURN, check_first_and_later_turns
 
     s = probe(tmp_path / "mt", top_p=1.0)
     s.prompts, s.max_turns, s.max_prompts = str(MULTI_TURN), 4, 32
     rec = run_compare(s, engine=engine).record
-    first, later = rec["metrics_by_turn"]["first"], rec["metrics_by_turn"]["later"]
-    assert first["n_model_tokens"] > 0 and later["n_model_tokens"] > 0
-    assert first["n_model_tokens"] + later["n_model_tokens"] == rec["metrics"]["n_model_tokens"]
-    assert 0 < later["k3_kl"] < 5e-4 and 0 < first["k3_kl"] < 5e-4
+    check_first_and_later_turns(rec)
 
 
 @pytest.mark.distributed
@@ -183,7 +205,7 @@ def test_parallelism_probe_scores_vllm_tp2_rollouts_in_three_training_layouts(tm
 
     out = tmp_path / "study"
     proc = cli("compare", str(ROOT / "probes" / "parallelism-tp2.toml"), "--out", str(out), "--max-prompts", "8",
-               "--n", "2", "--gpu-memory-utilization", str(MEMORY))
+               "--n", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     layouts = {"learner-tp2": (1, 2), "learner-sp2": (2, 1), "learner-tp1": (1, 1)}
     logp = {}

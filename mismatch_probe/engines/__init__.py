@@ -33,6 +33,8 @@ class EngineEntry:
     install_hint: str
     description: str
     settings: frozenset[str] = frozenset()  # EngineSpec fields beyond COMMON_SETTINGS it honors
+    # how to size its memory in mismatch-probe's own flags, for when it refuses to start for memory
+    memory_hint: str | None = None
 
     def missing(self) -> list[str]:
         return [pkg for pkg in self.requires if importlib.util.find_spec(pkg) is None]
@@ -82,8 +84,11 @@ BUILTIN_ENGINES = {
         settings=frozenset({
             "tensor_parallel_size", "enforce_eager", "cascade_attn", "chunked_prefill", "prefix_caching",
             "batch_invariant", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
-            "kv_cache_dtype", "quantization", "max_model_len", "extra_args",
+            "kv_cache_dtype", "quantization", "max_model_len", "kv_cache_memory_bytes", "extra_args",
         }),
+        memory_hint="size the KV cache with --kv-cache-memory-bytes N (engine.kv_cache_memory_bytes) or "
+        "--gpu-memory-utilization F (engine.gpu_memory_utilization), or shorten it with --max-model-len N "
+        "(engine.max_model_len)",
     ),
     "sglang": EngineEntry(
         name="sglang",
@@ -97,6 +102,9 @@ BUILTIN_ENGINES = {
             "max_num_seqs", "gpu_memory_utilization", "kv_cache_dtype", "quantization", "max_model_len",
             "attention_backend", "rl_on_policy_target", "logits_fp32", "max_total_tokens", "extra_args",
         }),
+        memory_hint="size the KV cache with --max-total-tokens N (engine.max_total_tokens) or "
+        "--gpu-memory-utilization F (engine.gpu_memory_utilization, SGLang's mem_fraction_static), or shorten it "
+        "with --max-model-len N (engine.max_model_len)",
     ),
 }
 

@@ -19,13 +19,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..hf_models import free_accelerator_memory, load_causal_lm, resolve_device, resolve_dtype
+from ..hf_models import choose_attention, free_accelerator_memory, load_causal_lm, resolve_device, resolve_dtype
 from ..routing import RouterRecorder
 from ..sampling import LogprobSemantics, engine_semantics, processed_logits
 from ..spec import EngineSpec, SamplingSpec
 from .base import Completion, GenerationRequest, ScoreRequest
 
-DEFAULT_ATTN_IMPLEMENTATION = "sdpa"
 DEFAULT_BATCH_SIZE = 32
 
 
@@ -46,10 +45,11 @@ class HFEngine:
         self.device = resolve_device(spec.device)
         self.dtype = resolve_dtype(spec.dtype, self.model_path)
         self.batch_size = spec.batch_size or DEFAULT_BATCH_SIZE
+        self.attention = choose_attention(self.model_path, spec.attn_implementation, trust_remote_code=trust_remote_code)
         self.model = load_causal_lm(
             self.model_path,
             dtype=self.dtype,
-            attn_implementation=spec.attn_implementation or DEFAULT_ATTN_IMPLEMENTATION,
+            attn_implementation=self.attention.used,
             device=self.device,
             trust_remote_code=trust_remote_code,
         )
@@ -67,7 +67,7 @@ class HFEngine:
         return {
             "engine": self.name,
             "dtype": self.dtype,
-            "attn_implementation": self.model.config._attn_implementation,
+            **self.attention.record(),
             "batch_size": self.batch_size,
             "device": self.device,
             "logprobs_mode": self.spec.logprobs_mode,

@@ -22,6 +22,7 @@ import numpy as np
 
 from .. import __version__
 from ..errors import ConfigError, EngineError, ProbeError
+from ..files import portable_path
 from ..sampling import LogprobSemantics
 from ..spec import EngineSpec, SamplingSpec
 from . import wire
@@ -43,6 +44,7 @@ class EngineProcess:
         trust_remote_code: bool = False,
     ):
         self.name = entry.name
+        self.memory_hint = entry.memory_hint
         self.python = spec.python or sys.executable
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -139,7 +141,10 @@ class EngineProcess:
         self._kill()
 
     def describe(self) -> dict:
-        return {**self.worker, "exit_code": self.exit_code, "peak_rss_mib": self.peak_rss_mib, "log": str(self.log_path)}
+        # paths that travel with the record: the interpreter as seen from here, the log by its name
+        # (it sits in the run directory)
+        return {**self.worker, "python": portable_path(self.worker["python"]), "exit_code": self.exit_code,
+                "peak_rss_mib": self.peak_rss_mib, "log": self.log_path.name}
 
     # ---- plumbing ------------------------------------------------------------------------
     def _call(self, op: str, header: dict, table=None, *, expect: str, on_progress=None) -> wire.Message:
@@ -171,8 +176,13 @@ class EngineProcess:
             cls = ConfigError if err.get("exit_code") == ConfigError.exit_code else EngineError
             return cls(err["message"], hint=err.get("hint"))
         message = f"{self.name} engine failed during {err.get('during')}: {err['type']}: {err['message']}"
-        if cause := log_errors(self.log_path, exclude=err["message"]):
+        cause = log_errors(self.log_path, exclude=err["message"])
+        if cause:
             message += "\nengine log:\n  " + "\n  ".join(cause)
+        if self.memory_hint and err.get("during") == "start" and any(
+                is_memory_refusal(m) for m in [err["message"], *cause]):
+            # the engine's message names its own flags; these are the ones that reach it through us
+            return ConfigError(message, hint=f"{self.memory_hint}; full engine log: {self.log_path}")
         return EngineError(message, hint=f"full engine log: {self.log_path}")
 
     def _died(self, op: str) -> ProbeError:
@@ -227,6 +237,15 @@ class EngineProcess:
                 stream.close()
             except OSError:
                 pass
+
+
+def is_memory_refusal(message: str) -> bool:
+    """An engine refusing to start because the memory it was told to take is not there (vLLM:
+    "Available memory on node 0 ... is less than desired CPU memory utilization", "No available
+    memory for the cache blocks. Try increasing ...", "... larger than the available KV cache memory")."""
+    m = message.lower()
+    return ("memory" in m or "kv cache" in m) and any(
+        k in m for k in ("less than", "insufficient", "not enough", "too large", "larger than", "increas", "decreas"))
 
 
 _LOG_PREFIX = re.compile(r"^(\([^)]*\)\s*)?([A-Z]+ \d\d-\d\d [\d:.]+ \[[^\]]*\]\s*)?")

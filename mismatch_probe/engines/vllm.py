@@ -43,7 +43,12 @@ SETTINGS = {
     "kv_cache_dtype": ("kv_cache_dtype", lambda c: c.cache_config.cache_dtype),
     "quantization": ("quantization", lambda c: c.model_config.quantization),
     "max_model_len": ("max_model_len", lambda c: c.model_config.max_model_len),
+    "kv_cache_memory_bytes": ("kv_cache_memory_bytes", lambda c: c.cache_config.kv_cache_memory_bytes),
 }
+# The share of the KV cache's budget a default may take on vLLM's CPU build: of the memory the
+# NUMA node has available, less the weights, split over the TP ranks on that node.
+CPU_KV_CACHE_SHARE = 0.5
+KV_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
 ENV_RECORDED = (
     "VLLM_BATCH_INVARIANT", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "VLLM_ATTENTION_BACKEND",
     "VLLM_USE_V2_MODEL_RUNNER", "VLLM_ENABLE_V1_MULTIPROCESSING", "CUDA_VISIBLE_DEVICES",
@@ -87,8 +92,11 @@ class VLLMEngine:
         if on_cpu and spec.tensor_parallel_size > 1 and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(spec.tensor_parallel_size, "VLLM_CPU_OMP_THREADS_BIND")
 
+        self.kv_cache_sizing = self._default_kv_cache(spec) if on_cpu else None
         self.requested = self._engine_args(spec, trust_remote_code)
-        self.llm = vllm.LLM(**self.requested)
+        if self.kv_cache_sizing is not None:
+            self.requested["kv_cache_memory_bytes"] = self.kv_cache_sizing["kv_cache_memory_bytes"]
+        self.llm = vllm.LLM(**self.requested)  # a memory refusal is named in our terms by EngineProcess
         self.config = self.llm.llm_engine.vllm_config
         self.effective = self._effective()
         self._check_effective(spec)
@@ -125,6 +133,33 @@ class VLLMEngine:
         # from this engine seed, fixed so that runs repeat; [engine.extra_args] seed varies it.
         return {"seed": 0, **args, **spec.extra_args}
 
+    def _default_kv_cache(self, spec: EngineSpec) -> dict | None:
+        """vLLM's CPU build sizes its KV cache as a share (0.92 by default) of the NUMA node's total
+        memory and refuses to start when that much is not free, as on most shared machines. Unless
+        the user sized it (--kv-cache-memory-bytes, --gpu-memory-utilization, VLLM_CPU_KVCACHE_SPACE),
+        give it what the run can use, capped by what the node has free; recorded in run.json."""
+        if (spec.kv_cache_memory_bytes is not None or spec.gpu_memory_utilization is not None
+                or {"kv_cache_memory_bytes", "gpu_memory_utilization"} & set(spec.extra_args)
+                or os.environ.get("VLLM_CPU_KVCACHE_SPACE")):
+            return None
+        from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
+
+        from ..hf_models import read_config, resolve_dtype
+
+        nodes = sorted({c.numa_node for c in get_allowed_cpu_list()}) or [0]
+        available = min(get_memory_node_info(n).available_memory for n in nodes)
+        dtype = spec.kv_cache_dtype if spec.kv_cache_dtype not in (None, "auto") else resolve_dtype(spec.dtype,
+                                                                                                     self.model_path)
+        return cpu_kv_cache_budget(
+            read_config(self.model_path),
+            dtype_bytes=1 if str(dtype).startswith("fp8") else KV_DTYPE_BYTES.get(str(dtype), 2),
+            tp=spec.tensor_parallel_size,
+            max_num_seqs=spec.max_num_seqs or 256 * spec.tensor_parallel_size,  # vLLM's CPU default
+            max_model_len=spec.max_model_len,
+            available_bytes=available,
+            weights_bytes=sum(f.stat().st_size for f in self.model_path.glob("*.safetensors")),
+        )
+
     def _effective(self) -> dict:
         out = {}
         for field_name, (_, read) in SETTINGS.items():
@@ -139,7 +174,6 @@ class VLLMEngine:
             False if _version_tuple(self.version) >= (0, 32) else not self.config.model_config.disable_cascade_attn
         )
         out["logprobs_mode"] = self.config.model_config.logprobs_mode
-        out["kv_cache_memory_bytes"] = getattr(self.config.cache_config, "kv_cache_memory_bytes", None)
         return out
 
     def _check_effective(self, spec: EngineSpec) -> None:
@@ -175,6 +209,7 @@ class VLLMEngine:
                 "vLLM's CPU runner cannot rewind a seeded generator after a chunked-prefill discard "
                 "('CPU Generator does not use offset'); sampling uses the engine seed")}),
             "env": {k: os.environ[k] for k in ENV_RECORDED if k in os.environ},
+            **({"kv_cache_sizing": self.kv_cache_sizing} if self.kv_cache_sizing else {}),
             "routing": None,
             "routing_unavailable": "expert ids from vLLM (enable_return_routed_experts) need its V2 model runner; "
             "not recorded yet",
@@ -251,6 +286,46 @@ class VLLMEngine:
             if engine_core is not None and hasattr(engine_core, "shutdown"):
                 engine_core.shutdown()
             del llm
+
+
+def kv_bytes_per_token(config: dict, dtype_bytes: int, tp: int = 1) -> int | None:
+    """KV-cache bytes one token takes on one TP rank, from a Hugging Face config (K and V per
+    layer; MLA caches one latent vector and the rope key); None when the config does not say."""
+    c = config.get("text_config") or config
+    layers = c.get("num_hidden_layers")
+    if not isinstance(layers, int) or layers < 1:
+        return None
+    if c.get("kv_lora_rank"):  # DeepSeek-style multi-head latent attention, replicated on every rank
+        return layers * (int(c["kv_lora_rank"]) + int(c.get("qk_rope_head_dim") or 0)) * dtype_bytes
+    heads = c.get("num_attention_heads")
+    kv_heads = c.get("num_key_value_heads") or heads
+    head_dim = c.get("head_dim") or (c["hidden_size"] // heads if heads and c.get("hidden_size") else None)
+    if not (kv_heads and head_dim):
+        return None
+    return 2 * layers * max(1, kv_heads // tp) * head_dim * dtype_bytes
+
+
+def cpu_kv_cache_budget(config: dict, *, dtype_bytes: int, tp: int, max_num_seqs: int, max_model_len: int | None,
+                        available_bytes: int, weights_bytes: int) -> dict:
+    """The KV cache a run needs (every sequence slot at the full context length) capped by
+    :data:`CPU_KV_CACHE_SHARE` of what the node has free once the weights are loaded, per TP rank."""
+    c = config.get("text_config") or config
+    length = max_model_len or c.get("max_position_embeddings") or 4096
+    per_token = kv_bytes_per_token(config, dtype_bytes, tp)
+    cap = int(CPU_KV_CACHE_SHARE * max(0, available_bytes - weights_bytes) / tp)
+    need = per_token * max_num_seqs * length if per_token else None
+    chosen = max(1, min(need, cap) if need else cap)
+    return {
+        "kv_cache_memory_bytes": chosen,
+        "chosen_by": "mismatch-probe (vLLM's CPU default, 0.92 of the NUMA node, need not be free)",
+        "bytes_per_token": per_token,
+        "tokens": chosen // per_token if per_token else None,
+        "needed_bytes": need,
+        "cap_bytes": cap,
+        "node_available_bytes": available_bytes,
+        "rule": f"min(max_num_seqs {max_num_seqs} x max_model_len {length} tokens, "
+                f"{CPU_KV_CACHE_SHARE:g} x (available - weights) / tp {tp})",
+    }
 
 
 def sampled_logprobs(entries, token_ids: np.ndarray, first: int = 0) -> np.ndarray:

@@ -1,0 +1,79 @@
+"""Architectures beyond the fixture's, from tiny random checkpoints built at test time.
+
+gpt-oss: attention sinks have no SDPA kernel in transformers, so ``auto`` attention falls back to
+eager on both sides (recorded, shown in the report); its model builds attention masks without the
+position ids, so packed rows need masks built for it (checked at load, recorded).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import SINGLE_TURN, cli
+from test_reference import RAW, independent, make_rollouts
+from tiny_models import build
+
+from mismatch_probe.reference import ReferenceScorer
+from mismatch_probe.spec import ReferenceSpec
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="session")
+def gpt_oss(tmp_path_factory):
+    return build("gpt_oss", tmp_path_factory.mktemp("models") / "tiny-gpt-oss")
+
+
+@pytest.fixture(scope="session")
+def gpt_oss_run(gpt_oss, tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs") / "gpt-oss-fp32"
+    proc = cli("compare", "--model", str(gpt_oss), "--prompts", str(SINGLE_TURN), "--out", str(out),
+               "--engine", "hf", "--engine-dtype", "float32", "--train-dtype", "float32", "--max-prompts", "8",
+               "--n", "2", "--max-tokens", "40", "--seed", "3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def test_gpt_oss_scored_by_hf_engine_and_reference_in_fp32(gpt_oss_run):
+    rec = json.loads((gpt_oss_run / "run.json").read_text())
+    for side in ("engine", "reference"):
+        assert rec[side]["attn_implementation"] == "eager", side
+        assert rec[side]["attn_implementation_requested"] == "auto"
+        assert "GptOssForCausalLM does not support sdpa" in rec[side]["attn_fallback"]
+    assert rec["reference"]["packed_attention_mask"].startswith("built from the position ids by mismatch-probe")
+    m = rec["metrics"]
+    # prompts of ~20 tokens plus up to 40 sampled: sequences cross the 16-token sliding window
+    assert m["n_model_tokens"] > 100 and m["k3_kl"] < 1e-9 and m["prob_diff_max"] < 1e-4
+    assert rec["decode_vs_prefill"]["k3_kl"] < 1e-9
+    assert rec["routing"]["set_agreement_mean"] == 1.0 and rec["routing"]["top_k"] == 2  # MoE, fp32 both sides
+    html = (gpt_oss_run / "report.html").read_text()
+    assert "attn_fallback=GptOssForCausalLM does not support sdpa" in html  # the environment card
+
+
+def test_gpt_oss_packed_rows_equal_padded_micro_batches(gpt_oss):
+    """Sequences packed into one row must not see each other: the masks built from the position
+    ids keep them apart, so packing changes nothing against padded micro-batches, and both equal
+    the model's own forward one sequence at a time."""
+    rollouts = make_rollouts(6, seed=4)  # 4 to 49 tokens: across the 16-token sliding window
+    scores = {}
+    for packing in (True, False):
+        spec = ReferenceSpec(dtype="float32", logits_fp32=True, packing=packing, micro_batch_size=6, device="cpu")
+        scorer = ReferenceScorer(gpt_oss, spec)
+        assert scorer.info()["attn_implementation"] == "eager"
+        lp = scorer.score(rollouts, RAW).logp
+        scores[packing] = np.concatenate([x[r.is_model_token] for x, r in zip(lp, rollouts)])
+        scorer.close()
+    # equal to float32 rounding (a few ulp of log-probs around -8); a neighbour's leak is O(1)
+    np.testing.assert_allclose(scores[True], scores[False], rtol=1e-6, atol=1e-6)
+    want, _ = independent(gpt_oss, rollouts)
+    np.testing.assert_allclose(scores[True], np.concatenate(want), rtol=1e-5, atol=1e-5)
+
+
+def test_an_attention_the_architecture_lacks_is_refused_before_loading(gpt_oss, tmp_path):
+    proc = cli("compare", "--model", str(gpt_oss), "--prompts", str(SINGLE_TURN), "--out", str(tmp_path / "r"),
+               "--engine", "hf", "--train-attn", "sdpa", "--max-prompts", "1", "--max-tokens", "4")
+    assert proc.returncode == 2, proc.stderr
+    assert "GptOssForCausalLM does not support attn_implementation='sdpa'" in proc.stderr
+    assert "'auto'" in proc.stderr and "Traceback" not in proc.stderr
