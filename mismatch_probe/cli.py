@@ -223,8 +223,8 @@ def _compare_variants(spec, overwrite, rollouts_from, gate_file, gate, as_json) 
     else:
         out.print(variants_table(result))
         for name, r in result.runs.items():
-            out.print(f"{name}: {escape(str(r.run_dir / 'report.html'))}")
-        out.print(f"comparison: {escape(str(result.comparison))}")
+            out.print(f"{name}: {escape(portable_path(r.run_dir / 'report.html'))}")
+        out.print(f"comparison: {escape(portable_path(result.comparison))}")
         from .gate_report import rich_table
 
         for name, g in gated.items():

@@ -53,7 +53,7 @@ class EngineProcess:
         requests_r, requests_w = os.pipe()
         replies_r, replies_w = os.pipe()
         with open(self.log_path, "ab") as log:
-            log.write(f"\n=== engine worker {entry.name}: {self.python} ===\n".encode())
+            log.write(f"\n=== engine worker {entry.name}: {portable_path(self.python)} ===\n".encode())
             log.flush()
             try:
                 self.proc = subprocess.Popen(
