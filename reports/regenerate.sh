@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Regenerate the committed example runs from a clean tree (their run.json names the commit).
+#
+#   bash reports/regenerate.sh            # from the repository root, with .venv built as README says
+#
+# Refuses when the package code differs from the commit (the runs would say "-dirty"). run.json and
+# the reports record no absolute paths by themselves; the engines' own logs print the paths they
+# were given, so the checkout's root is cut from engine.log and reference.log here, as a reader
+# of a committed example would see it in their own clone.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ -n "$(git status --porcelain --untracked-files=no -- mismatch_probe pyproject.toml)" ]; then
+  echo "the package code has uncommitted changes: commit them first, so the examples name a commit" >&2
+  exit 2
+fi
+mp=.venv/bin/mismatch-probe
+$mp compare probes/demo.toml --out reports/example --overwrite
+$mp compare probes/demo.toml --engine-dtype float32 --out reports/example-fp32 --overwrite
+$mp report reports/example reports/example-fp32 --out reports/example-compare.html
+$mp compare probes/parallelism-tp2.toml --out reports/parallelism-tp2 --overwrite
+root="$PWD/"
+find reports/example reports/example-fp32 reports/parallelism-tp2 \( -name engine.log -o -name reference.log \) \
+  -exec sed -i "s|$root||g" {} +
+if grep -rlF "$root" reports/example reports/example-fp32 reports/parallelism-tp2 reports/example-compare.html; then
+  echo "absolute paths of this checkout are left in the files above" >&2
+  exit 1
+fi
