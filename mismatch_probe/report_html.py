@@ -27,7 +27,7 @@ from .errors import ConfigError
 from .files import portable_path, resolve_from_dir
 from .metric_docs import CORRECTION_DOCS, METRIC_DOC, METRIC_DOCS, k3_context, rank
 from .summary import fmt as summary_fmt
-from .summary import layout_label, plain_notes, short_dtype
+from .summary import kv_cache_line, layout_label, plain_notes, short_dtype
 from .table import read_run_record
 
 REPORT_HTML = "report.html"
@@ -206,7 +206,7 @@ def _environment_rows(record: dict) -> list[tuple[str, str]]:
     eng, ref = record.get("engine") or {}, record.get("reference") or {}
     inputs = record.get("inputs") or {}
     skip_engine = {"engine", "requested", "versions", "routing", "routing_unavailable", "env",
-                   "per_request_seeds_off_because"}
+                   "per_request_seeds_off_because", "kv_cache_sizing"}
     versions = {**(env.get("packages") or {}), **(eng.get("versions") or {})}
     rows = [
         ("hardware", gpu_type(record)),
@@ -221,6 +221,7 @@ def _environment_rows(record: dict) -> list[tuple[str, str]]:
         ("prompts", f"{inputs.get('prompts')} ({inputs.get('n_prompts')} prompts, {inputs.get('n_samples')} samples)"),
         ("engine", engine_label(record)),
         ("engine settings", ", ".join(f"{k}={v}" for k, v in eng.items() if k not in skip_engine)),
+        *([("KV cache", kv_cache_line(eng["kv_cache_sizing"]))] if eng.get("kv_cache_sizing") else []),
         ("reference", reference_label(record)),
         ("reference settings", ", ".join(f"{k}={v}" for k, v in ref.items() if k != "versions")),
         ("sampling", ", ".join(f"{k}={v}" for k, v in ((record.get("spec") or {}).get("sampling") or {}).items())),
@@ -389,7 +390,8 @@ def _settings(record: dict) -> dict[str, str]:
     flat["driver / CUDA"] = f"{env.get('nvidia_driver') or '-'} / {env.get('cuda') or '-'}"
     for k, v in {**(env.get("packages") or {}), **((record.get("engine") or {}).get("versions") or {})}.items():
         flat[k] = v
-    skip = {"requested", "versions", "routing", "routing_unavailable", "per_request_seeds_off_because"}
+    # kv_cache_sizing holds the free memory at start-up, which differs between any two runs
+    skip = {"requested", "versions", "routing", "routing_unavailable", "per_request_seeds_off_because", "kv_cache_sizing"}
     for k, v in (record.get("engine") or {}).items():
         if k not in skip:
             flat[f"engine.{k}"] = v

@@ -7,7 +7,7 @@ user (model paths, ids) is escaped for Markdown table cells.
 from __future__ import annotations
 
 from .metric_docs import METRIC_DOCS
-from .summary import fmt, plain_notes
+from .summary import fmt, kv_cache_line, plain_notes
 
 
 def _cell(value) -> str:
@@ -46,7 +46,9 @@ def render_markdown(record: dict) -> str:
             ["model", (record.get("inputs") or {}).get("model")],
             ["prompts", f"{(record.get('inputs') or {}).get('prompts')} ({(record.get('inputs') or {}).get('n_prompts')} prompts, "
                         f"{(record.get('inputs') or {}).get('n_samples')} samples)"],
-            ["engine", ", ".join(f"{k}={v}" for k, v in eng.items() if k not in ("versions", "requested", "routing_unavailable"))],
+            ["engine", ", ".join(f"{k}={v}" for k, v in eng.items()
+                                 if k not in ("versions", "requested", "routing_unavailable", "kv_cache_sizing"))],
+            *([["KV cache", kv_cache_line(eng["kv_cache_sizing"])]] if eng.get("kv_cache_sizing") else []),
             ["reference", ", ".join(f"{k}={v}" for k, v in ref.items() if k != "versions")],
             ["sampling", ", ".join(f"{k}={v}" for k, v in (spec.get("sampling") or {}).items())],
             ["engine log-probs", sem.get("distribution", "-") + f" ({sem.get('mode', '-')})"],

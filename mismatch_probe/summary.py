@@ -158,6 +158,14 @@ def _title(record: dict) -> str:
     )
 
 
+def kv_cache_line(sizing: dict) -> str:
+    """The KV cache mismatch-probe chose for the engine (``engine.kv_cache_sizing``), and from what."""
+    line = f"{sizing.get('kv_cache_memory_bytes', 0) / 2**20:,.0f} MiB"
+    if sizing.get("bytes_per_token") and sizing.get("tokens"):
+        line += f" ({sizing['tokens']:,} tokens of {sizing['bytes_per_token']:,} bytes)"
+    return f"{line}, chosen by mismatch-probe: {sizing.get('rule', '')}"
+
+
 def short_dtype(dtype) -> str:
     return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, dtype or "")
 
