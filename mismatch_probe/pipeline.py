@@ -233,7 +233,7 @@ def run_compare(
             if owned:
                 from .engines.process import EngineProcess
 
-                progress.log(f"starting engine {entry.name} (log: {out / ENGINE_LOG})")
+                progress.log(f"starting engine {entry.name} (log: {portable_path(out / ENGINE_LOG)})")
                 with _timed(timings, "engine_start_s"):
                     engine = EngineProcess(entry, model_path, spec.engine, log_path=out / ENGINE_LOG,
                                            trust_remote_code=spec.trust_remote_code)
