@@ -47,14 +47,14 @@ METRIC_DOCS = (
     MetricDoc("chi2_token", "χ² (token)",
               "mean(ratio²) − 1, as verl computes it: the variance of token importance weights if their mean were "
               "exactly 1; the sample mean fluctuates around 1, so near 0 this can dip below 0 (see χ² (token, s.n.))",
-              "0 is perfect", "lower"),
+              "0 is perfect", "zero"),  # a signed estimate: -6e-4 is not better than 4e-9
     MetricDoc("chi2_token_sn", "χ² (token, s.n.)",
               "self-normalized mean(ratio²) / mean(ratio)² − 1 = 1 / ESS − 1: never negative", "0 is perfect",
               "lower"),
     MetricDoc("chi2_seq", "χ² (sequence)",
               "mean(exp(2·clamp(Σδ, ±20))) − 1, as verl computes it: the variance of sequence importance weights "
               "if their mean were 1; can dip below 0 near 0 (see χ² (sequence, s.n.))",
-              "0 is perfect", "lower"),
+              "0 is perfect", "zero"),
     MetricDoc("chi2_seq_sn", "χ² (sequence, s.n.)",
               "self-normalized mean(W²) / mean(W)² − 1 of sequence weights W = exp(clamp(Σδ, ±20)): never negative",
               "0 is perfect", "lower"),

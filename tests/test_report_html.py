@@ -14,7 +14,7 @@ import pytest
 from conftest import cli
 
 from mismatch_probe.distributions import load
-from mismatch_probe.metric_docs import k3_context, rank
+from mismatch_probe.metric_docs import METRIC_DOC, k3_context, rank
 from mismatch_probe.report_html import RunData, load_run, render_comparison, render_run
 
 PAYLOAD = "<script>alert(1)</script>"
@@ -157,6 +157,14 @@ def test_rank_picks_best_and_worst_by_direction():
     assert rank([1.0, None], "lower") == (set(), set())
     assert rank([1.0, 1.0, 2.0], "lower") == ({0, 1}, {2})
     assert rank([1.0, 2.0], None) == (set(), set())
+
+
+def test_a_signed_chi2_estimate_is_ranked_by_its_distance_from_zero():
+    """verl's chi2 is an estimate that dips below 0 near 0: the bf16 example's -6.0e-4 is worse
+    than the fp32 run's 3.6e-9, not better; the self-normalized form is never negative."""
+    for key in ("chi2_token", "chi2_seq"):
+        assert rank([-6.0e-4, 3.6e-9], METRIC_DOC[key].better) == ({1}, {0})
+        assert METRIC_DOC[f"{key}_sn"].better == "lower"
 
 
 def test_k3_is_placed_among_the_published_gpu_ranges():
