@@ -34,7 +34,8 @@ def _peak_rss_mib() -> float:
     return round(max(own, children) / 1024, 1)
 
 
-def serve(requests, replies) -> None:
+def serve(requests, replies) -> bool:
+    """Answer requests until the parent closes the engine (True) or goes away (False)."""
     wire.send(replies, {
         "op": "hello", "protocol": wire.PROTOCOL_VERSION, "version": __version__,
         "python": sys.executable, "pid": os.getpid(),
@@ -76,7 +77,7 @@ def serve(requests, replies) -> None:
                     engine.close()
                     engine = None
                 wire.send(replies, {"op": "closed", "peak_rss_mib": _peak_rss_mib()})
-                break
+                return True
             else:
                 raise ValueError(f"unknown request {op!r}")
         except BaseException as exc:  # noqa: BLE001 (every failure is reported to the parent)
@@ -92,6 +93,7 @@ def serve(requests, replies) -> None:
             })
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 break
+    return False
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -103,7 +105,14 @@ def main(argv: list[str] | None = None) -> None:
     replies = os.fdopen(args.replies_fd, "wb")
     # Anything a library prints to stdout joins stderr (engine.log) instead of the protocol pipe.
     os.dup2(2, 1)
-    serve(requests, replies)
+    if serve(requests, replies):
+        # The engine was shut down through its own API and the parent has its answer. Interpreter
+        # teardown can still abort in a native destructor of a thread the engine left behind (vLLM's
+        # CPU build at TP=2: "terminate called without an active exception", exit -6, now and then),
+        # which would read as a crash; there is nothing left to finalize, so leave without it.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":  # the engine may spawn processes that re-import __main__
