@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_report import make_run  # noqa: E402
+from bench_report import make_run
 
 VALUE_ONLY = """
 [[checks]]
@@ -37,8 +37,9 @@ threshold = 0.01
 def timed_gate(run: Path, thresholds: Path) -> tuple[float, int]:
     exe = Path(sys.executable).with_name("mismatch-probe")
     t0 = time.perf_counter()
-    proc = subprocess.run([str(exe), "gate", str(run), "--thresholds", str(thresholds), "--json"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [str(exe), "gate", str(run), "--thresholds", str(thresholds), "--json"], capture_output=True, text=True
+    )
     return time.perf_counter() - t0, proc.returncode
 
 
@@ -52,8 +53,10 @@ def main() -> None:
         values = Path(tmp) / "values.toml"
         values.write_text(VALUE_ONLY)
         print(f"synthetic run: {args.tokens:,} rows, {stats['n_model_tokens']:,} model tokens")
-        for name, path in (("run.json checks only", values), ("probes/gate-default.toml (one p99 over sequences)",
-                                                               ROOT / "probes" / "gate-default.toml")):
+        for name, path in (
+            ("run.json checks only", values),
+            ("probes/gate-default.toml (one p99 over sequences)", ROOT / "probes" / "gate-default.toml"),
+        ):
             seconds, rc = min(timed_gate(run, path) for _ in range(2))
             print(f"gate, {name}: {seconds:.2f} s wall (exit {rc}), interpreter start and imports included")
 

@@ -24,11 +24,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_reference import MODEL, make_rollouts  # noqa: E402
+from bench_reference import MODEL, make_rollouts
 
-from mismatch_probe.reference import open_reference_scorer  # noqa: E402
-from mismatch_probe.sampling import LogprobSemantics  # noqa: E402
-from mismatch_probe.spec import ReferenceSpec  # noqa: E402
+from mismatch_probe.reference import open_reference_scorer
+from mismatch_probe.sampling import LogprobSemantics
+from mismatch_probe.spec import ReferenceSpec
 
 
 def main() -> None:
@@ -45,9 +45,16 @@ def main() -> None:
     scorers, start = {}, {}
     for sp, tp in layouts:
         t0 = time.perf_counter()
-        scorers[(sp, tp)] = open_reference_scorer(MODEL, ReferenceSpec(
-            dtype=args.dtype, sequence_parallel_size=sp, tensor_parallel_size=tp,
-            micro_batch_size=64, max_tokens_per_micro_batch=4096))
+        scorers[(sp, tp)] = open_reference_scorer(
+            MODEL,
+            ReferenceSpec(
+                dtype=args.dtype,
+                sequence_parallel_size=sp,
+                tensor_parallel_size=tp,
+                micro_batch_size=64,
+                max_tokens_per_micro_batch=4096,
+            ),
+        )
         start[(sp, tp)] = time.perf_counter() - t0
     try:
         for s in scorers.values():  # warm-up
@@ -61,13 +68,17 @@ def main() -> None:
     finally:
         for s in scorers.values():
             s.close()
-    print(f"{args.sequences} sequences, {n_tokens} tokens, dtype {args.dtype}, {torch.get_num_threads()} cores' "
-          f"threads shared by the ranks, median of {args.repeats}")
+    print(
+        f"{args.sequences} sequences, {n_tokens} tokens, dtype {args.dtype}, {torch.get_num_threads()} cores' "
+        f"threads shared by the ranks, median of {args.repeats}"
+    )
     med = {k: statistics.median(v) for k, v in times.items()}
     base = med[(1, 1)]
     for (sp, tp), t in med.items():
-        print(f"  sp {sp} x tp {tp}: start {start[(sp, tp)]:5.1f} s  score {t:7.3f} s  {n_tokens / t:9.0f} tok/s  "
-              f"{base / t:5.2f}x one process")
+        print(
+            f"  sp {sp} x tp {tp}: start {start[(sp, tp)]:5.1f} s  score {t:7.3f} s  {n_tokens / t:9.0f} tok/s  "
+            f"{base / t:5.2f}x one process"
+        )
 
 
 if __name__ == "__main__":

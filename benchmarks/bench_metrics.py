@@ -24,7 +24,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mismatch_probe.table import TOKEN_SCHEMA, TOKENS_DIR, shard_name, write_table_atomic  # noqa: E402
+from mismatch_probe.table import TOKEN_SCHEMA, TOKENS_DIR, shard_name, write_table_atomic
 
 CHILD = """
 import json, resource, sys, time
@@ -82,13 +82,22 @@ def write_synthetic(run_dir: Path, tokens: int, shard_tokens: int, seed: int = 0
         model = turn >= 0
         li = np.log(rng.beta(5, 0.3, n)).astype(np.float32)
         lt = (li + rng.normal(0, 0.01, n)).clip(max=0).astype(np.float32)
-        t = pa.Table.from_arrays([
-            pa.array(sid), pa.array(np.repeat(np.array([f"p{i}" for i in range(sample, sample + len(lengths))]), lengths)),
-            pa.array(turn), pa.array(pos.astype(np.int32)), pa.array(rng.integers(0, 150000, n).astype(np.int32)),
-            pa.array(model), pa.array(li, mask=~model), pa.array(lt, mask=~model), pa.array(np.zeros(n, np.float32)),
-            pa.nulls(n, pa.float32()),  # logp_prefill: no engine re-score
-            *_experts(model, *moe, 0.002, rng),
-        ], schema=TOKEN_SCHEMA)
+        t = pa.Table.from_arrays(
+            [
+                pa.array(sid),
+                pa.array(np.repeat(np.array([f"p{i}" for i in range(sample, sample + len(lengths))]), lengths)),
+                pa.array(turn),
+                pa.array(pos.astype(np.int32)),
+                pa.array(rng.integers(0, 150000, n).astype(np.int32)),
+                pa.array(model),
+                pa.array(li, mask=~model),
+                pa.array(lt, mask=~model),
+                pa.array(np.zeros(n, np.float32)),
+                pa.nulls(n, pa.float32()),  # logp_prefill: no engine re-score
+                *_experts(model, *moe, 0.002, rng),
+            ],
+            schema=TOKEN_SCHEMA,
+        )
         write_table_atomic(t, run_dir / TOKENS_DIR / shard_name(shard))
         written += n
         sample += len(lengths)
@@ -118,21 +127,39 @@ def main() -> None:
         run = Path(tmp) / "run"
         t0 = time.perf_counter()
         # written by a child: Linux carries ru_maxrss across fork+exec, so the parent stays small
-        writer = [sys.executable, __file__, "--write-only", str(run), "--tokens", str(args.tokens),
-                  "--shard-tokens", str(args.shard_tokens), "--moe-layers", str(args.moe_layers), "--top-k", str(args.top_k)]
+        writer = [
+            sys.executable,
+            __file__,
+            "--write-only",
+            str(run),
+            "--tokens",
+            str(args.tokens),
+            "--shard-tokens",
+            str(args.shard_tokens),
+            "--moe-layers",
+            str(args.moe_layers),
+            "--top-k",
+            str(args.top_k),
+        ]
         total = int(subprocess.run(writer, capture_output=True, text=True, check=True).stdout.split()[-1])
         shards = list((run / "tokens.parquet").iterdir())
         size = sum(p.stat().st_size for p in shards)
-        print(f"synthetic table: {total:,} rows in {len(shards)} shards, "
-              f"{size / 2**20:.0f} MiB on disk, written in {time.perf_counter() - t0:.1f} s")
+        print(
+            f"synthetic table: {total:,} rows in {len(shards)} shards, "
+            f"{size / 2**20:.0f} MiB on disk, written in {time.perf_counter() - t0:.1f} s"
+        )
         idle = child(str(run), "idle", moe)
         read = child(str(run), "read", moe)
         res = child(str(run), "analyze", moe)
-        print(f"analyze(): {res['seconds']:.2f} s for {res['n_model_tokens']:,} model tokens "
-              f"({res['n_model_tokens'] / res['seconds'] / 1e6:.1f} M tok/s); peak RSS {res['peak_rss_mib']:.0f} MiB "
-              f"(interpreter + imports alone: {idle['peak_rss_mib']:.0f} MiB)")
-        print(f"reading the same columns without computing: {read['seconds']:.2f} s, peak RSS "
-              f"{read['peak_rss_mib']:.0f} MiB; metrics cost {res['seconds'] / read['seconds']:.1f}x the read")
+        print(
+            f"analyze(): {res['seconds']:.2f} s for {res['n_model_tokens']:,} model tokens "
+            f"({res['n_model_tokens'] / res['seconds'] / 1e6:.1f} M tok/s); peak RSS {res['peak_rss_mib']:.0f} MiB "
+            f"(interpreter + imports alone: {idle['peak_rss_mib']:.0f} MiB)"
+        )
+        print(
+            f"reading the same columns without computing: {read['seconds']:.2f} s, peak RSS "
+            f"{read['peak_rss_mib']:.0f} MiB; metrics cost {res['seconds'] / read['seconds']:.1f}x the read"
+        )
 
 
 if __name__ == "__main__":

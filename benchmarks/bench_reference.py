@@ -22,12 +22,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mismatch_probe.hf_models import load_tokenizer  # noqa: E402
-from mismatch_probe.prompts import tokenize_prompts  # noqa: E402
-from mismatch_probe.reference import ReferenceScorer  # noqa: E402
-from mismatch_probe.sampling import LogprobSemantics  # noqa: E402
-from mismatch_probe.spec import ReferenceSpec  # noqa: E402
-from mismatch_probe.table import Rollout  # noqa: E402
+from mismatch_probe.hf_models import load_tokenizer
+from mismatch_probe.prompts import tokenize_prompts
+from mismatch_probe.reference import ReferenceScorer
+from mismatch_probe.sampling import LogprobSemantics
+from mismatch_probe.spec import ReferenceSpec
+from mismatch_probe.table import Rollout
 
 MODEL = ROOT / "fixtures" / "models" / "tiny-qwen2"
 PROMPTS = ROOT / "fixtures" / "prompts" / "single_turn.jsonl"
@@ -43,8 +43,11 @@ def make_rollouts(n: int, seed: int = 0) -> list[Rollout]:
         resp = rng.integers(3, len(tok), int(rng.integers(16, 400))).astype(np.int32)
         ids = np.concatenate([p, resp])
         model = np.r_[np.zeros(len(p), bool), np.ones(len(resp), bool)]
-        out.append(Rollout(i, str(i), ids, np.where(model, 0, -1).astype(np.int16), model,
-                           np.zeros(len(ids), np.float32), "length"))
+        out.append(
+            Rollout(
+                i, str(i), ids, np.where(model, 0, -1).astype(np.int16), model, np.zeros(len(ids), np.float32), "length"
+            )
+        )
     return out
 
 
@@ -69,11 +72,17 @@ def main() -> None:
     n_scored = sum(int(r.is_model_token.sum()) for r in rollouts)
     sem = LogprobSemantics("raw")
     modes = {
-        "packed, varlen sdpa (default)": ReferenceScorer(MODEL, ReferenceSpec(dtype=args.dtype, packing=True, micro_batch_size=64, max_tokens_per_micro_batch=4096)),
-        "padded (16 seq/mb)": ReferenceScorer(MODEL, ReferenceSpec(dtype=args.dtype, packing=False, micro_batch_size=16)),
+        "packed, varlen sdpa (default)": ReferenceScorer(
+            MODEL, ReferenceSpec(dtype=args.dtype, packing=True, micro_batch_size=64, max_tokens_per_micro_batch=4096)
+        ),
+        "padded (16 seq/mb)": ReferenceScorer(
+            MODEL, ReferenceSpec(dtype=args.dtype, packing=False, micro_batch_size=16)
+        ),
     }
     # transformers' own packed path: sdpa with a dense block-diagonal [T x T] mask per micro-batch
-    dense = ReferenceScorer(MODEL, ReferenceSpec(dtype=args.dtype, packing=True, micro_batch_size=64, max_tokens_per_micro_batch=4096))
+    dense = ReferenceScorer(
+        MODEL, ReferenceSpec(dtype=args.dtype, packing=True, micro_batch_size=64, max_tokens_per_micro_batch=4096)
+    )
     dense.model.set_attn_implementation("sdpa")
     dense.varlen = False
     modes["packed, dense block mask (hf sdpa)"] = dense
@@ -88,8 +97,10 @@ def main() -> None:
             t0 = time.perf_counter()
             fn()
             times[k].append(time.perf_counter() - t0)
-    print(f"{args.sequences} sequences, {n_tokens} tokens ({n_scored} scored), dtype {args.dtype}, "
-          f"torch threads {torch.get_num_threads()}, median of {args.repeats}")
+    print(
+        f"{args.sequences} sequences, {n_tokens} tokens ({n_scored} scored), dtype {args.dtype}, "
+        f"torch threads {torch.get_num_threads()}, median of {args.repeats}"
+    )
     med = {k: statistics.median(v) for k, v in times.items()}
     base = med["naive (1 seq/forward)"]
     for k, t in med.items():

@@ -30,13 +30,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_metrics import write_synthetic  # noqa: E402
+from bench_metrics import write_synthetic
 
-from mismatch_probe.analysis import analyze, json_safe  # noqa: E402
-from mismatch_probe.distributions import DistributionAccumulator, save, worst_sequences  # noqa: E402
-from mismatch_probe.environment import fingerprint  # noqa: E402
-from mismatch_probe.report_html import write_report  # noqa: E402
-from mismatch_probe.spec import ProbeSpec  # noqa: E402
+from mismatch_probe.analysis import analyze, json_safe
+from mismatch_probe.distributions import DistributionAccumulator, save, worst_sequences
+from mismatch_probe.environment import fingerprint
+from mismatch_probe.report_html import write_report
+from mismatch_probe.spec import ProbeSpec
 
 LIMIT_BYTES = 5 * 10**6
 
@@ -58,13 +58,23 @@ def make_run(run: Path, tokens: int, seed: int) -> dict:
     save(run, dist)
     spec = ProbeSpec()
     spec.name = f"synthetic-{seed}"
-    record = {"status": "complete", "spec": spec.to_dict(), "environment": fingerprint(),
-              "inputs": {"model": "synthetic", "prompts": "synthetic", "n_prompts": 0, "n_samples": 0},
-              "engine": {"engine": "synthetic", "dtype": "bfloat16"}, "reference": {"dtype": "float32"}, **sections}
+    record = {
+        "status": "complete",
+        "spec": spec.to_dict(),
+        "environment": fingerprint(),
+        "inputs": {"model": "synthetic", "prompts": "synthetic", "n_prompts": 0, "n_samples": 0},
+        "engine": {"engine": "synthetic", "dtype": "bfloat16"},
+        "reference": {"dtype": "float32"},
+        **sections,
+    }
     (run / "run.json").write_text(json.dumps(json_safe(record)))
-    return {"metrics_s": t_metrics, "metrics_and_distributions_s": t_both, "worst_sequences_s": t_worst,
-            "n_model_tokens": sections["metrics"]["n_model_tokens"],
-            "distributions_json_bytes": (run / "distributions.json").stat().st_size}
+    return {
+        "metrics_s": t_metrics,
+        "metrics_and_distributions_s": t_both,
+        "worst_sequences_s": t_worst,
+        "n_model_tokens": sections["metrics"]["n_model_tokens"],
+        "distributions_json_bytes": (run / "distributions.json").stat().st_size,
+    }
 
 
 def browser_times(chromium: str, pages: list[Path]) -> list[tuple[float, float]]:
@@ -72,9 +82,17 @@ def browser_times(chromium: str, pages: list[Path]) -> list[tuple[float, float]]
 
     out = []
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-            "--disable-sync", "--no-first-run"])
+        browser = p.chromium.launch(
+            executable_path=chromium,
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+            ],
+        )
         for page_path in pages:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             t0 = time.perf_counter()
@@ -97,24 +115,32 @@ def main() -> None:
         stats = make_run(a, args.tokens, 0)
         make_run(b, args.tokens, 1)
         print(f"synthetic run: {args.tokens:,} rows, {stats['n_model_tokens']:,} model tokens")
-        print(f"analysis pass: metrics alone {stats['metrics_s']:.2f} s, metrics + distributions "
-              f"{stats['metrics_and_distributions_s']:.2f} s ({stats['metrics_and_distributions_s'] / stats['metrics_s']:.2f}x); "
-              f"worst sequences {stats['worst_sequences_s']:.2f} s; distributions.json "
-              f"{stats['distributions_json_bytes'] / 1e3:.0f} kB")
+        print(
+            f"analysis pass: metrics alone {stats['metrics_s']:.2f} s, metrics + distributions "
+            f"{stats['metrics_and_distributions_s']:.2f} s ({stats['metrics_and_distributions_s'] / stats['metrics_s']:.2f}x); "
+            f"worst sequences {stats['worst_sequences_s']:.2f} s; distributions.json "
+            f"{stats['distributions_json_bytes'] / 1e3:.0f} kB"
+        )
         one = write_report([a], Path(tmp) / "one.html")
         print(f"report.html from the run directory: {one.n_bytes / 1e6:.2f} MB in {one.seconds:.2f} s")
         old = Path(tmp) / "old"
         shutil.copytree(a, old)
         (old / "distributions.json").unlink()
         again = write_report([old], Path(tmp) / "old.html")
-        print(f"report.html of a run without distributions.json (recomputed from the table): "
-              f"{again.n_bytes / 1e6:.2f} MB in {again.seconds:.2f} s")
+        print(
+            f"report.html of a run without distributions.json (recomputed from the table): "
+            f"{again.n_bytes / 1e6:.2f} MB in {again.seconds:.2f} s"
+        )
         both = write_report([a, b], Path(tmp) / "compare.html")
         print(f"comparison of two runs: {both.n_bytes / 1e6:.2f} MB in {both.seconds:.2f} s")
         print(f"peak RSS of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
         if args.chromium:
-            for name, (loaded, shot) in zip(("report", "comparison"), browser_times(args.chromium, [one.path, both.path])):
-                print(f"{name} in headless Chromium: load event {loaded:.2f} s, full-page screenshot done at {shot:.2f} s")
+            for name, (loaded, shot) in zip(
+                ("report", "comparison"), browser_times(args.chromium, [one.path, both.path])
+            ):
+                print(
+                    f"{name} in headless Chromium: load event {loaded:.2f} s, full-page screenshot done at {shot:.2f} s"
+                )
         for name, r in (("report", one), ("comparison", both)):
             if r.n_bytes > LIMIT_BYTES:
                 sys.exit(f"{name} is {r.n_bytes / 1e6:.2f} MB, over the 5 MB budget")

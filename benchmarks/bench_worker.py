@@ -15,8 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mismatch_probe.engines import Completion, GenerationRequest, get_entry
-from mismatch_probe.engines import wire
+from mismatch_probe.engines import Completion, GenerationRequest, get_entry, wire
 from mismatch_probe.engines.hf import HFEngine
 from mismatch_probe.engines.process import EngineProcess
 from mismatch_probe.spec import EngineSpec, SamplingSpec
@@ -28,15 +27,23 @@ DENSE = ROOT / "fixtures/models/tiny-qwen2"
 def transport(n_seq: int, n_tok: int, repeats: int = 3) -> float:
     """Seconds to send n_seq completions of n_tok tokens through a pipe and decode them (median)."""
     rng = np.random.default_rng(0)
-    completions = [Completion(rng.integers(0, 150_000, n_tok).astype(np.int32),
-                              rng.normal(-1, 1, n_tok).astype(np.float32), "length") for _ in range(n_seq)]
+    completions = [
+        Completion(
+            rng.integers(0, 150_000, n_tok).astype(np.int32), rng.normal(-1, 1, n_tok).astype(np.float32), "length"
+        )
+        for _ in range(n_seq)
+    ]
     times = []
     for _ in range(repeats):
         r, w = os.pipe()
         reader, writer = os.fdopen(r, "rb"), os.fdopen(w, "wb")
         t0 = time.perf_counter()
-        sender = threading.Thread(target=lambda: (wire.send(writer, {"op": "generated"},
-                                                                 wire.completions_to_table(completions)), writer.close()))
+        sender = threading.Thread(
+            target=lambda: (
+                wire.send(writer, {"op": "generated"}, wire.completions_to_table(completions)),
+                writer.close(),
+            )
+        )
         sender.start()
         back = wire.table_to_completions(wire.receive(reader).table)
         sender.join()
@@ -54,8 +61,10 @@ def main() -> None:
     spec = EngineSpec(dtype="float32", batch_size=64)
     sampling = SamplingSpec(temperature=1.0, max_tokens=args.max_tokens)
     rng = np.random.default_rng(1)
-    requests = [GenerationRequest(rng.integers(3, 900, int(rng.integers(8, 64))).astype(np.int32), args.max_tokens)
-                for _ in range(args.requests)]
+    requests = [
+        GenerationRequest(rng.integers(3, 900, int(rng.integers(8, 64))).astype(np.int32), args.max_tokens)
+        for _ in range(args.requests)
+    ]
 
     t0 = time.perf_counter()
     local = HFEngine(DENSE, spec)
@@ -75,16 +84,22 @@ def main() -> None:
         t0 = time.perf_counter()
         worker.close()
         t_worker_stop = time.perf_counter() - t0
-    assert all(np.array_equal(x.token_ids, y.token_ids) and np.array_equal(x.logprobs, y.logprobs) for x, y in zip(a, b))
+    assert all(
+        np.array_equal(x.token_ids, y.token_ids) and np.array_equal(x.logprobs, y.logprobs) for x, y in zip(a, b)
+    )
     n_tokens = sum(len(c.token_ids) for c in a)
     print(f"hf engine, {args.requests} requests, {n_tokens} generated tokens (identical on both paths)")
     print(f"  in-process: start {t_local_start:.2f}s, generate {t_local:.2f}s")
-    print(f"  worker:     start {t_worker_start:.2f}s, generate {t_worker:.2f}s ({t_worker / t_local:.2f}x), "
-          f"stop {t_worker_stop:.2f}s")
+    print(
+        f"  worker:     start {t_worker_start:.2f}s, generate {t_worker:.2f}s ({t_worker / t_local:.2f}x), "
+        f"stop {t_worker_stop:.2f}s"
+    )
     for n_seq, n_tok in ((1024, 1024), (4096, 1024)):
         t = transport(n_seq, n_tok)
-        print(f"  transport of {n_seq} x {n_tok} tokens (ids + log-probs): {t:.3f}s "
-              f"({n_seq * n_tok / t / 1e6:.1f}M tokens/s)")
+        print(
+            f"  transport of {n_seq} x {n_tok} tokens (ids + log-probs): {t:.3f}s "
+            f"({n_seq * n_tok / t / 1e6:.1f}M tokens/s)"
+        )
 
 
 if __name__ == "__main__":

@@ -22,16 +22,31 @@ ROOT = Path(__file__).resolve().parent.parent
 MODELS = {"dense": ROOT / "fixtures/models/tiny-qwen2", "moe": ROOT / "fixtures/models/tiny-qwen3-moe"}
 # (engine, model, tp, engine dtype, extra flags)
 CELLS = [
-    ("vllm", "dense", 1, "bfloat16", ()), ("vllm", "dense", 2, "bfloat16", ()), ("vllm", "dense", 1, "float32", ()),
-    ("vllm", "moe", 1, "bfloat16", ()), ("vllm", "moe", 2, "bfloat16", ()), ("vllm", "moe", 1, "float32", ()),
+    ("vllm", "dense", 1, "bfloat16", ()),
+    ("vllm", "dense", 2, "bfloat16", ()),
+    ("vllm", "dense", 1, "float32", ()),
+    ("vllm", "moe", 1, "bfloat16", ()),
+    ("vllm", "moe", 2, "bfloat16", ()),
+    ("vllm", "moe", 1, "float32", ()),
     # SGLang's CPU fallback runs dense models only (fused MoE needs the real sgl-kernel)
-    ("sglang", "dense", 1, "bfloat16", ()), ("sglang", "dense", 2, "bfloat16", ()),
-    ("sglang", "dense", 1, "float32", ()), ("sglang", "dense", 1, "bfloat16", ("--engine-logits-fp32",)),
+    ("sglang", "dense", 1, "bfloat16", ()),
+    ("sglang", "dense", 2, "bfloat16", ()),
+    ("sglang", "dense", 1, "float32", ()),
+    ("sglang", "dense", 1, "bfloat16", ("--engine-logits-fp32",)),
 ]
 # what each engine needs on a small CPU box (GPU runs can drop these)
 ENGINE_FLAGS = {"vllm": ("--enforce-eager",), "sglang": ()}
-TIMING_KEYS = ("setup_s", "engine_start_s", "generation_s", "prefill_s", "engine_stop_s", "reference_load_s",
-               "scoring_s", "metrics_s", "report_s")
+TIMING_KEYS = (
+    "setup_s",
+    "engine_start_s",
+    "generation_s",
+    "prefill_s",
+    "engine_stop_s",
+    "reference_load_s",
+    "scoring_s",
+    "metrics_s",
+    "report_s",
+)
 
 
 def main() -> None:
@@ -53,11 +68,35 @@ def main() -> None:
             continue
         name = f"{engine}-{model}-tp{tp}-{dtype}" + "".join(f.replace("--", "-") for f in extra)
         out = Path(args.out) / name
-        cmd = [str(exe), "compare", "--engine", engine, "--model", str(MODELS[model]),
-               "--prompts", str(ROOT / "fixtures/prompts/single_turn.jsonl"), "--out", str(out), "--overwrite",
-               "--max-prompts", str(args.prompts), "--n", str(args.n), "--max-tokens", str(args.max_tokens),
-               "--tp", str(tp), "--engine-dtype", dtype, "--train-dtype", "float32", "--logits-fp32",
-               *ENGINE_FLAGS[engine], *extra, "--json"]
+        cmd = [
+            str(exe),
+            "compare",
+            "--engine",
+            engine,
+            "--model",
+            str(MODELS[model]),
+            "--prompts",
+            str(ROOT / "fixtures/prompts/single_turn.jsonl"),
+            "--out",
+            str(out),
+            "--overwrite",
+            "--max-prompts",
+            str(args.prompts),
+            "--n",
+            str(args.n),
+            "--max-tokens",
+            str(args.max_tokens),
+            "--tp",
+            str(tp),
+            "--engine-dtype",
+            dtype,
+            "--train-dtype",
+            "float32",
+            "--logits-fp32",
+            *ENGINE_FLAGS[engine],
+            *extra,
+            "--json",
+        ]
         if pythons[engine]:
             cmd += ["--engine-python", pythons[engine]]
         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -68,13 +107,17 @@ def main() -> None:
         rows.append((name, rec))
         print(f"done {name}", file=sys.stderr)
 
-    print("| run | tokens | k3_kl | prob_diff_max | seq_max_mismatch_mean | decode-vs-prefill k3_kl | "
-          "decode-vs-prefill prob_diff_max |")
+    print(
+        "| run | tokens | k3_kl | prob_diff_max | seq_max_mismatch_mean | decode-vs-prefill k3_kl | "
+        "decode-vs-prefill prob_diff_max |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name, rec in rows:
         m, d = rec["metrics"], rec.get("decode_vs_prefill") or {}
-        print(f"| {name} | {m['n_model_tokens']} | {_f(m['k3_kl'])} | {_f(m['prob_diff_max'])} | "
-              f"{_f(m['seq_max_mismatch_mean'])} | {_f(d.get('k3_kl'))} | {_f(d.get('prob_diff_max'))} |")
+        print(
+            f"| {name} | {m['n_model_tokens']} | {_f(m['k3_kl'])} | {_f(m['prob_diff_max'])} | "
+            f"{_f(m['seq_max_mismatch_mean'])} | {_f(d.get('k3_kl'))} | {_f(d.get('prob_diff_max'))} |"
+        )
     print()
     print("| run | total s | " + " | ".join(k.removesuffix("_s") for k in TIMING_KEYS) + " |")
     print("|---|---|" + "---|" * len(TIMING_KEYS))

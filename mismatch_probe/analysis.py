@@ -116,13 +116,23 @@ def json_safe(value):
     return value
 
 
-NUMERIC_SECTIONS = ("metrics", "metrics_by_turn", "metrics_by_turn_index", "decode_vs_prefill", "corrections",
-                    "corrections_by_turn", "breakdowns", "breakdowns_by_turn", "routing")
+NUMERIC_SECTIONS = (
+    "metrics",
+    "metrics_by_turn",
+    "metrics_by_turn_index",
+    "decode_vs_prefill",
+    "corrections",
+    "corrections_by_turn",
+    "breakdowns",
+    "breakdowns_by_turn",
+    "routing",
+)
 
 
 def with_numbers(record: dict) -> dict:
     """run.json stores infinities as "inf" / "-inf" (strict JSON has none); the metric sections get
     them back as floats, so renderers compare, rank and plot numbers only."""
+
     def restore(v):
         if isinstance(v, dict):
             return {k: restore(x) for k, x in v.items()}

@@ -72,8 +72,13 @@ class RichProgress:
 
         self.console = console
         self.bars = Progress(
-            TextColumn("{task.description:<10}"), BarColumn(), MofNCompleteColumn(), TextColumn("samples"),
-            TimeElapsedColumn(), console=console, transient=False,
+            TextColumn("{task.description:<10}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("samples"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=False,
         )
         self.tasks: dict[str, int] = {}
 
@@ -103,7 +108,9 @@ def compare(
     model: Annotated[Path | None, typer.Option(help="Local Hugging Face checkpoint directory.")] = None,
     engine: Annotated[str | None, typer.Option(help="Inference engine (see `mismatch-probe engines`).")] = None,
     prompts: Annotated[Path | None, typer.Option(help="Prompts file (JSON Lines).")] = None,
-    out_dir: Annotated[Path | None, typer.Option("--out", help="Run directory (default reports/<name>-<time>).")] = None,
+    out_dir: Annotated[
+        Path | None, typer.Option("--out", help="Run directory (default reports/<name>-<time>).")
+    ] = None,
     engine_dtype: Annotated[str | None, typer.Option(help="Engine dtype: auto, bfloat16, float16, float32.")] = None,
     train_dtype: Annotated[str | None, typer.Option(help="Reference dtype: bfloat16, float16, float32.")] = None,
     temperature: Annotated[float | None, typer.Option(help="Sampling temperature (0 = greedy).")] = None,
@@ -112,40 +119,138 @@ def compare(
     max_tokens: Annotated[int | None, typer.Option(help="Maximum new tokens per response.")] = None,
     n: Annotated[int | None, typer.Option("--n", help="Samples per prompt.")] = None,
     seed: Annotated[int | None, typer.Option(help="Sampling seed.")] = None,
-    logprobs_mode: Annotated[str | None, typer.Option(help="Engine log-probs: raw or processed (default: the engine's; sglang: processed, logits / T).")] = None,
-    engine_python: Annotated[Path | None, typer.Option(help="Python of a venv with the engine installed; the engine worker runs there.")] = None,
+    logprobs_mode: Annotated[
+        str | None,
+        typer.Option(help="Engine log-probs: raw or processed (default: the engine's; sglang: processed, logits / T)."),
+    ] = None,
+    engine_python: Annotated[
+        Path | None, typer.Option(help="Python of a venv with the engine installed; the engine worker runs there.")
+    ] = None,
     tp: Annotated[int | None, typer.Option("--tp", help="Tensor-parallel size (vllm, sglang).")] = None,
-    enforce_eager: Annotated[bool | None, typer.Option("--enforce-eager/--compiled", help="Eager mode, or torch.compile + CUDA graphs (vllm; sglang: disable_cuda_graph; default: the engine's).")] = None,
-    cascade_attn: Annotated[bool | None, typer.Option("--cascade-attn/--no-cascade-attn", help="Cascade attention (vllm).")] = None,
-    chunked_prefill: Annotated[bool | None, typer.Option("--chunked-prefill/--no-chunked-prefill", help="Chunked prefill (vllm, sglang).")] = None,
-    prefix_caching: Annotated[bool | None, typer.Option("--prefix-caching/--no-prefix-caching", help="Prefix caching (vllm; sglang: the radix cache).")] = None,
-    batch_invariant: Annotated[bool | None, typer.Option("--batch-invariant/--no-batch-invariant", help="Batch-invariant kernels (vllm: VLLM_BATCH_INVARIANT=1, GPU builds; sglang: enable_deterministic_inference).")] = None,
-    max_num_seqs: Annotated[int | None, typer.Option(help="Most sequences per engine step (vllm; sglang: max_running_requests).")] = None,
+    enforce_eager: Annotated[
+        bool | None,
+        typer.Option(
+            "--enforce-eager/--compiled",
+            help="Eager mode, or torch.compile + CUDA graphs (vllm; sglang: disable_cuda_graph; default: the engine's).",
+        ),
+    ] = None,
+    cascade_attn: Annotated[
+        bool | None, typer.Option("--cascade-attn/--no-cascade-attn", help="Cascade attention (vllm).")
+    ] = None,
+    chunked_prefill: Annotated[
+        bool | None, typer.Option("--chunked-prefill/--no-chunked-prefill", help="Chunked prefill (vllm, sglang).")
+    ] = None,
+    prefix_caching: Annotated[
+        bool | None,
+        typer.Option("--prefix-caching/--no-prefix-caching", help="Prefix caching (vllm; sglang: the radix cache)."),
+    ] = None,
+    batch_invariant: Annotated[
+        bool | None,
+        typer.Option(
+            "--batch-invariant/--no-batch-invariant",
+            help="Batch-invariant kernels (vllm: VLLM_BATCH_INVARIANT=1, GPU builds; sglang: enable_deterministic_inference).",
+        ),
+    ] = None,
+    max_num_seqs: Annotated[
+        int | None, typer.Option(help="Most sequences per engine step (vllm; sglang: max_running_requests).")
+    ] = None,
     max_num_batched_tokens: Annotated[int | None, typer.Option(help="Most tokens per engine step (vllm).")] = None,
-    gpu_memory_utilization: Annotated[float | None, typer.Option(help="Share of accelerator memory the engine may take (vllm: on CPU builds, of the NUMA node's memory; sglang: mem_fraction_static).")] = None,
-    kv_cache_dtype: Annotated[str | None, typer.Option(help="KV-cache dtype, e.g. auto, fp8, fp8_e5m2 (vllm, sglang).")] = None,
-    quantization: Annotated[str | None, typer.Option(help="Weight quantization method, e.g. fp8 (vllm, sglang).")] = None,
-    max_model_len: Annotated[int | None, typer.Option(help="Engine context length (vllm; sglang: context_length).")] = None,
-    kv_cache_memory_bytes: Annotated[int | None, typer.Option(help="KV-cache size in bytes per rank (vllm; default on its CPU build: what the run needs, capped at half the NUMA node's free memory).")] = None,
-    attention_backend: Annotated[str | None, typer.Option(help="Engine attention backend, e.g. flashinfer, fa3, triton, torch_native (sglang).")] = None,
-    rl_on_policy_target: Annotated[str | None, typer.Option(help="SGLang's true on-policy mode for a trainer, e.g. fsdp (sglang; implies deterministic inference).")] = None,
-    engine_logits_fp32: Annotated[bool | None, typer.Option("--engine-logits-fp32/--no-engine-logits-fp32", help="Engine LM head in float32 (sglang: enable_fp32_lm_head).")] = None,
-    max_total_tokens: Annotated[int | None, typer.Option(help="Engine KV-cache size in tokens, a memory cap (sglang).")] = None,
-    prefill_check: Annotated[bool | None, typer.Option("--prefill-check/--no-prefill-check", help="Re-score samples with the engine's own prefill (decode vs prefill).")] = None,
-    reference_logprobs: Annotated[str | None, typer.Option(help="Reference distribution: engine (match it), raw, temperature, processed.")] = None,
+    gpu_memory_utilization: Annotated[
+        float | None,
+        typer.Option(
+            help="Share of accelerator memory the engine may take (vllm: on CPU builds, of the NUMA node's memory; sglang: mem_fraction_static)."
+        ),
+    ] = None,
+    kv_cache_dtype: Annotated[
+        str | None, typer.Option(help="KV-cache dtype, e.g. auto, fp8, fp8_e5m2 (vllm, sglang).")
+    ] = None,
+    quantization: Annotated[
+        str | None, typer.Option(help="Weight quantization method, e.g. fp8 (vllm, sglang).")
+    ] = None,
+    max_model_len: Annotated[
+        int | None, typer.Option(help="Engine context length (vllm; sglang: context_length).")
+    ] = None,
+    kv_cache_memory_bytes: Annotated[
+        int | None,
+        typer.Option(
+            help="KV-cache size in bytes per rank (vllm; default on its CPU build: what the run needs, capped at half the NUMA node's free memory)."
+        ),
+    ] = None,
+    attention_backend: Annotated[
+        str | None, typer.Option(help="Engine attention backend, e.g. flashinfer, fa3, triton, torch_native (sglang).")
+    ] = None,
+    rl_on_policy_target: Annotated[
+        str | None,
+        typer.Option(
+            help="SGLang's true on-policy mode for a trainer, e.g. fsdp (sglang; implies deterministic inference)."
+        ),
+    ] = None,
+    engine_logits_fp32: Annotated[
+        bool | None,
+        typer.Option(
+            "--engine-logits-fp32/--no-engine-logits-fp32",
+            help="Engine LM head in float32 (sglang: enable_fp32_lm_head).",
+        ),
+    ] = None,
+    max_total_tokens: Annotated[
+        int | None, typer.Option(help="Engine KV-cache size in tokens, a memory cap (sglang).")
+    ] = None,
+    prefill_check: Annotated[
+        bool | None,
+        typer.Option(
+            "--prefill-check/--no-prefill-check",
+            help="Re-score samples with the engine's own prefill (decode vs prefill).",
+        ),
+    ] = None,
+    reference_logprobs: Annotated[
+        str | None, typer.Option(help="Reference distribution: engine (match it), raw, temperature, processed.")
+    ] = None,
     engine_batch_size: Annotated[int | None, typer.Option(help="Sequences per engine batch (hf).")] = None,
-    engine_attn: Annotated[str | None, typer.Option(help="Engine attention implementation (hf): auto (sdpa where the architecture supports it, else eager), sdpa, eager, flex_attention, flash_attention_2/3.")] = None,
-    train_attn: Annotated[str | None, typer.Option(help="Reference attention implementation: auto (sdpa where the architecture supports it, else eager), sdpa, eager, flex_attention, flash_attention_2/3.")] = None,
-    logits_fp32: Annotated[bool | None, typer.Option("--logits-fp32/--no-logits-fp32", help="Reference LM head in float32.")] = None,
-    packing: Annotated[bool | None, typer.Option("--packing/--no-packing", help="Reference padding-free packing vs padded micro-batches.")] = None,
+    engine_attn: Annotated[
+        str | None,
+        typer.Option(
+            help="Engine attention implementation (hf): auto (sdpa where the architecture supports it, else eager), sdpa, eager, flex_attention, flash_attention_2/3."
+        ),
+    ] = None,
+    train_attn: Annotated[
+        str | None,
+        typer.Option(
+            help="Reference attention implementation: auto (sdpa where the architecture supports it, else eager), sdpa, eager, flex_attention, flash_attention_2/3."
+        ),
+    ] = None,
+    logits_fp32: Annotated[
+        bool | None, typer.Option("--logits-fp32/--no-logits-fp32", help="Reference LM head in float32.")
+    ] = None,
+    packing: Annotated[
+        bool | None,
+        typer.Option("--packing/--no-packing", help="Reference padding-free packing vs padded micro-batches."),
+    ] = None,
     micro_batch_size: Annotated[int | None, typer.Option(help="Reference sequences per forward.")] = None,
-    train_sp: Annotated[int | None, typer.Option("--train-sp", help="Reference Ulysses sequence-parallel size (ranks share each packed row; needs --packing).")] = None,
-    train_tp: Annotated[int | None, typer.Option("--train-tp", help="Reference tensor-parallel size (DTensor column/row-wise plan).")] = None,
+    train_sp: Annotated[
+        int | None,
+        typer.Option(
+            "--train-sp",
+            help="Reference Ulysses sequence-parallel size (ranks share each packed row; needs --packing).",
+        ),
+    ] = None,
+    train_tp: Annotated[
+        int | None, typer.Option("--train-tp", help="Reference tensor-parallel size (DTensor column/row-wise plan).")
+    ] = None,
     max_prompts: Annotated[int | None, typer.Option(help="Use only the first N prompts.")] = None,
-    max_turns: Annotated[int | None, typer.Option(help="Assistant turns per sample; tool calls run between turns.")] = None,
+    max_turns: Annotated[
+        int | None, typer.Option(help="Assistant turns per sample; tool calls run between turns.")
+    ] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing run in --out instead of resuming it.")] = False,
-    rollouts_from: Annotated[Path | None, typer.Option(help="Score the rollouts of this run (same model, prompts, engine and sampling) instead of sampling; no engine starts.")] = None,
-    gate_file: Annotated[Path | None, typer.Option("--gate", help="Thresholds file (TOML): gate the finished run on it; exit 1 if a check fails.")] = None,
+    rollouts_from: Annotated[
+        Path | None,
+        typer.Option(
+            help="Score the rollouts of this run (same model, prompts, engine and sampling) instead of sampling; no engine starts."
+        ),
+    ] = None,
+    gate_file: Annotated[
+        Path | None,
+        typer.Option("--gate", help="Thresholds file (TOML): gate the finished run on it; exit 1 if a check fails."),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the run record (run.json) to stdout.")] = False,
 ) -> None:
     """Sample with an engine, score the same tokens with a training-style forward, report the mismatch."""
@@ -161,33 +266,60 @@ def compare(
         if gate.needs_baseline:
             from .errors import ConfigError
 
-            raise ConfigError(f"{gate_file} has baseline-relative checks, and compare --gate takes no baseline",
-                              hint="run compare, then `mismatch-probe gate RUN --thresholds FILE --baseline BASE`")
+            raise ConfigError(
+                f"{gate_file} has baseline-relative checks, and compare --gate takes no baseline",
+                hint="run compare, then `mismatch-probe gate RUN --thresholds FILE --baseline BASE`",
+            )
     spec = load_spec_file(spec_file) if spec_file else ProbeSpec()
-    apply_overrides(spec, {
-        # paths as typed: the spec resolves them and records them as given
-        "model": model and str(model), "prompts": prompts and str(prompts), "out": out_dir and str(out_dir),
-        "max_prompts": max_prompts, "max_turns": max_turns,
-        "engine.name": engine, "engine.dtype": engine_dtype, "engine.logprobs_mode": logprobs_mode,
-        "engine.batch_size": engine_batch_size, "engine.attn_implementation": engine_attn,
-        "engine.python": engine_python and str(engine_python), "engine.tensor_parallel_size": tp,
-        "engine.enforce_eager": enforce_eager, "engine.cascade_attn": cascade_attn,
-        "engine.chunked_prefill": chunked_prefill, "engine.prefix_caching": prefix_caching,
-        "engine.batch_invariant": batch_invariant, "engine.max_num_seqs": max_num_seqs,
-        "engine.max_num_batched_tokens": max_num_batched_tokens,
-        "engine.gpu_memory_utilization": gpu_memory_utilization, "engine.kv_cache_dtype": kv_cache_dtype,
-        "engine.quantization": quantization, "engine.max_model_len": max_model_len,
-        "engine.kv_cache_memory_bytes": kv_cache_memory_bytes,
-        "engine.attention_backend": attention_backend, "engine.rl_on_policy_target": rl_on_policy_target,
-        "engine.logits_fp32": engine_logits_fp32, "engine.max_total_tokens": max_total_tokens,
-        "engine.prefill_check": prefill_check, "reference.logprobs": reference_logprobs,
-        "reference.dtype": train_dtype, "reference.attn_implementation": train_attn,
-        "reference.logits_fp32": logits_fp32, "reference.packing": packing,
-        "reference.micro_batch_size": micro_batch_size,
-        "reference.sequence_parallel_size": train_sp, "reference.tensor_parallel_size": train_tp,
-        "sampling.temperature": temperature, "sampling.top_p": top_p, "sampling.top_k": top_k,
-        "sampling.max_tokens": max_tokens, "sampling.n": n, "sampling.seed": seed,
-    })
+    apply_overrides(
+        spec,
+        {
+            # paths as typed: the spec resolves them and records them as given
+            "model": model and str(model),
+            "prompts": prompts and str(prompts),
+            "out": out_dir and str(out_dir),
+            "max_prompts": max_prompts,
+            "max_turns": max_turns,
+            "engine.name": engine,
+            "engine.dtype": engine_dtype,
+            "engine.logprobs_mode": logprobs_mode,
+            "engine.batch_size": engine_batch_size,
+            "engine.attn_implementation": engine_attn,
+            "engine.python": engine_python and str(engine_python),
+            "engine.tensor_parallel_size": tp,
+            "engine.enforce_eager": enforce_eager,
+            "engine.cascade_attn": cascade_attn,
+            "engine.chunked_prefill": chunked_prefill,
+            "engine.prefix_caching": prefix_caching,
+            "engine.batch_invariant": batch_invariant,
+            "engine.max_num_seqs": max_num_seqs,
+            "engine.max_num_batched_tokens": max_num_batched_tokens,
+            "engine.gpu_memory_utilization": gpu_memory_utilization,
+            "engine.kv_cache_dtype": kv_cache_dtype,
+            "engine.quantization": quantization,
+            "engine.max_model_len": max_model_len,
+            "engine.kv_cache_memory_bytes": kv_cache_memory_bytes,
+            "engine.attention_backend": attention_backend,
+            "engine.rl_on_policy_target": rl_on_policy_target,
+            "engine.logits_fp32": engine_logits_fp32,
+            "engine.max_total_tokens": max_total_tokens,
+            "engine.prefill_check": prefill_check,
+            "reference.logprobs": reference_logprobs,
+            "reference.dtype": train_dtype,
+            "reference.attn_implementation": train_attn,
+            "reference.logits_fp32": logits_fp32,
+            "reference.packing": packing,
+            "reference.micro_batch_size": micro_batch_size,
+            "reference.sequence_parallel_size": train_sp,
+            "reference.tensor_parallel_size": train_tp,
+            "sampling.temperature": temperature,
+            "sampling.top_p": top_p,
+            "sampling.top_k": top_k,
+            "sampling.max_tokens": max_tokens,
+            "sampling.n": n,
+            "sampling.seed": seed,
+        },
+    )
     if spec.variants:
         return _compare_variants(spec, overwrite, rollouts_from, gate_file, gate, as_json)
     with RichProgress(err) as progress:
@@ -217,7 +349,9 @@ def _compare_variants(spec, overwrite, rollouts_from, gate_file, gate, as_json) 
 
     with RichProgress(err) as progress:
         result = run_variants(spec, progress=progress, overwrite=overwrite, rollouts_from=rollouts_from)
-    gated = {name: _gate(r.run_dir, gate_file, None, gate, quiet=True) for name, r in result.runs.items()} if gate else {}
+    gated = (
+        {name: _gate(r.run_dir, gate_file, None, gate, quiet=True) for name, r in result.runs.items()} if gate else {}
+    )
     if as_json:
         sys.stdout.write(json.dumps({name: r.record for name, r in result.runs.items()}, indent=2) + "\n")
     else:
@@ -261,10 +395,14 @@ def _gate_exit(result) -> None:
 @friendly_errors
 def gate(
     run_dir: Annotated[Path, typer.Argument(help="Run directory written by compare.", show_default=False)],
-    thresholds: Annotated[Path, typer.Option("--thresholds", help="Checks (TOML), e.g. probes/gate-default.toml.", show_default=False)],
+    thresholds: Annotated[
+        Path, typer.Option("--thresholds", help="Checks (TOML), e.g. probes/gate-default.toml.", show_default=False)
+    ],
     baseline: Annotated[Path | None, typer.Option(help="Run to compare against, for baseline_factor checks.")] = None,
     junit: Annotated[Path | None, typer.Option(help="Also write JUnit XML here (one testcase per check).")] = None,
-    markdown: Annotated[Path | None, typer.Option(help="Also write a Markdown summary here (e.g. $GITHUB_STEP_SUMMARY).")] = None,
+    markdown: Annotated[
+        Path | None, typer.Option(help="Also write a Markdown summary here (e.g. $GITHUB_STEP_SUMMARY).")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON instead of a table.")] = False,
 ) -> None:
     """Check a run against thresholds: exit 0 when all pass (warnings allowed), 1 when a check fails,
@@ -278,15 +416,27 @@ def gate(
 @app.command()
 @friendly_errors
 def report(
-    run_dirs: Annotated[list[Path], typer.Argument(help="Run directories written by compare; two or more are compared side by side.", show_default=False)],
-    out_file: Annotated[Path | None, typer.Option("--out", help="HTML file to write (default: <run>/report.html for one run, compare.html for several).")] = None,
+    run_dirs: Annotated[
+        list[Path],
+        typer.Argument(
+            help="Run directories written by compare; two or more are compared side by side.", show_default=False
+        ),
+    ],
+    out_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--out", help="HTML file to write (default: <run>/report.html for one run, compare.html for several)."
+        ),
+    ] = None,
 ) -> None:
     """Render the HTML report of a run, or compare runs (grouped by GPU type); needs no engine and no GPU."""
     from .report_html import write_report
 
     written = write_report(run_dirs, out_file)
     what = f"comparison of {written.n_runs} runs" if written.n_runs > 1 else "report"
-    out.print(f"{what}: {escape(str(written.path))} ({written.n_bytes / 1e6:.2f} MB, rendered in {written.seconds:.1f} s)")
+    out.print(
+        f"{what}: {escape(str(written.path))} ({written.n_bytes / 1e6:.2f} MB, rendered in {written.seconds:.1f} s)"
+    )
 
 
 @app.command()
@@ -302,7 +452,11 @@ def engines() -> None:
         table.add_column(col)
     for name, entry in sorted(registered_engines().items()):
         missing = entry.missing()
-        status = "[green]yes[/]" if not missing else f"[red]no[/] (missing {', '.join(missing)}: {escape(entry.install_hint)})"
+        status = (
+            "[green]yes[/]"
+            if not missing
+            else f"[red]no[/] (missing {', '.join(missing)}: {escape(entry.install_hint)})"
+        )
         table.add_row(name, status, entry.description)
     out.print(table)
 

@@ -54,20 +54,31 @@ def check_reference_layout(model_path: Path, spec: ReferenceSpec, *, trust_remot
     if sp > 1:
         attention = choose_attention(model_path, spec.attn_implementation, trust_remote_code=trust_remote_code)
         if attention.used not in SP_ATTN_IMPLEMENTATIONS:
-            raise ConfigError(f"Ulysses sequence parallelism (--train-sp) needs per-sequence attention "
-                              f"({' or '.join(SP_ATTN_IMPLEMENTATIONS)}), and this model runs {attention.used}"
-                              + (f": {attention.fallback_reason}" if attention.fallback_reason else ""),
-                              hint="score it with --train-sp 1 (--train-tp is fine)")
+            raise ConfigError(
+                f"Ulysses sequence parallelism (--train-sp) needs per-sequence attention "
+                f"({' or '.join(SP_ATTN_IMPLEMENTATIONS)}), and this model runs {attention.used}"
+                + (f": {attention.fallback_reason}" if attention.fallback_reason else ""),
+                hint="score it with --train-sp 1 (--train-tp is fine)",
+            )
     device_type = resolve_device(spec.device)
     if device_type == "cuda" and torch.cuda.device_count() < sp * tp:
-        raise ConfigError(f"the reference layout needs {sp * tp} GPUs (sp {sp} x tp {tp}), and torch "
-                          f"sees {torch.cuda.device_count()}", hint="lower --train-sp / --train-tp")
+        raise ConfigError(
+            f"the reference layout needs {sp * tp} GPUs (sp {sp} x tp {tp}), and torch "
+            f"sees {torch.cuda.device_count()}",
+            hint="lower --train-sp / --train-tp",
+        )
     return device_type
 
 
 class DistributedReferenceScorer:
-    def __init__(self, model_path: str | Path, spec: ReferenceSpec, *, trust_remote_code: bool = False,
-                 log_path: str | Path | None = None):
+    def __init__(
+        self,
+        model_path: str | Path,
+        spec: ReferenceSpec,
+        *,
+        trust_remote_code: bool = False,
+        log_path: str | Path | None = None,
+    ):
         import torch.multiprocessing as mp
 
         self.log_path = log_path
@@ -81,9 +92,22 @@ class DistributedReferenceScorer:
         self._store_dir = tempfile.mkdtemp(prefix="mismatch-probe-ranks-")
         init_method = f"file://{self._store_dir}/store"
         self._procs = mp.start_processes(
-            _rank_main, nprocs=self.world_size, join=False, start_method="spawn",
-            args=(sp, tp, init_method, device_type, str(model_path), spec, trust_remote_code,
-                  self._tasks, self._results, str(log_path) if log_path else None),
+            _rank_main,
+            nprocs=self.world_size,
+            join=False,
+            start_method="spawn",
+            args=(
+                sp,
+                tp,
+                init_method,
+                device_type,
+                str(model_path),
+                spec,
+                trust_remote_code,
+                self._tasks,
+                self._results,
+                str(log_path) if log_path else None,
+            ),
         )
         try:
             self._info = self._wait("ready")[1]
@@ -168,7 +192,9 @@ class DistributedReferenceScorer:
                 name = signal.Signals(-p.exitcode).name
                 return ReferenceRankError(
                     f"a reference rank died: rank {rank} was killed by {name}"
-                    + (" (out of memory?)" if name == "SIGKILL" else ""), hint=self._where())
+                    + (" (out of memory?)" if name == "SIGKILL" else ""),
+                    hint=self._where(),
+                )
         return None
 
     def _where(self) -> str:
@@ -177,8 +203,11 @@ class DistributedReferenceScorer:
     def _error(self, rank: int, kind: str, message: str, hint: str | None, remote: str) -> ProbeError:
         if kind in _ERRORS:
             return _ERRORS[kind](message, hint=hint)
-        return ReferenceRankError(f"reference rank {rank} failed: {kind}: {message}", remote_traceback=remote,
-                                  hint="--debug shows its traceback")
+        return ReferenceRankError(
+            f"reference rank {rank} failed: {kind}: {message}",
+            remote_traceback=remote,
+            hint="--debug shows its traceback",
+        )
 
     def _kill(self) -> None:
         if self._procs is None:
@@ -196,8 +225,19 @@ class DistributedReferenceScorer:
         shutil.rmtree(self._store_dir, ignore_errors=True)
 
 
-def _rank_main(rank: int, sp: int, tp: int, init_method: str, device_type: str, model_path: str,
-               spec: ReferenceSpec, trust_remote_code: bool, tasks, results, log_path: str | None) -> None:
+def _rank_main(
+    rank: int,
+    sp: int,
+    tp: int,
+    init_method: str,
+    device_type: str,
+    model_path: str,
+    spec: ReferenceSpec,
+    trust_remote_code: bool,
+    tasks,
+    results,
+    log_path: str | None,
+) -> None:
     """One rank: join the group, load the model into its place in the layout, score what comes."""
     if log_path:  # before torch: library warnings go to the log, not over the parent's progress bars
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
@@ -229,8 +269,9 @@ def _rank_main(rank: int, sp: int, tp: int, init_method: str, device_type: str, 
                 results.put(("scores", scores))
     except BaseException as exc:
         hint = getattr(exc, "hint", None)
-        results.put(("error", rank, type(exc).__name__, getattr(exc, "message", None) or str(exc), hint,
-                     traceback.format_exc()))
+        results.put(
+            ("error", rank, type(exc).__name__, getattr(exc, "message", None) or str(exc), hint, traceback.format_exc())
+        )
         raise
     finally:
         if dist.is_initialized():

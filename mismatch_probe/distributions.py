@@ -78,8 +78,9 @@ class DistributionAccumulator:
         lt = np.asarray(logp_train, dtype=np.float64)
         li = np.asarray(logp_infer, dtype=np.float64)
         p_train, p_infer = np.exp(lt), np.exp(li)
-        cell = (np.minimum((p_infer * PROB_BINS).astype(np.int64), PROB_BINS - 1) * PROB_BINS
-                + np.minimum((p_train * PROB_BINS).astype(np.int64), PROB_BINS - 1))
+        cell = np.minimum((p_infer * PROB_BINS).astype(np.int64), PROB_BINS - 1) * PROB_BINS + np.minimum(
+            (p_train * PROB_BINS).astype(np.int64), PROB_BINS - 1
+        )
         with np.errstate(invalid="ignore"):
             ratio_bin = bin_index(lt - li, LOG_RATIO_EDGES)
         for group, keep in (("first", turn == 0), ("later", turn >= 1)):
@@ -114,8 +115,9 @@ class DistributionAccumulator:
         seq = overall.sequences()
         length_hist = np.zeros((len(LENGTH_EDGES) - 1, len(MISMATCH_LOG_EDGES) - 1), dtype=np.int64)
         if len(seq.n_tokens):
-            np.add.at(length_hist, (bin_index(seq.n_tokens, LENGTH_EDGES),
-                                    bin_index(seq.max_mismatch, MISMATCH_LOG_EDGES)), 1)
+            np.add.at(
+                length_hist, (bin_index(seq.n_tokens, LENGTH_EDGES), bin_index(seq.max_mismatch, MISMATCH_LOG_EDGES)), 1
+            )
         with np.errstate(invalid="ignore"):
             seq_ratio_bin = bin_index(seq.log_ratio, LOG_RATIO_EDGES)
         order = np.lexsort((self._worst_sample, -self._worst_gap))  # worst first, ties by sample id
@@ -130,14 +132,17 @@ class DistributionAccumulator:
             },
             "groups": groups,
             "sequences": {
-                "n_sequences": int(len(seq.n_tokens)),
-                "max_mismatch_hist": np.bincount(bin_index(seq.max_mismatch, SEQ_MAX_MISMATCH_EDGES),
-                                                 minlength=len(SEQ_MAX_MISMATCH_EDGES) - 1).tolist(),
+                "n_sequences": len(seq.n_tokens),
+                "max_mismatch_hist": np.bincount(
+                    bin_index(seq.max_mismatch, SEQ_MAX_MISMATCH_EDGES), minlength=len(SEQ_MAX_MISMATCH_EDGES) - 1
+                ).tolist(),
                 "log_ratio_hist": np.bincount(seq_ratio_bin, minlength=len(LOG_RATIO_EDGES) - 1).tolist(),
                 "length_vs_max_mismatch": _sparse(length_hist),
             },
-            "worst": [{"sample_id": int(s), "max_prob_diff": float(g)}
-                      for s, g in zip(self._worst_sample[order], self._worst_gap[order])],
+            "worst": [
+                {"sample_id": int(s), "max_prob_diff": float(g)}
+                for s, g in zip(self._worst_sample[order], self._worst_gap[order])
+            ],
         }
         return self.result
 
@@ -145,8 +150,9 @@ class DistributionAccumulator:
 WORST_COLUMNS = ["sample_id", "prompt_id", "turn", "position", "token_id", "is_model_token", "logp_infer", "logp_train"]
 
 
-def worst_sequences(run_dir: str | Path, worst: list[dict], tokenizer=None, *, head: int = 48,
-                    window: int = 320) -> list[dict]:
+def worst_sequences(
+    run_dir: str | Path, worst: list[dict], tokenizer=None, *, head: int = 48, window: int = 320
+) -> list[dict]:
     """The tokens of the worst samples, for the report: the first ``head`` tokens (the start of the
     prompt) and ``window`` tokens centred on the model token with the largest probability gap, so a
     16k-token sequence costs the report as much as a short one. Token text comes from
@@ -189,29 +195,34 @@ def worst_sequences(run_dir: str | Path, worst: list[dict], tokenizer=None, *, h
         shown = np.unique(np.concatenate([np.arange(min(head, n)), np.arange(lo, min(n, lo + window))]))
         sel = rows[shown]
         ids = cols["token_id"][sel].astype(np.int64)
-        text = [tokenizer.decode([int(i)], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-                for i in ids] if tokenizer is not None else None
+        text = (
+            [tokenizer.decode([int(i)], skip_special_tokens=False, clean_up_tokenization_spaces=False) for i in ids]
+            if tokenizer is not None
+            else None
+        )
         with np.errstate(divide="ignore"):  # p_train = 0 gives delta = -inf, as in the metrics
             delta = np.log(p_train[model]) - np.log(p_infer[model]) if model.any() else np.zeros(0)
-        out.append({
-            "sample_id": int(item["sample_id"]),
-            "prompt_id": str(cols["prompt_id"][rows[0]]),
-            "n_tokens": int(n),
-            "n_model_tokens": int(model.sum()),
-            "n_turns": int(len(np.unique(cols["turn"][rows][model]))),
-            "max_prob_diff": float(gap[worst_at]),
-            "worst_position": int(cols["position"][rows[worst_at]]),
-            "log_ratio": float(np.sum(delta)) if len(delta) else None,
-            "tokens": {
-                "position": cols["position"][sel].astype(int).tolist(),
-                "token_id": ids.tolist(),
-                "text": text,
-                "turn": cols["turn"][sel].astype(int).tolist(),
-                "is_model": model[shown].tolist(),
-                "p_infer": p_infer[shown].tolist(),
-                "p_train": p_train[shown].tolist(),
-            },
-        })
+        out.append(
+            {
+                "sample_id": int(item["sample_id"]),
+                "prompt_id": str(cols["prompt_id"][rows[0]]),
+                "n_tokens": int(n),
+                "n_model_tokens": int(model.sum()),
+                "n_turns": len(np.unique(cols["turn"][rows][model])),
+                "max_prob_diff": float(gap[worst_at]),
+                "worst_position": int(cols["position"][rows[worst_at]]),
+                "log_ratio": float(np.sum(delta)) if len(delta) else None,
+                "tokens": {
+                    "position": cols["position"][sel].astype(int).tolist(),
+                    "token_id": ids.tolist(),
+                    "text": text,
+                    "turn": cols["turn"][sel].astype(int).tolist(),
+                    "is_model": model[shown].tolist(),
+                    "p_infer": p_infer[shown].tolist(),
+                    "p_train": p_train[shown].tolist(),
+                },
+            }
+        )
     return out
 
 

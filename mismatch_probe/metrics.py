@@ -44,14 +44,31 @@ QUANTILES = {"p50": 0.5, "p90": 0.9, "p99": 0.99}
 
 # Keys DESIGN §4 makes canonical; reports and gates rely on them.
 CANONICAL_KEYS = (
-    "k3_kl", "k1_kl", "abs_delta_mean", "abs_delta_p99", "prob_diff_max", "prob_diff_mean",
-    "seq_max_mismatch_mean", "seq_max_mismatch_gt_0_5_share", "mult_prob_error", "chi2_token",
-    "chi2_seq", "ess", "pearson_prob", "log_ppl_infer", "log_ppl_train", "n_model_tokens",
+    "k3_kl",
+    "k1_kl",
+    "abs_delta_mean",
+    "abs_delta_p99",
+    "prob_diff_max",
+    "prob_diff_mean",
+    "seq_max_mismatch_mean",
+    "seq_max_mismatch_gt_0_5_share",
+    "mult_prob_error",
+    "chi2_token",
+    "chi2_seq",
+    "ess",
+    "pearson_prob",
+    "log_ppl_infer",
+    "log_ppl_train",
+    "n_model_tokens",
     "n_sequences",
 )
 CORRECTION_KEYS = (
-    "token_tis_clipped_share", "token_mask_share", "seq_tis_clipped_share",
-    "seq_mis_masked_share", "geo_rejected_share", "worst_token_rejected_share",
+    "token_tis_clipped_share",
+    "token_mask_share",
+    "seq_tis_clipped_share",
+    "seq_mis_masked_share",
+    "geo_rejected_share",
+    "worst_token_rejected_share",
 )
 
 
@@ -176,7 +193,9 @@ class SequenceTerms(NamedTuple):
     min_token_log_ratio: np.ndarray
 
 
-def sequence_terms(terms: TokenTerms, logp_train: np.ndarray, logp_infer: np.ndarray, starts: np.ndarray) -> SequenceTerms:
+def sequence_terms(
+    terms: TokenTerms, logp_train: np.ndarray, logp_infer: np.ndarray, starts: np.ndarray
+) -> SequenceTerms:
     """Reduce each sequence over its own tokens (``starts`` from :func:`segment_starts`)."""
     n = len(terms.delta)
     if len(starts) == 0:
@@ -327,8 +346,13 @@ class MetricsAccumulator:
         self._n += n
         with np.errstate(invalid="ignore", over="ignore"):
             for key, arr in (
-                ("k1", t.k1), ("k2", t.k2), ("k3", t.k3), ("abs_delta", t.abs_delta),
-                ("prob_diff", t.prob_diff), ("mult_error", t.mult_error), ("ratio", t.ratio),
+                ("k1", t.k1),
+                ("k2", t.k2),
+                ("k3", t.k3),
+                ("abs_delta", t.abs_delta),
+                ("prob_diff", t.prob_diff),
+                ("mult_error", t.mult_error),
+                ("ratio", t.ratio),
                 ("ratio2", t.ratio * t.ratio),
             ):
                 self._sums[key] += float(arr.sum())
@@ -471,8 +495,12 @@ class MetricsAccumulator:
         bounds = np.searchsorted(bucket[order], np.arange(len(P_INFER_BUCKET_EDGES)))
         for i in range(len(P_INFER_BUCKET_EDGES) - 1):
             count = int(sums["count"][i])
-            row = {"p_infer_lo": P_INFER_BUCKET_EDGES[i], "p_infer_hi": P_INFER_BUCKET_EDGES[i + 1], "count": count,
-                   "share": count / self._n}
+            row = {
+                "p_infer_lo": P_INFER_BUCKET_EDGES[i],
+                "p_infer_hi": P_INFER_BUCKET_EDGES[i + 1],
+                "count": count,
+                "share": count / self._n,
+            }
             if count:
                 values = abs_delta[order[bounds[i] : bounds[i + 1]]]
                 row.update(
@@ -493,13 +521,17 @@ class MetricsAccumulator:
             count = int(sums["count"][i])
             if not count:
                 continue
-            rows.append({
-                "position_lo": edges[i], "position_hi": edges[i + 1], "count": count,
-                "abs_delta_mean": float(sums["abs_delta"][i] / count),
-                "prob_diff_mean": float(sums["prob_diff"][i] / count),
-                "prob_diff_max": float(self._pos_bucket_max[i]),
-                "k3_mean": float(sums["k3"][i] / count),
-            })
+            rows.append(
+                {
+                    "position_lo": edges[i],
+                    "position_hi": edges[i + 1],
+                    "count": count,
+                    "abs_delta_mean": float(sums["abs_delta"][i] / count),
+                    "prob_diff_mean": float(sums["prob_diff"][i] / count),
+                    "prob_diff_max": float(self._pos_bucket_max[i]),
+                    "k3_mean": float(sums["k3"][i] / count),
+                }
+            )
         return rows
 
     def _length_table(self) -> list[dict]:
@@ -514,20 +546,34 @@ class MetricsAccumulator:
             count = int(sel.sum())
             if not count:
                 continue
-            rows.append({
-                "length_lo": edges[i], "length_hi": edges[i + 1], "count": count,
-                "seq_max_mismatch_mean": float(seq.max_mismatch[sel].mean()),
-                "seq_max_mismatch_gt_0_5_share": float((seq.max_mismatch[sel] > 0.5).mean()),
-                "seq_mean_mismatch_mean": float(seq.mean_mismatch[sel].mean()),
-                "seq_abs_log_ratio_mean": float(np.abs(seq.log_ratio[sel]).mean()),
-            })
+            rows.append(
+                {
+                    "length_lo": edges[i],
+                    "length_hi": edges[i + 1],
+                    "count": count,
+                    "seq_max_mismatch_mean": float(seq.max_mismatch[sel].mean()),
+                    "seq_max_mismatch_gt_0_5_share": float((seq.max_mismatch[sel] > 0.5).mean()),
+                    "seq_mean_mismatch_mean": float(seq.mean_mismatch[sel].mean()),
+                    "seq_abs_log_ratio_mean": float(np.abs(seq.log_ratio[sel]).mean()),
+                }
+            )
         return rows
 
 
 _EXTRA_KEYS = (
-    "k2_kl", "abs_delta_p50", "abs_delta_p90", "abs_delta_max", "log_ppl_diff_mean",
-    "log_ppl_abs_diff_mean", "seq_mean_mismatch_mean", "seq_log_ratio_mean", "seq_geo_ratio_mean",
-    "seq_min_token_ratio_min", "pearson_log_ppl", "chi2_token_sn", "chi2_seq_sn",
+    "k2_kl",
+    "abs_delta_p50",
+    "abs_delta_p90",
+    "abs_delta_max",
+    "log_ppl_diff_mean",
+    "log_ppl_abs_diff_mean",
+    "seq_mean_mismatch_mean",
+    "seq_log_ratio_mean",
+    "seq_geo_ratio_mean",
+    "seq_min_token_ratio_min",
+    "pearson_log_ppl",
+    "chi2_token_sn",
+    "chi2_seq_sn",
 )
 
 
@@ -555,7 +601,9 @@ class RoutingComparison(NamedTuple):
     shared: np.ndarray  # int [tokens, layers]: experts in common
 
 
-def compare_routing(experts_infer: np.ndarray, experts_train: np.ndarray, n_layers: int, top_k: int) -> RoutingComparison:
+def compare_routing(
+    experts_infer: np.ndarray, experts_train: np.ndarray, n_layers: int, top_k: int
+) -> RoutingComparison:
     """Per token and layer: same expert set?, and how many experts in common (sorted ids in)."""
     shape = (len(experts_infer), n_layers, top_k)
     ei, et = np.asarray(experts_infer).reshape(shape), np.asarray(experts_train).reshape(shape)
@@ -584,8 +632,10 @@ class RoutingAccumulator:
         self._same = np.zeros(self.n_layers, dtype=np.int64)
         self._overlap = np.zeros(self.n_layers, dtype=np.int64)
         self._differing_hist = np.zeros(self.n_layers + 1, dtype=np.int64)
-        self._groups = {g: {"n": 0, "abs_delta": 0.0, "prob_diff": 0.0, "k3": 0.0, "prob_diff_max": -math.inf}
-                        for g in ("flipped", "agreed")}
+        self._groups = {
+            g: {"n": 0, "abs_delta": 0.0, "prob_diff": 0.0, "k3": 0.0, "prob_diff_max": -math.inf}
+            for g in ("flipped", "agreed")
+        }
 
     def add(self, comparison: RoutingComparison, logp_train: np.ndarray, logp_infer: np.ndarray) -> None:
         n = len(logp_train)
@@ -613,9 +663,14 @@ class RoutingAccumulator:
         groups = {}
         for name, g in self._groups.items():
             groups[name] = {"n_tokens": g["n"]} | (
-                {"abs_delta_mean": g["abs_delta"] / g["n"], "prob_diff_mean": g["prob_diff"] / g["n"],
-                 "prob_diff_max": g["prob_diff_max"], "k3_mean": g["k3"] / g["n"]}
-                if g["n"] else {"abs_delta_mean": None, "prob_diff_mean": None, "prob_diff_max": None, "k3_mean": None}
+                {
+                    "abs_delta_mean": g["abs_delta"] / g["n"],
+                    "prob_diff_mean": g["prob_diff"] / g["n"],
+                    "prob_diff_max": g["prob_diff_max"],
+                    "k3_mean": g["k3"] / g["n"],
+                }
+                if g["n"]
+                else {"abs_delta_mean": None, "prob_diff_mean": None, "prob_diff_max": None, "k3_mean": None}
             )
         return {
             "moe_layers": list(moe_layers) if moe_layers is not None else list(range(self.n_layers)),
@@ -644,8 +699,21 @@ def compute_metrics(
 
 
 __all__ = [
-    "CANONICAL_KEYS", "CORRECTION_KEYS", "CorrectionThresholds", "MetricsAccumulator", "RoutingAccumulator",
-    "RoutingComparison", "TokenTerms", "compare_routing", "shared_experts",
-    "SequenceTerms", "check_logprobs", "compute_metrics", "quantiles", "segment_starts", "self_normalized_chi2",
-    "sequence_terms", "token_terms",
+    "CANONICAL_KEYS",
+    "CORRECTION_KEYS",
+    "CorrectionThresholds",
+    "MetricsAccumulator",
+    "RoutingAccumulator",
+    "RoutingComparison",
+    "SequenceTerms",
+    "TokenTerms",
+    "check_logprobs",
+    "compare_routing",
+    "compute_metrics",
+    "quantiles",
+    "segment_starts",
+    "self_normalized_chi2",
+    "sequence_terms",
+    "shared_experts",
+    "token_terms",
 ]

@@ -41,17 +41,21 @@ class ToolTurnTemplate:
             full = tokenizer.apply_chat_template(
                 _BASE + [{"role": "tool", "content": _MARK}], tokenize=False, add_generation_prompt=True
             )
-        except Exception as exc:  # noqa: BLE001 (any template failure means: no tool role)
-            raise ConfigError(f"the model's chat template cannot render a tool message ({exc})",
-                              hint="multi-turn tool use needs a chat template with a 'tool' role") from None
+        except Exception as exc:  # any template failure means: no tool role
+            raise ConfigError(
+                f"the model's chat template cannot render a tool message ({exc})",
+                hint="multi-turn tool use needs a chat template with a 'tool' role",
+            ) from None
         if not full.startswith(upto) or _MARK not in full or not eos or eos not in upto:
-            raise ConfigError("the model's chat template does not render tool turns after the assistant's "
-                              "end-of-turn token the way mismatch-probe can splice them",
-                              hint="use a ChatML-style template with a 'tool' role")
-        after_eos = upto[upto.rindex(eos) + len(eos):]
-        suffix = full[len(upto):]
+            raise ConfigError(
+                "the model's chat template does not render tool turns after the assistant's "
+                "end-of-turn token the way mismatch-probe can splice them",
+                hint="use a ChatML-style template with a 'tool' role",
+            )
+        after_eos = upto[upto.rindex(eos) + len(eos) :]
+        suffix = full[len(upto) :]
         cut = suffix.index(_MARK)
-        return cls(before=after_eos + suffix[:cut], after=suffix[cut + len(_MARK):], after_eos=after_eos, base=upto)
+        return cls(before=after_eos + suffix[:cut], after=suffix[cut + len(_MARK) :], after_eos=after_eos, base=upto)
 
     def token_ids(self, tokenizer, result: str) -> np.ndarray:
         """One tool message carrying ``result``."""
@@ -62,9 +66,11 @@ class ToolTurnTemplate:
         by the chat template as it would render them after an assistant turn."""
         full = tokenizer.apply_chat_template(_BASE + messages, tokenize=False, add_generation_prompt=True)
         if not full.startswith(self.base):
-            raise ConfigError("the chat template renders earlier turns differently once later messages follow; "
-                              "recorded turns cannot be spliced token by token")
-        return np.asarray(tokenizer.encode(self.after_eos + full[len(self.base):], add_special_tokens=False), np.int32)
+            raise ConfigError(
+                "the chat template renders earlier turns differently once later messages follow; "
+                "recorded turns cannot be spliced token by token"
+            )
+        return np.asarray(tokenizer.encode(self.after_eos + full[len(self.base) :], add_special_tokens=False), np.int32)
 
 
 _BASE = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
@@ -89,8 +95,13 @@ class Conversation:
     @classmethod
     def start(cls, sample_id: int, prompt_ids: np.ndarray) -> Conversation:
         n = len(prompt_ids)
-        return cls(sample_id, [prompt_ids.astype(np.int32)], [np.full(n, -1, np.int16)], [np.zeros(n, bool)],
-                   [np.full(n, np.nan, np.float32)])
+        return cls(
+            sample_id,
+            [prompt_ids.astype(np.int32)],
+            [np.full(n, -1, np.int16)],
+            [np.zeros(n, bool)],
+            [np.full(n, np.nan, np.float32)],
+        )
 
     @property
     def length(self) -> int:
@@ -132,7 +143,7 @@ def roll_out(
     recorded = list(recorded) if recorded is not None else [None] * len(convs)
     limits = [len(r) + 1 if r else max_turns for r in recorded]
     live = list(range(len(convs)))
-    stops = set(int(t) for t in stop_token_ids)
+    stops = {int(t) for t in stop_token_ids}
     for turn in range(max(limits, default=0)):
         n_live = len(live)
         budget = {i: min(sampling.max_tokens, max_model_len - convs[i].length) for i in live}
@@ -143,8 +154,9 @@ def roll_out(
         if live:
             requests = [GenerationRequest(convs[i].token_ids(), budget[i]) for i in live]
             # turn 0 keeps the single-turn seed, so a one-turn probe draws what it always drew
-            completions = engine.generate(requests, sampling, stop_token_ids=stop_token_ids,
-                                          seed=seed + turn * 7_919, on_progress=None)
+            completions = engine.generate(
+                requests, sampling, stop_token_ids=stop_token_ids, seed=seed + turn * 7_919, on_progress=None
+            )
             for i, request, c in zip(live, requests, completions):
                 if _extend(convs[i], request, c, turn, turn == limits[i] - 1, stops, tokenizer, template, recorded[i]):
                     next_live.append(i)
@@ -156,12 +168,23 @@ def roll_out(
     return convs
 
 
-def _extend(conv: Conversation, request: GenerationRequest, c, turn: int, last_turn: bool, stops: set,
-            tokenizer, template: ToolTurnTemplate | None, recorded: list[list[dict]] | None) -> bool:
+def _extend(
+    conv: Conversation,
+    request: GenerationRequest,
+    c,
+    turn: int,
+    last_turn: bool,
+    stops: set,
+    tokenizer,
+    template: ToolTurnTemplate | None,
+    recorded: list[list[dict]] | None,
+) -> bool:
     """Append one sampled turn (and the tool response it asks for); True if the conversation goes on."""
     if c.prompt_token_ids is not None and not np.array_equal(c.prompt_token_ids, request.prompt_token_ids):
-        raise DataError(f"sample {conv.sample_id}: the engine reports different token ids for turn {turn}'s "
-                        "context than it was given; the two sides would score different sequences")
+        raise DataError(
+            f"sample {conv.sample_id}: the engine reports different token ids for turn {turn}'s "
+            "context than it was given; the two sides would score different sequences"
+        )
     if len(c.logprobs) != len(c.token_ids):
         raise DataError(f"sample {conv.sample_id}: {len(c.token_ids)} tokens but {len(c.logprobs)} log-probs")
     conv.add(c.token_ids, turn, c.logprobs)
@@ -172,7 +195,9 @@ def _extend(conv: Conversation, request: GenerationRequest, c, turn: int, last_t
     conv.ended_cleanly = ended_turn
     if tokenizer is not None:
         body = c.token_ids[:-1] if ended_turn else c.token_ids
-        conv.messages.append({"role": "assistant", "content": tokenizer.decode(body.tolist(), skip_special_tokens=False)})
+        conv.messages.append(
+            {"role": "assistant", "content": tokenizer.decode(body.tolist(), skip_special_tokens=False)}
+        )
     if not ended_turn or template is None:
         return False
     if recorded is not None:  # replay: the recorded messages follow, whatever this turn said
@@ -222,10 +247,14 @@ class RetokenizationCheck:
             return
         self.n_differing += 1
         if len(self.examples) < 5:
-            self.examples.append({
-                "sample_id": conv.sample_id, "first_difference_at": int(diff[0]) if len(diff) else n,
-                "transcript_tokens": len(ids), "retokenized_tokens": len(fresh),
-            })
+            self.examples.append(
+                {
+                    "sample_id": conv.sample_id,
+                    "first_difference_at": int(diff[0]) if len(diff) else n,
+                    "transcript_tokens": len(ids),
+                    "retokenized_tokens": len(fresh),
+                }
+            )
 
     def merge(self, previous: dict | None) -> dict:
         prev = previous or {}

@@ -70,8 +70,9 @@ def init_rank(rank: int, sp: int, tp: int, init_method: str, device_type: str) -
     if device_type == "cuda":
         torch.cuda.set_device(rank)
         device = f"cuda:{rank}"
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=init_method,
-                            rank=rank, world_size=sp * tp)
+    dist.init_process_group(
+        "nccl" if device_type == "cuda" else "gloo", init_method=init_method, rank=rank, world_size=sp * tp
+    )
     mesh = init_device_mesh(device_type, (sp, tp), mesh_dim_names=("sp", "tp"))
     return ParallelContext(rank=rank, sp=sp, tp=tp, device=device, mesh=mesh)
 
@@ -98,8 +99,7 @@ def check_layout(config: dict, sp: int, tp: int) -> dict:
             "and are then repeated)",
             hint=f"choose a sequence-parallel size that divides {local_heads}",
         )
-    return {"attention_heads_per_rank": local_heads // sp,
-            "kv_head_repeats": max(sp // local_kv, 1) if sp > 1 else 1}
+    return {"attention_heads_per_rank": local_heads // sp, "kv_head_repeats": max(sp // local_kv, 1) if sp > 1 else 1}
 
 
 # ---- tensor parallelism ----------------------------------------------------------------------
@@ -132,9 +132,12 @@ def apply_tensor_parallel(decoder: torch.nn.Module, ctx: ParallelContext) -> dic
             hint="run this model with --train-tp 1",
         )
     parallelize_module(decoder, ctx.mesh["tp"], concrete)
-    return {"plan": "transformers base_model_tp_plan via torch parallelize_module",
-            "sharded_linear_layers": sharded, "replicated": sorted(replicated),
-            "lm_head_and_embeddings": "replicated"}
+    return {
+        "plan": "transformers base_model_tp_plan via torch parallelize_module",
+        "sharded_linear_layers": sharded,
+        "replicated": sorted(replicated),
+        "lm_head_and_embeddings": "replicated",
+    }
 
 
 # ---- Ulysses sequence parallelism ------------------------------------------------------------

@@ -235,11 +235,28 @@ def run_compare(
 
                 progress.log(f"starting engine {entry.name} (log: {portable_path(out / ENGINE_LOG)})")
                 with _timed(timings, "engine_start_s"):
-                    engine = EngineProcess(entry, model_path, spec.engine, log_path=out / ENGINE_LOG,
-                                           trust_remote_code=spec.trust_remote_code)
+                    engine = EngineProcess(
+                        entry,
+                        model_path,
+                        spec.engine,
+                        log_path=out / ENGINE_LOG,
+                        trust_remote_code=spec.trust_remote_code,
+                    )
             try:
-                _rollouts(spec, engine, record, prompts, shards, missing, stops, rollout_dir, timings, progress,
-                          tokenizer, model_len)
+                _rollouts(
+                    spec,
+                    engine,
+                    record,
+                    prompts,
+                    shards,
+                    missing,
+                    stops,
+                    rollout_dir,
+                    timings,
+                    progress,
+                    tokenizer,
+                    model_len,
+                )
             finally:
                 if owned:
                     with _timed(timings, "engine_stop_s"):
@@ -264,8 +281,9 @@ def run_compare(
             )
         semantics = LogprobSemantics.from_record(record["logprob_semantics"]["reference"])
         with _timed(timings, "reference_load_s"):
-            scorer = open_reference_scorer(model_path, spec.reference, trust_remote_code=spec.trust_remote_code,
-                                           log_path=out / REFERENCE_LOG)
+            scorer = open_reference_scorer(
+                model_path, spec.reference, trust_remote_code=spec.trust_remote_code, log_path=out / REFERENCE_LOG
+            )
         try:
             record["reference"] = scorer.info()
             _write_record(out, record)
@@ -292,7 +310,7 @@ def run_compare(
             _write_record(out, record)
             raise DataError(f"{exc}; the per-token table is kept in {out / TOKENS_DIR}") from None
     if sections.get("decode_vs_prefill") is None:
-        sections["decode_vs_prefill"] = (record.get("decode_vs_prefill") or None)
+        sections["decode_vs_prefill"] = record.get("decode_vs_prefill") or None
     record.update(sections)
     record["samples"] = _sample_summary(out)
     with _timed(timings, "metrics_s"):
@@ -317,8 +335,10 @@ def run_compare(
     except Exception as exc:  # the run itself is complete on disk; only its rendering failed
         if isinstance(exc, ProbeError):
             raise
-        raise ProbeError(f"the run is complete in {out}, but rendering its report failed: {type(exc).__name__}: {exc}",
-                         hint=f"re-render it with `mismatch-probe report {out}`; --debug shows the traceback") from exc
+        raise ProbeError(
+            f"the run is complete in {out}, but rendering its report failed: {type(exc).__name__}: {exc}",
+            hint=f"re-render it with `mismatch-probe report {out}`; --debug shows the traceback",
+        ) from exc
     timings["total_s"] = round(time.perf_counter() - t_start, 3)
     _write_record(out, record)
     final = _write_reports(out, dist, figures)  # again, so their timing tables are complete
@@ -352,8 +372,9 @@ def _write_reports(run_dir: Path, dist: dict, figures: list[dict]) -> dict:
     return record
 
 
-def _rollouts(spec, engine, record, prompts, shards, missing, stops, rollout_dir, timings, progress,
-              tokenizer, model_len) -> None:
+def _rollouts(
+    spec, engine, record, prompts, shards, missing, stops, rollout_dir, timings, progress, tokenizer, model_len
+) -> None:
     """Sample the missing rollout shards (and re-score them with the engine's prefill)."""
     from .engines import ScoreRequest
     from .multiturn import RetokenizationCheck, ToolTurnTemplate, roll_out
@@ -401,8 +422,10 @@ def _rollouts(spec, engine, record, prompts, shards, missing, stops, rollout_dir
                 )
             for r, n, lp in zip(rollouts, n_prompt, scored):
                 if len(lp) != len(r.token_ids) - n:
-                    raise DataError(f"sample {r.sample_id}: the engine prefill scored {len(lp)} of "
-                                    f"{len(r.token_ids) - n} response tokens")
+                    raise DataError(
+                        f"sample {r.sample_id}: the engine prefill scored {len(lp)} of "
+                        f"{len(r.token_ids) - n} response tokens"
+                    )
                 r.logp_prefill = np.concatenate([np.full(n, np.nan, np.float32), lp.astype(np.float32)])
         write_table_atomic(rollouts_to_table(rollouts), rollout_dir / shard_name(i))
         if template is not None:
@@ -440,16 +463,20 @@ def _adopt_rollouts(spec: ProbeSpec, source: Path, record: dict, n_shards: int, 
         )
     engine_semantics = (theirs.get("logprob_semantics") or {}).get("engine")
     if not engine_semantics:
-        raise ConfigError(f"--rollouts-from {source} has no rollouts yet",
-                          hint=f"finish it first (run its compare command again; it resumes into {source})")
+        raise ConfigError(
+            f"--rollouts-from {source} has no rollouts yet",
+            hint=f"finish it first (run its compare command again; it resumes into {source})",
+        )
     rollout_dir.mkdir(exist_ok=True)
     for i in range(n_shards):
         mine, src = rollout_dir / shard_name(i), source / ROLLOUTS_DIR / shard_name(i)
         if mine.is_file():
             continue
         if not src.is_file():
-            raise ConfigError(f"--rollouts-from {source} lacks rollout shard {i} ({src.name})",
-                              hint="finish it first (run its compare command again; it resumes)")
+            raise ConfigError(
+                f"--rollouts-from {source} lacks rollout shard {i} ({src.name})",
+                hint="finish it first (run its compare command again; it resumes)",
+            )
         tmp = mine.with_name(f".{mine.name}.tmp")
         tmp.unlink(missing_ok=True)
         try:
@@ -460,10 +487,13 @@ def _adopt_rollouts(spec: ProbeSpec, source: Path, record: dict, n_shards: int, 
     for key in ADOPTED_FIELDS:
         record[key] = theirs.get(key)
     prefill = bool((theirs.get("logprob_semantics") or {}).get("prefill"))
-    record["logprob_semantics"] = _semantics_record(spec, LogprobSemantics.from_record(engine_semantics),
-                                                    prefill=prefill)
-    record["rollouts_from"] = {"run": relative_to_dir(source, rollout_dir.parent),
-                               "spec_fingerprint": theirs.get("spec_fingerprint")}
+    record["logprob_semantics"] = _semantics_record(
+        spec, LogprobSemantics.from_record(engine_semantics), prefill=prefill
+    )
+    record["rollouts_from"] = {
+        "run": relative_to_dir(source, rollout_dir.parent),
+        "spec_fingerprint": theirs.get("spec_fingerprint"),
+    }
 
 
 @dataclass
@@ -473,8 +503,13 @@ class VariantsResult:
     comparison: Path
 
 
-def run_variants(spec: ProbeSpec, *, progress: Progress | None = None, overwrite: bool = False,
-                 rollouts_from: str | Path | None = None) -> VariantsResult:
+def run_variants(
+    spec: ProbeSpec,
+    *,
+    progress: Progress | None = None,
+    overwrite: bool = False,
+    rollouts_from: str | Path | None = None,
+) -> VariantsResult:
     """A spec with ``[[variants]]``: the engine samples once, for the first variant (or not at all
     with ``rollouts_from``); every variant scores those same rollouts with its own reference
     settings (a run directory each, under the spec's ``out``); ``compare.html`` beside them puts
@@ -501,8 +536,10 @@ def _prefill_skip_reason(spec: ProbeSpec, engine, semantics: LogprobSemantics) -
     if not getattr(engine, "supports_prefill", hasattr(engine, "prefill_logprobs")):
         return f"the {spec.engine.name} engine cannot re-score sequences with its own prefill"
     if semantics.transforms_logits:
-        return (f"the engine returns processed log-probs ({semantics.describe()['distribution']}) but prefill "
-                "log-probs are raw, so the two are not comparable; use logprobs_mode = raw to see it")
+        return (
+            f"the engine returns processed log-probs ({semantics.describe()['distribution']}) but prefill "
+            "log-probs are raw, so the two are not comparable; use logprobs_mode = raw to see it"
+        )
     return None
 
 

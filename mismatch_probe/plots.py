@@ -17,8 +17,18 @@ from .distributions import dense
 
 DPI = 100
 FIRST, LATER = "#1f77b4", "#d62728"
-RUN_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
-              "#bcbd22", "#17becf")
+RUN_COLORS = (
+    "#1f77b4",
+    "#d62728",
+    "#2ca02c",
+    "#ff7f0e",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#7f7f7f",
+    "#bcbd22",
+    "#17becf",
+)
 FLOOR = 1e-9  # where a log axis shows zero
 
 
@@ -58,8 +68,15 @@ def prob_density(dist: dict):
     for ax, g in zip(axes, groups):
         hist = dense(dist["groups"][g]["prob_hist"]).astype(float)
         hist[hist == 0] = np.nan
-        image = ax.imshow(hist.T, origin="lower", extent=(0, 1, 0, 1), cmap="viridis", interpolation="nearest",
-                          norm=LogNorm(vmin=1, vmax=vmax), aspect="equal")
+        image = ax.imshow(
+            hist.T,
+            origin="lower",
+            extent=(0, 1, 0, 1),
+            cmap="viridis",
+            interpolation="nearest",
+            norm=LogNorm(vmin=1, vmax=vmax),
+            aspect="equal",
+        )
         ax.plot([0, 1], [0, 1], color="#999", lw=0.8, ls="--")
         ax.set_xlabel("p_infer (engine)")
         ax.set_ylabel("p_train (reference)")
@@ -80,8 +97,10 @@ def log_ppl_by_turn(dist: dict, record: dict):
         if not len(x):
             continue
         m = by_turn.get(g) or {}
-        label = (f"{_group_label(g)}: {m.get('n_sequences', len(x)):,} sample-turns, r = {_g(m.get('pearson_log_ppl'))}, "
-                 f"mean |Δ| = {_g(m.get('log_ppl_abs_diff_mean'))}")
+        label = (
+            f"{_group_label(g)}: {m.get('n_sequences', len(x)):,} sample-turns, r = {_g(m.get('pearson_log_ppl'))}, "
+            f"mean |Δ| = {_g(m.get('log_ppl_abs_diff_mean'))}"
+        )
         ax.scatter(x, y, s=6, alpha=0.5, color=color, label=label, linewidths=0)
         values += [x[np.isfinite(x)], y[np.isfinite(y)]]
     if values:
@@ -113,6 +132,7 @@ def abs_delta_by_p_infer(record: dict):
     x = np.arange(len(rows))
     filled = [i for i, r in enumerate(rows) if r.get("count")]
     if filled:
+
         def col(key):
             return np.array([max(rows[i].get(key) or 0.0, FLOOR) for i in filled])
 
@@ -123,8 +143,17 @@ def abs_delta_by_p_infer(record: dict):
         ax.plot(xs, col("abs_delta_max"), color="#d62728", marker="v", ms=4, ls="none", label="max")
         ax.set_yscale("log")
         for i in filled:
-            ax.annotate(f"{rows[i]['count']:,}", (x[i], 1), xycoords=("data", "axes fraction"), ha="center",
-                        va="top", fontsize=7, color="#555", xytext=(0, -2), textcoords="offset points")
+            ax.annotate(
+                f"{rows[i]['count']:,}",
+                (x[i], 1),
+                xycoords=("data", "axes fraction"),
+                ha="center",
+                va="top",
+                fontsize=7,
+                color="#555",
+                xytext=(0, -2),
+                textcoords="offset points",
+            )
         ax.legend(loc="lower left", fontsize=8, frameon=False)
     ax.set_xticks(x, _bucket_labels(rows), rotation=30, fontsize=8)
     ax.set_xlabel("p_infer bucket (numbers on top: tokens)")
@@ -149,8 +178,14 @@ def max_mismatch_vs_length(dist: dict, record: dict):
     rows = (record.get("breakdowns") or {}).get("response_length_buckets") or []
     if rows:
         centers = [math.sqrt(r["length_lo"] * (r["length_hi"] or r["length_lo"] * 2)) for r in rows]
-        ax.plot(centers, [max(r["seq_max_mismatch_mean"], FLOOR) for r in rows], color="#d62728", marker="o", ms=3,
-                label="mean per length bucket")
+        ax.plot(
+            centers,
+            [max(r["seq_max_mismatch_mean"], FLOOR) for r in rows],
+            color="#d62728",
+            marker="o",
+            ms=3,
+            label="mean per length bucket",
+        )
         ax.legend(loc="lower right", fontsize=8, frameon=False)
     ax.axhline(0.5, color="#d62728", lw=0.8, ls="--")
     ax.set_xscale("log")
@@ -168,10 +203,12 @@ def mismatch_by_position(record: dict):
     if rows:
         x = np.arange(len(rows))
         ax.plot(x, [max(r["prob_diff_max"], FLOOR) for r in rows], color="#d62728", marker="v", ms=4, label="max |Δp|")
-        ax.plot(x, [max(r["abs_delta_mean"], FLOOR) for r in rows], color="#2ca02c", marker="s", ms=3,
-                label="mean |delta|")
-        ax.plot(x, [max(r["prob_diff_mean"], FLOOR) for r in rows], color="#1f77b4", marker="o", ms=3,
-                label="mean |Δp|")
+        ax.plot(
+            x, [max(r["abs_delta_mean"], FLOOR) for r in rows], color="#2ca02c", marker="s", ms=3, label="mean |delta|"
+        )
+        ax.plot(
+            x, [max(r["prob_diff_mean"], FLOOR) for r in rows], color="#1f77b4", marker="o", ms=3, label="mean |Δp|"
+        )
         ax.set_yscale("log")
         ax.set_xticks(x, [f"{r['position_lo']}–{r['position_hi'] or '∞'}\n{r['count']:,}" for r in rows], fontsize=7.5)
         ax.legend(loc="best", fontsize=8, frameon=False)
@@ -197,8 +234,16 @@ def seq_max_mismatch_hist(dist: dict, record: dict):
     ax.bar(edges[:-1], counts, width=np.diff(edges), align="edge", color="#1f77b4", edgecolor="white", lw=0.3)
     m = record.get("metrics") or {}
     share = m.get("seq_max_mismatch_gt_0_5_share")
-    ax.text(0.51, 0.95, f"> 0.5: {m.get('seq_max_mismatch_gt_0_5_count', 0):,} of {m.get('n_sequences', 0):,}"
-            f" sequences ({_pct(share)})", transform=ax.get_xaxis_transform(), fontsize=8, color="#d62728", va="top")
+    ax.text(
+        0.51,
+        0.95,
+        f"> 0.5: {m.get('seq_max_mismatch_gt_0_5_count', 0):,} of {m.get('n_sequences', 0):,}"
+        f" sequences ({_pct(share)})",
+        transform=ax.get_xaxis_transform(),
+        fontsize=8,
+        color="#d62728",
+        va="top",
+    )
     ax.set_xlim(0, 1)
     log_counts, log_edges = _seq_max_log_hist(dist)
     ax_log.stairs(log_counts, log_edges, fill=True, color="#1f77b4", alpha=0.7)
@@ -231,10 +276,22 @@ def importance_ratio(dist: dict, record: dict):
     edges = np.array(dist["edges"]["log_ratio"], float)
     th = (record.get("corrections") or {}).get("thresholds") or {}
     token = sum(np.array(dist["groups"][g]["log_ratio_hist"], float) for g in ("first", "later"))
-    panels = ((axes[0], token, "token log-ratio  δ = logp_train − logp_infer", "tokens",
-               [("token_mask_share", "ratio_below"), ("token_tis_clipped_share", "ratio_above")]),
-              (axes[1], np.array(dist["sequences"]["log_ratio_hist"], float), "sequence log-ratio  Σδ", "sequences",
-               [("seq_tis_clipped_share", "seq_ratio_above")]))
+    panels = (
+        (
+            axes[0],
+            token,
+            "token log-ratio  δ = logp_train − logp_infer",
+            "tokens",
+            [("token_mask_share", "ratio_below"), ("token_tis_clipped_share", "ratio_above")],
+        ),
+        (
+            axes[1],
+            np.array(dist["sequences"]["log_ratio_hist"], float),
+            "sequence log-ratio  Σδ",
+            "sequences",
+            [("seq_tis_clipped_share", "seq_ratio_above")],
+        ),
+    )
     for ax, counts, xlabel, ylabel, lines in panels:
         finite = _ratio_axis(ax, edges)
         total = counts.sum()
@@ -245,8 +302,15 @@ def importance_ratio(dist: dict, record: dict):
             value = (th.get(key) or {}).get(sub)
             if value:
                 ax.axvline(math.log(value), color="#d62728", ls="--", lw=0.8)
-                ax.text(math.log(value), 0.97, f" ratio {value:g}", transform=ax.get_xaxis_transform(), fontsize=7,
-                        color="#d62728", va="top")
+                ax.text(
+                    math.log(value),
+                    0.97,
+                    f" ratio {value:g}",
+                    transform=ax.get_xaxis_transform(),
+                    fontsize=7,
+                    color="#d62728",
+                    va="top",
+                )
         ax.set_xlabel(xlabel + " (symlog)")
         ax.set_ylabel(f"share of {ylabel}")
     return fig
@@ -255,28 +319,63 @@ def importance_ratio(dist: dict, record: dict):
 def run_figures(record: dict, dist: dict) -> list[dict]:
     """Every figure of a one-run report: ``{"id", "title", "caption", "png"}``, in report order."""
     figures = [
-        ("prob_density", "Token probabilities: reference vs engine",
-         "Each cell counts sampled tokens by their probability under the engine (x) and the reference (y). "
-         "Agreement is the diagonal; mass off it is mismatch.", lambda: prob_density(dist)),
-        ("log_ppl_by_turn", "Log-ppl per sample-turn, first vs later turns",
-         "One point per sample-turn. Later turns follow tool output, which is out of distribution for the model; "
-         "published runs see them drift off the diagonal first.", lambda: log_ppl_by_turn(dist, record)),
-        ("abs_delta_by_p_infer", "|delta| by engine probability",
-         "Quantile bands of |logp_train − logp_infer| per p_infer bucket. Mismatch concentrates on "
-         "low-probability tokens, which are also the ones with the largest gradients.",
-         lambda: abs_delta_by_p_infer(record)),
-        ("seq_max_mismatch_hist", "Per-sequence max mismatch",
-         "The largest token probability gap in each sequence, on [0, 1] and on a log axis. The parallelism study's "
-         "headline is the share right of 0.5.", lambda: seq_max_mismatch_hist(dist, record)),
-        ("max_mismatch_vs_length", "Max mismatch vs response length",
-         "Longer responses draw more tokens, so their worst token is worse even when the mean is flat.",
-         lambda: max_mismatch_vs_length(dist, record)),
-        ("mismatch_by_position", "Mismatch vs token position",
-         "Mean and max gap by position in the full sequence (prompt included in the position).",
-         lambda: mismatch_by_position(record)),
-        ("importance_ratio", "Importance ratios",
-         "Token and sequence log importance weights log(π/μ). Dashed lines: the thresholds of the correction "
-         "what-ifs below.", lambda: importance_ratio(dist, record)),
+        (
+            "prob_density",
+            "Token probabilities: reference vs engine",
+            (
+                "Each cell counts sampled tokens by their probability under the engine (x) and the reference (y). "
+                "Agreement is the diagonal; mass off it is mismatch."
+            ),
+            lambda: prob_density(dist),
+        ),
+        (
+            "log_ppl_by_turn",
+            "Log-ppl per sample-turn, first vs later turns",
+            (
+                "One point per sample-turn. Later turns follow tool output, which is out of distribution for the model; "
+                "published runs see them drift off the diagonal first."
+            ),
+            lambda: log_ppl_by_turn(dist, record),
+        ),
+        (
+            "abs_delta_by_p_infer",
+            "|delta| by engine probability",
+            (
+                "Quantile bands of |logp_train − logp_infer| per p_infer bucket. Mismatch concentrates on "
+                "low-probability tokens, which are also the ones with the largest gradients."
+            ),
+            lambda: abs_delta_by_p_infer(record),
+        ),
+        (
+            "seq_max_mismatch_hist",
+            "Per-sequence max mismatch",
+            (
+                "The largest token probability gap in each sequence, on [0, 1] and on a log axis. The parallelism study's "
+                "headline is the share right of 0.5."
+            ),
+            lambda: seq_max_mismatch_hist(dist, record),
+        ),
+        (
+            "max_mismatch_vs_length",
+            "Max mismatch vs response length",
+            "Longer responses draw more tokens, so their worst token is worse even when the mean is flat.",
+            lambda: max_mismatch_vs_length(dist, record),
+        ),
+        (
+            "mismatch_by_position",
+            "Mismatch vs token position",
+            "Mean and max gap by position in the full sequence (prompt included in the position).",
+            lambda: mismatch_by_position(record),
+        ),
+        (
+            "importance_ratio",
+            "Importance ratios",
+            (
+                "Token and sequence log importance weights log(π/μ). Dashed lines: the thresholds of the correction "
+                "what-ifs below."
+            ),
+            lambda: importance_ratio(dist, record),
+        ),
     ]
     out = []
     for fid, title, caption, draw in figures:
@@ -333,8 +432,14 @@ def overlay_abs_delta_by_p_infer(runs: list[dict]):
         idx = [i for i, r in enumerate(rows) if r.get("count")]
         if not idx:
             continue
-        ax.plot(idx, [max(rows[i]["abs_delta_p99"], FLOOR) for i in idx], color=run["color"], marker="o", ms=3,
-                label=f"{run['label']} p99")
+        ax.plot(
+            idx,
+            [max(rows[i]["abs_delta_p99"], FLOOR) for i in idx],
+            color=run["color"],
+            marker="o",
+            ms=3,
+            label=f"{run['label']} p99",
+        )
         ax.plot(idx, [max(rows[i]["abs_delta_mean"], FLOOR) for i in idx], color=run["color"], ls=":", lw=1)
     _log_y(ax)
     ax.set_xticks(range(len(labels)), labels, rotation=30, fontsize=8)
@@ -350,10 +455,17 @@ def overlay_position(runs: list[dict]):
         rows = (run["record"].get("breakdowns") or {}).get("position_buckets") or []
         if not rows:
             continue
-        centers = [math.sqrt(max(r["position_lo"], 1) * (r["position_hi"] or max(r["position_lo"], 1) * 2))
-                   for r in rows]
-        ax.plot(centers, [max(r["prob_diff_mean"], FLOOR) for r in rows], color=run["color"], marker="o", ms=3,
-                label=f"{run['label']} mean")
+        centers = [
+            math.sqrt(max(r["position_lo"], 1) * (r["position_hi"] or max(r["position_lo"], 1) * 2)) for r in rows
+        ]
+        ax.plot(
+            centers,
+            [max(r["prob_diff_mean"], FLOOR) for r in rows],
+            color=run["color"],
+            marker="o",
+            ms=3,
+            label=f"{run['label']} mean",
+        )
         ax.plot(centers, [max(r["prob_diff_max"], FLOOR) for r in rows], color=run["color"], ls=":", lw=1)
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
@@ -385,17 +497,30 @@ def _legend(ax, **kw) -> None:
 def comparison_figures(runs: list[dict]) -> list[dict]:
     """Overlaid distributions; each run dict has ``label``, ``color``, ``record`` and ``dist``."""
     figures = [
-        ("overlay_abs_delta_by_p_infer", "|delta| by engine probability",
-         "p99 (solid) and mean (dotted) of |delta| per p_infer bucket.", overlay_abs_delta_by_p_infer),
-        ("overlay_seq_max_mismatch", "Per-sequence max mismatch",
-         "Share of sequences per (logarithmic) bin of their largest token probability gap; dashed: 0.5.",
-         overlay_seq_max_mismatch),
+        (
+            "overlay_abs_delta_by_p_infer",
+            "|delta| by engine probability",
+            "p99 (solid) and mean (dotted) of |delta| per p_infer bucket.",
+            overlay_abs_delta_by_p_infer,
+        ),
+        (
+            "overlay_seq_max_mismatch",
+            "Per-sequence max mismatch",
+            "Share of sequences per (logarithmic) bin of their largest token probability gap; dashed: 0.5.",
+            overlay_seq_max_mismatch,
+        ),
         ("overlay_log_ratio", "Importance ratios", "Token and sequence log-ratio distributions.", overlay_log_ratio),
-        ("overlay_position", "Mismatch vs token position", "Mean (solid) and max (dotted) |Δp| by position bucket.",
-         overlay_position),
+        (
+            "overlay_position",
+            "Mismatch vs token position",
+            "Mean (solid) and max (dotted) |Δp| by position bucket.",
+            overlay_position,
+        ),
     ]
-    return [{"id": fid, "title": title, "caption": caption, "png": to_png(draw(runs))}
-            for fid, title, caption, draw in figures]
+    return [
+        {"id": fid, "title": title, "caption": caption, "png": to_png(draw(runs))}
+        for fid, title, caption, draw in figures
+    ]
 
 
 def _g(v) -> str:

@@ -49,8 +49,10 @@ def split_recorded(messages: list[dict]) -> tuple[list[dict], list[list[dict]]]:
     if not blocks[-1]:
         blocks.pop()
     if any(not b for b in blocks):
-        raise ConfigError("two assistant messages in a row: a recorded conversation needs the tool or user "
-                          "messages between its assistant turns")
+        raise ConfigError(
+            "two assistant messages in a row: a recorded conversation needs the tool or user "
+            "messages between its assistant turns"
+        )
     return messages[:first], blocks
 
 
@@ -129,8 +131,10 @@ def tokenize_prompts(
         recorded: list[list[dict]] = []
         if kind == "messages":
             if not getattr(tokenizer, "chat_template", None):
-                raise ConfigError(f"{where}: chat messages given but the tokenizer has no chat template",
-                                  hint="use 'prompt' (raw text) lines for a base model")
+                raise ConfigError(
+                    f"{where}: chat messages given but the tokenizer has no chat template",
+                    hint="use 'prompt' (raw text) lines for a base model",
+                )
             try:
                 value, recorded = split_recorded(value)
             except ConfigError as exc:
@@ -155,7 +159,13 @@ def tokenize_prompts(
                 f"but the model's context is {max_model_len}",
                 hint="shorten the prompt or lower --max-tokens",
             )
-        out.append(Prompt(id=pid or f"{p.stem}-{lineno}", token_ids=np.asarray(ids, dtype=np.int32), line=lineno,
-                          recorded=recorded if kind == "messages" and recorded else None,
-                          messages=value if kind == "messages" else None))
+        out.append(
+            Prompt(
+                id=pid or f"{p.stem}-{lineno}",
+                token_ids=np.asarray(ids, dtype=np.int32),
+                line=lineno,
+                recorded=recorded if kind == "messages" and recorded else None,
+                messages=value if kind == "messages" else None,
+            )
+        )
     return out

@@ -65,13 +65,21 @@ class ReferenceScorer:
     """Scores rollouts in this process; with ``parallel``, as one rank of a training layout
     (see :mod:`mismatch_probe.parallel`; :class:`DistributedReferenceScorer` starts the ranks)."""
 
-    def __init__(self, model_path: str | Path, spec: ReferenceSpec, *, trust_remote_code: bool = False,
-                 parallel: ParallelContext | None = None):
+    def __init__(
+        self,
+        model_path: str | Path,
+        spec: ReferenceSpec,
+        *,
+        trust_remote_code: bool = False,
+        parallel: ParallelContext | None = None,
+    ):
         self.model_path = Path(model_path)
         self.spec = spec
         self.parallel = parallel
         self.device = parallel.device if parallel else resolve_device(spec.device)
-        self.attention = choose_attention(self.model_path, spec.attn_implementation, trust_remote_code=trust_remote_code)
+        self.attention = choose_attention(
+            self.model_path, spec.attn_implementation, trust_remote_code=trust_remote_code
+        )
         # Packed + sdpa would otherwise build a dense [T x T] block mask per micro-batch.
         self.varlen = spec.packing and self.attention.used == "sdpa"
         attn = register_varlen_sdpa() if self.varlen else self.attention.used
@@ -90,7 +98,9 @@ class ReferenceScorer:
         self.lm_head = self.model.get_output_embeddings()
         if self.decoder is self.model or self.lm_head is None:
             raise ConfigError(f"{type(self.model).__name__} does not expose a decoder and an LM head separately")
-        cfg = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
+        cfg = (
+            self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
+        )
         self._softcap = getattr(cfg, "final_logit_softcapping", None)
         self._logit_scale = getattr(cfg, "logit_scale", None)  # Cohere multiplies
         self._logits_scaling = getattr(cfg, "logits_scaling", None)  # Granite divides
@@ -132,12 +142,18 @@ class ReferenceScorer:
 
     def _parallel_info(self) -> dict:
         p = self.parallel
-        info = {"world_size": p.world_size, "backend": p.backend, "mesh": {"sp": p.sp, "tp": p.tp},
-                "launcher": "torch.multiprocessing spawn, one process per rank"}
+        info = {
+            "world_size": p.world_size,
+            "backend": p.backend,
+            "mesh": {"sp": p.sp, "tp": p.tp},
+            "launcher": "torch.multiprocessing spawn, one process per rank",
+        }
         if p.sp > 1:
-            info["ulysses"] = {"inner_attention": self.ulysses.inner,
-                               "attention_heads_per_rank": self.layout["attention_heads_per_rank"],
-                               "kv_head_repeats": self.layout["kv_head_repeats"]}
+            info["ulysses"] = {
+                "inner_attention": self.ulysses.inner,
+                "attention_heads_per_rank": self.layout["attention_heads_per_rank"],
+                "kv_head_repeats": self.layout["kv_head_repeats"],
+            }
         if p.tp > 1:
             info["tensor_parallel"] = self.layout["tensor_parallel"]
         return info
@@ -194,15 +210,19 @@ class ReferenceScorer:
             hidden = self.decoder(input_ids=ids, position_ids=pos, use_cache=False, **extra).last_hidden_state
             return self._logits(hidden[0, n:], fp32=True)
 
-        neighbours = (torch.arange(5, 5 + n, device=self.device) * 7 % vocab,
-                      torch.arange(9, 9 + n, device=self.device) * 13 % vocab)
+        neighbours = (
+            torch.arange(5, 5 + n, device=self.device) * 7 % vocab,
+            torch.arange(9, 9 + n, device=self.device) * 13 % vocab,
+        )
         for masks in (False, True):
             a, b = (logits_after(first, masks) for first in neighbours)
             if torch.allclose(a, b, rtol=1e-4, atol=1e-4 * float(a.abs().max())):
                 return "precomputed" if masks else "model"
-        raise ConfigError(f"{type(self.model).__name__}: sequences packed into one row attend to each other "
-                          f"with attn_implementation={self.attention.used!r}",
-                          hint="score padded micro-batches instead: --no-packing (reference.packing = false)")
+        raise ConfigError(
+            f"{type(self.model).__name__}: sequences packed into one row attend to each other "
+            f"with attn_implementation={self.attention.used!r}",
+            hint="score padded micro-batches instead: --no-packing (reference.packing = false)",
+        )
 
     def _packed_attention_mask(self, position_ids: torch.Tensor):
         """The model's masks for a packed row, built by transformers from the position ids (a dict
@@ -212,8 +232,9 @@ class ReferenceScorer:
         # only the batch size, length, dtype and device of the embeddings are read
         embeds = torch.zeros((1, 1, 1), dtype=self.lm_head.weight.dtype, device=self.device)
         embeds = embeds.expand(1, position_ids.shape[1], 1)
-        return create_masks_for_generate(self.model.config, embeds, attention_mask=None, past_key_values=None,
-                                         position_ids=position_ids)
+        return create_masks_for_generate(
+            self.model.config, embeds, attention_mask=None, past_key_values=None, position_ids=position_ids
+        )
 
     # ---- scoring ---------------------------------------------------------------------------
 
@@ -254,8 +275,10 @@ class ReferenceScorer:
             group = [rollouts[i] for i in idx]
             for r in group:
                 if len(r.is_model_token) and r.is_model_token[0]:
-                    raise DataError(f"sample {r.sample_id}: its first token is marked as a model token, "
-                                    "but nothing precedes it to predict it")
+                    raise DataError(
+                        f"sample {r.sample_id}: its first token is marked as a model token, "
+                        "but nothing precedes it to predict it"
+                    )
             fwd = self._forward_packed(group) if self.spec.packing else self._forward_padded(group)
             # the routing of the scored rows: the inputs whose hidden states give each token's logits
             group_experts = routing.take().index_select(0, fwd.src).to(torch.int32) if routing else None
@@ -311,8 +334,10 @@ class ReferenceScorer:
         global_pos = self._tensor(pos)[None]
         with self.ulysses.packed_row(self.parallel.sp_group, n, global_pos, self.layout["kv_head_repeats"]):
             hidden = self.decoder(
-                input_ids=self._tensor(ids[lo : lo + width])[None], position_ids=global_pos[:, lo : lo + width],
-                use_cache=False, **self._packed_kwargs(lengths),
+                input_ids=self._tensor(ids[lo : lo + width])[None],
+                position_ids=global_pos[:, lo : lo + width],
+                use_cache=False,
+                **self._packed_kwargs(lengths),
             ).last_hidden_state[0]
         part = slice(int(bounds[rank]), int(bounds[rank + 1]))
         return _Forward(hidden, self._tensor(src[part] - lo), part, np.diff(bounds).tolist())
@@ -322,8 +347,12 @@ class ReferenceScorer:
 
     def _packed_kwargs(self, lengths) -> dict:
         cu = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)).to(self.device)
-        return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": int(max(lengths)),
-                "max_length_k": int(max(lengths))}
+        return {
+            "cu_seq_lens_q": cu,
+            "cu_seq_lens_k": cu,
+            "max_length_q": int(max(lengths)),
+            "max_length_k": int(max(lengths)),
+        }
 
     def _forward_padded(self, group: list[Rollout]) -> _Forward:
         width = max(len(r.token_ids) for r in group)
@@ -358,8 +387,9 @@ class ReferenceScorer:
         free_accelerator_memory()
 
 
-def open_reference_scorer(model_path: str | Path, spec: ReferenceSpec, *, trust_remote_code: bool = False,
-                          log_path: str | Path | None = None):
+def open_reference_scorer(
+    model_path: str | Path, spec: ReferenceSpec, *, trust_remote_code: bool = False, log_path: str | Path | None = None
+):
     """A scorer for ``spec``'s layout: in this process, or over ``sp * tp`` rank processes."""
     if spec.sequence_parallel_size * spec.tensor_parallel_size == 1:
         return ReferenceScorer(model_path, spec, trust_remote_code=trust_remote_code)

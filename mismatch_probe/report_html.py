@@ -92,7 +92,10 @@ def gpu_type(record: dict) -> str:
     env = record.get("environment") or {}
     names = list(dict.fromkeys(g.get("name") for g in env.get("gpus") or [] if g.get("name")))
     eng = record.get("engine") or {}
-    devices = {str(eng.get("platform") or eng.get("device") or ""), str((record.get("reference") or {}).get("device") or "")}
+    devices = {
+        str(eng.get("platform") or eng.get("device") or ""),
+        str((record.get("reference") or {}).get("device") or ""),
+    }
     if names and devices != {"cpu"}:  # a GPU machine where both sides ran on the CPU is a CPU run
         return " + ".join(names)
     return f"CPU: {env.get('cpu_model') or env.get('device_name') or 'unknown'}"
@@ -185,8 +188,10 @@ def token_view(seq: dict) -> list[dict]:
             gap = abs(p_t - p_i)
             delta = math.log(p_t) - math.log(p_i) if p_t > 0 else -math.inf
             cls = _gap_class(gap) + (" wt" if pos == seq["worst_position"] else "")
-            title = (f"p_infer {p_i:.4g} · p_train {p_t:.4g} · |Δp| {gap:.3g} · δ {delta:+.3g} · "
-                     f"token {tid} · position {pos} · turn {t['turn'][k]}")
+            title = (
+                f"p_infer {p_i:.4g} · p_train {p_t:.4g} · |Δp| {gap:.3g} · δ {delta:+.3g} · "
+                f"token {tid} · position {pos} · turn {t['turn'][k]}"
+            )
         else:
             cls = "tool" if seen_model else "prompt"
             title = f"{'tool output' if seen_model else 'prompt'} token {tid} · position {pos} (not scored)"
@@ -205,18 +210,34 @@ def _environment_rows(record: dict) -> list[tuple[str, str]]:
     gpus = env.get("gpus") or []
     eng, ref = record.get("engine") or {}, record.get("reference") or {}
     inputs = record.get("inputs") or {}
-    skip_engine = {"engine", "requested", "versions", "routing", "routing_unavailable", "env",
-                   "per_request_seeds_off_because", "kv_cache_sizing"}
+    skip_engine = {
+        "engine",
+        "requested",
+        "versions",
+        "routing",
+        "routing_unavailable",
+        "env",
+        "per_request_seeds_off_because",
+        "kv_cache_sizing",
+    }
     versions = {**(env.get("packages") or {}), **(eng.get("versions") or {})}
     rows = [
         ("hardware", gpu_type(record)),
         ("GPUs", ", ".join(f"{g.get('name')} ({g.get('memory_gib', '?')} GiB)" for g in gpus) or "none"),
-        ("CPU", f"{env.get('cpu_model') or '-'} ({env.get('cpu_count') or '?'} cores, {env.get('memory_gib') or '?'} GiB)"),
+        (
+            "CPU",
+            f"{env.get('cpu_model') or '-'} ({env.get('cpu_count') or '?'} cores, {env.get('memory_gib') or '?'} GiB)",
+        ),
         ("driver / CUDA", f"{env.get('nvidia_driver') or '-'} / {env.get('cuda') or '-'}"),
         ("libraries", ", ".join(f"{k} {v}" for k, v in versions.items())),
         ("python / platform", f"{env.get('python') or '-'} / {env.get('platform') or '-'}"),
-        ("mismatch-probe", f"{(env.get('mismatch_probe') or {}).get('version') or record.get('probe_version')} "
-                           f"({(env.get('mismatch_probe') or {}).get('git_commit') or 'no git'})"),
+        (
+            "mismatch-probe",
+            (
+                f"{(env.get('mismatch_probe') or {}).get('version') or record.get('probe_version')} "
+                f"({(env.get('mismatch_probe') or {}).get('git_commit') or 'no git'})"
+            ),
+        ),
         ("model", inputs.get("model") or "-"),
         ("prompts", f"{inputs.get('prompts')} ({inputs.get('n_prompts')} prompts, {inputs.get('n_samples')} samples)"),
         ("engine", engine_label(record)),
@@ -230,10 +251,14 @@ def _environment_rows(record: dict) -> list[tuple[str, str]]:
     if semantics:
         sem = semantics.get("engine") or {}
         ref_sem = semantics.get("reference") or sem
-        rows.append(("log-prob semantics",
-                     f"engine: {sem.get('distribution', '-')} ({sem.get('mode', '-')}); reference: "
-                     f"{ref_sem.get('distribution', '-')}" + ("" if semantics.get("matched", True)
-                                                            else " — deliberately not the engine's")))
+        rows.append(
+            (
+                "log-prob semantics",
+                f"engine: {sem.get('distribution', '-')} ({sem.get('mode', '-')}); reference: "
+                f"{ref_sem.get('distribution', '-')}"
+                + ("" if semantics.get("matched", True) else " — deliberately not the engine's"),
+            )
+        )
     return rows
 
 
@@ -253,8 +278,9 @@ def _metric_rows(record: dict) -> tuple[list[str], list[dict]]:
                 values.append("-")
             else:
                 values.append(fmt(m.get(doc.key)))
-        rows.append({"key": doc.key, "label": doc.label, "values": values, "meaning": doc.meaning,
-                     "reference": doc.reference})
+        rows.append(
+            {"key": doc.key, "label": doc.label, "values": values, "meaning": doc.meaning, "reference": doc.reference}
+        )
     return [name for name, _ in columns], rows
 
 
@@ -262,23 +288,42 @@ def _headline(record: dict) -> list[dict]:
     m = record.get("metrics") or {}
     cards = [
         {"label": "K3 KL (mismatch-KL)", "value": fmt(m.get("k3_kl")), "note": k3_context(m.get("k3_kl"))},
-        {"label": "max token |Δp|", "value": fmt(m.get("prob_diff_max")),
-         "note": f"mean {fmt(m.get('prob_diff_mean'))}; per-sequence max averages {fmt(m.get('seq_max_mismatch_mean'))}"},
-        {"label": "sequences with max |Δp| > 0.5", "value": pct(m.get("seq_max_mismatch_gt_0_5_share")),
-         "note": f"{fmt(m.get('seq_max_mismatch_gt_0_5_count'))} of {fmt(m.get('n_sequences'))} sequences"},
-        {"label": "token mult. prob error", "value": fmt(m.get("mult_prob_error")),
-         "note": _mult_note(m.get("mult_prob_error"))},
+        {
+            "label": "max token |Δp|",
+            "value": fmt(m.get("prob_diff_max")),
+            "note": f"mean {fmt(m.get('prob_diff_mean'))}; per-sequence max averages {fmt(m.get('seq_max_mismatch_mean'))}",
+        },
+        {
+            "label": "sequences with max |Δp| > 0.5",
+            "value": pct(m.get("seq_max_mismatch_gt_0_5_share")),
+            "note": f"{fmt(m.get('seq_max_mismatch_gt_0_5_count'))} of {fmt(m.get('n_sequences'))} sequences",
+        },
+        {
+            "label": "token mult. prob error",
+            "value": fmt(m.get("mult_prob_error")),
+            "note": _mult_note(m.get("mult_prob_error")),
+        },
     ]
     prefill = record.get("decode_vs_prefill") or {}
     if prefill.get("n_model_tokens"):
-        cards.append({"label": "decode vs prefill K3", "value": fmt(prefill.get("k3_kl")),
-                      "note": "inside the engine: its sampled log-probs against its own full-sequence prefill"})
+        cards.append(
+            {
+                "label": "decode vs prefill K3",
+                "value": fmt(prefill.get("k3_kl")),
+                "note": "inside the engine: its sampled log-probs against its own full-sequence prefill",
+            }
+        )
     later = (record.get("metrics_by_turn") or {}).get("later") or {}
     first = (record.get("metrics_by_turn") or {}).get("first") or {}
     if later.get("n_model_tokens") and first.get("k3_kl") and later.get("k3_kl") is not None:
         ratio = _ratio(later.get("k3_kl"), first.get("k3_kl"))
-        cards.append({"label": "later / first turn K3", "value": ratio,
-                      "note": f"first {fmt(first.get('k3_kl'))}, later {fmt(later.get('k3_kl'))}"})
+        cards.append(
+            {
+                "label": "later / first turn K3",
+                "value": ratio,
+                "note": f"first {fmt(first.get('k3_kl'))}, later {fmt(later.get('k3_kl'))}",
+            }
+        )
     return cards
 
 
@@ -304,9 +349,13 @@ def _correction_rows(record: dict) -> list[dict]:
     th = corr.get("thresholds") or {}
     rows = []
     for key, (name, what) in CORRECTION_DOCS.items():
-        row = {"name": name, "key": key, "what": what,
-               "threshold": ", ".join(f"{a.replace('_', ' ')} {b:g}" for a, b in (th.get(key) or {}).items()),
-               "values": [pct(corr.get(key))]}
+        row = {
+            "name": name,
+            "key": key,
+            "what": what,
+            "threshold": ", ".join(f"{a.replace('_', ' ')} {b:g}" for a, b in (th.get(key) or {}).items()),
+            "values": [pct(corr.get(key))],
+        }
         if has_later:
             row["values"] += [pct((by_turn.get("first") or {}).get(key)), pct((by_turn.get("later") or {}).get(key))]
         rows.append(row)
@@ -317,8 +366,13 @@ def _correction_rows(record: dict) -> list[dict]:
 def _templates():
     from jinja2 import Environment, PackageLoader, StrictUndefined
 
-    env = Environment(loader=PackageLoader("mismatch_probe", "templates"), autoescape=True,
-                      undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+    env = Environment(
+        loader=PackageLoader("mismatch_probe", "templates"),
+        autoescape=True,
+        undefined=StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
     env.filters["fmt"] = fmt
     env.filters["pct"] = pct
     return env
@@ -350,18 +404,23 @@ def render_run(run: RunData, figures: list[dict] | None = None) -> str:
         "corrections": corrections,
         "correction_columns": ["all"] + (["first turn", "later turns"] if len(corrections[0]["values"]) > 1 else []),
         "p_buckets": bd.get("p_infer_buckets") or [],
-        "by_turn_index": (record.get("metrics_by_turn_index") or {}) if len(record.get("metrics_by_turn_index") or {}) > 1 else {},
+        "by_turn_index": (record.get("metrics_by_turn_index") or {})
+        if len(record.get("metrics_by_turn_index") or {}) > 1
+        else {},
         "routing": routing if routing and routing.get("n_tokens") else None,
-        "routing_layers": list(zip(routing["moe_layers"], routing["set_agreement_by_layer"], routing["overlap_by_layer"]))
-        if routing and routing.get("n_tokens") else [],
+        "routing_layers": list(
+            zip(routing["moe_layers"], routing["set_agreement_by_layer"], routing["overlap_by_layer"])
+        )
+        if routing and routing.get("n_tokens")
+        else [],
         "worst": [{**seq, "spans": token_view(seq)} for seq in dist.get("worst_sequences") or []],
         "worst_has_text": any((s["tokens"].get("text") is not None) for s in dist.get("worst_sequences") or []),
         "timings": record.get("timings") or {},
         "samples": record.get("samples") or {},
         "tokenization_check": record.get("tokenization_check"),
-        "gap_classes": [("g0", f"< {GAP_CLASSES[0]:g}")] + [
-            (f"g{k + 1}", f"{GAP_CLASSES[k]:g} – {GAP_CLASSES[k + 1]:g}") for k in range(len(GAP_CLASSES) - 1)
-        ] + [(f"g{len(GAP_CLASSES)}", f"≥ {GAP_CLASSES[-1]:g}")],
+        "gap_classes": [("g0", f"< {GAP_CLASSES[0]:g}")]
+        + [(f"g{k + 1}", f"{GAP_CLASSES[k]:g} – {GAP_CLASSES[k + 1]:g}") for k in range(len(GAP_CLASSES) - 1)]
+        + [(f"g{len(GAP_CLASSES)}", f"≥ {GAP_CLASSES[-1]:g}")],
         "version": __version__,
         "generated_at": _now(),
     }
@@ -386,12 +445,21 @@ def _settings(record: dict) -> dict[str, str]:
     env = record.get("environment") or {}
     inputs = record.get("inputs") or {}
     flat["model"] = inputs.get("model")
-    flat["prompts"] = f"{inputs.get('prompts')} ({inputs.get('n_prompts')} × {(record.get('spec') or {}).get('sampling', {}).get('n')})"
+    flat["prompts"] = (
+        f"{inputs.get('prompts')} ({inputs.get('n_prompts')} × {(record.get('spec') or {}).get('sampling', {}).get('n')})"
+    )
     flat["driver / CUDA"] = f"{env.get('nvidia_driver') or '-'} / {env.get('cuda') or '-'}"
     for k, v in {**(env.get("packages") or {}), **((record.get("engine") or {}).get("versions") or {})}.items():
         flat[k] = v
     # kv_cache_sizing holds the free memory at start-up, which differs between any two runs
-    skip = {"requested", "versions", "routing", "routing_unavailable", "per_request_seeds_off_because", "kv_cache_sizing"}
+    skip = {
+        "requested",
+        "versions",
+        "routing",
+        "routing_unavailable",
+        "per_request_seeds_off_because",
+        "kv_cache_sizing",
+    }
     for k, v in (record.get("engine") or {}).items():
         if k not in skip:
             flat[f"engine.{k}"] = v
@@ -402,8 +470,10 @@ def _settings(record: dict) -> dict[str, str]:
         flat[f"sampling.{k}"] = v
     sem = record.get("logprob_semantics") or {}
     flat["reference log-probs"] = (sem.get("reference") or {}).get("distribution")
-    return {k: (json.dumps(v) if isinstance(v, (dict, list)) else ("-" if v is None else str(v)))
-            for k, v in _dotted(flat).items()}
+    return {
+        k: (json.dumps(v) if isinstance(v, (dict, list)) else ("-" if v is None else str(v)))
+        for k, v in _dotted(flat).items()
+    }
 
 
 def _dotted(d: dict, prefix: str = "") -> dict:
@@ -433,37 +503,56 @@ def render_comparison(runs: list[RunData]) -> str:
             run.label = f"{run.label} ({k + 1})"
     # group by hardware type (in the order types first appear), then by configuration
     order = list(dict.fromkeys(gpu_type(r.record) for r in runs))
-    runs = sorted(runs, key=lambda r: (order.index(gpu_type(r.record)), engine_label(r.record),
-                                       reference_label(r.record)))
+    runs = sorted(
+        runs, key=lambda r: (order.index(gpu_type(r.record)), engine_label(r.record), reference_label(r.record))
+    )
     groups = [{"name": g, "runs": [r for r in runs if gpu_type(r.record) == g]} for g in order]
 
     settings = [_settings(r.record) for r in runs]
     keys = list(dict.fromkeys(k for s in settings for k in s))
-    differing = [{"key": k, "values": [s.get(k, "-") for s in settings]} for k in keys
-                 if len({s.get(k, "-") for s in settings}) > 1]
+    differing = [
+        {"key": k, "values": [s.get(k, "-") for s in settings]}
+        for k in keys
+        if len({s.get(k, "-") for s in settings}) > 1
+    ]
 
     metric_rows = []
     for doc in METRIC_DOCS:
         values = [(r.record.get("metrics") or {}).get(doc.key) for r in runs]
         best, worst = rank(values, doc.better)
-        metric_rows.append({"label": doc.label, "key": doc.key, "meaning": doc.meaning,
-                            "cells": [{"text": fmt(v), "best": i in best, "worst": i in worst}
-                                      for i, v in enumerate(values)]})
+        metric_rows.append(
+            {
+                "label": doc.label,
+                "key": doc.key,
+                "meaning": doc.meaning,
+                "cells": [{"text": fmt(v), "best": i in best, "worst": i in worst} for i, v in enumerate(values)],
+            }
+        )
     for section, key, label, better in COMPARISON_EXTRA_ROWS:
         values = [lookup(r.record, f"{section}.{key}") for r in runs]
         if all(v is None for v in values):
             continue
         best, worst = rank(values, better)
-        metric_rows.append({"label": label, "key": f"{section}.{key}", "meaning": METRIC_DOC[key].meaning,
-                            "cells": [{"text": fmt(v), "best": i in best, "worst": i in worst}
-                                      for i, v in enumerate(values)]})
+        metric_rows.append(
+            {
+                "label": label,
+                "key": f"{section}.{key}",
+                "meaning": METRIC_DOC[key].meaning,
+                "cells": [{"text": fmt(v), "best": i in best, "worst": i in worst} for i, v in enumerate(values)],
+            }
+        )
     correction_rows = []
     for key, (name, what) in CORRECTION_DOCS.items():
         values = [(r.record.get("corrections") or {}).get(key) for r in runs]
         best, worst = rank(values, "lower")
-        correction_rows.append({"label": name, "key": key, "meaning": what,
-                                "cells": [{"text": pct(v), "best": i in best, "worst": i in worst}
-                                          for i, v in enumerate(values)]})
+        correction_rows.append(
+            {
+                "label": name,
+                "key": key,
+                "meaning": what,
+                "cells": [{"text": pct(v), "best": i in best, "worst": i in worst} for i, v in enumerate(values)],
+            }
+        )
 
     warnings = []
     for what in ("model", "prompts"):
@@ -477,12 +566,21 @@ def render_comparison(runs: list[RunData]) -> str:
     figure_runs = [{"label": r.label, "color": r.color, "record": r.record, "dist": r.dist} for r in runs]
     context = {
         "title": f"mismatch-probe: {len(runs)} runs compared",
-        "runs": [{"label": r.label, "color": r.color, "path": portable_path(r.path), "hardware": gpu_type(r.record),
-                  "engine": engine_label(r.record), "reference": reference_label(r.record),
-                  "tokens": (r.record.get("metrics") or {}).get("n_model_tokens"),
-                  "sequences": (r.record.get("metrics") or {}).get("n_sequences"),
-                  "created_at": r.record.get("created_at"),
-                  "notes": plain_notes(r.record)} for r in runs],
+        "runs": [
+            {
+                "label": r.label,
+                "color": r.color,
+                "path": portable_path(r.path),
+                "hardware": gpu_type(r.record),
+                "engine": engine_label(r.record),
+                "reference": reference_label(r.record),
+                "tokens": (r.record.get("metrics") or {}).get("n_model_tokens"),
+                "sequences": (r.record.get("metrics") or {}).get("n_sequences"),
+                "created_at": r.record.get("created_at"),
+                "notes": plain_notes(r.record),
+            }
+            for r in runs
+        ],
         "groups": [{"name": g["name"], "span": len(g["runs"])} for g in groups],
         "differing": differing,
         "metric_rows": metric_rows,

@@ -33,38 +33,63 @@ def render_markdown(record: dict) -> str:
     out = [
         f"# mismatch-probe run: {_cell(spec.get('name') or spec.get('engine', {}).get('name'))}",
         "",
-        f"Status **{record.get('status')}**, created {record.get('created_at')}, "
-        f"mismatch-probe {record.get('probe_version')}.",
+        (
+            f"Status **{record.get('status')}**, created {record.get('created_at')}, "
+            f"mismatch-probe {record.get('probe_version')}."
+        ),
         "",
         "## Setup",
         "",
-        *_table(["", "value"], [
-            ["device", env.get("device_name")],
-            ["GPUs", ", ".join(g["name"] for g in env.get("gpus") or []) or "none"],
-            ["driver / CUDA", f"{env.get('nvidia_driver') or '-'} / {env.get('cuda') or '-'}"],
-            ["libraries", ", ".join(f"{k} {v}" for k, v in (env.get("packages") or {}).items())],
-            ["model", (record.get("inputs") or {}).get("model")],
-            ["prompts", f"{(record.get('inputs') or {}).get('prompts')} ({(record.get('inputs') or {}).get('n_prompts')} prompts, "
-                        f"{(record.get('inputs') or {}).get('n_samples')} samples)"],
-            ["engine", ", ".join(f"{k}={v}" for k, v in eng.items()
-                                 if k not in ("versions", "requested", "routing_unavailable", "kv_cache_sizing"))],
-            *([["KV cache", kv_cache_line(eng["kv_cache_sizing"])]] if eng.get("kv_cache_sizing") else []),
-            ["reference", ", ".join(f"{k}={v}" for k, v in ref.items() if k != "versions")],
-            ["sampling", ", ".join(f"{k}={v}" for k, v in (spec.get("sampling") or {}).items())],
-            ["engine log-probs", sem.get("distribution", "-") + f" ({sem.get('mode', '-')})"],
-            ["reference log-probs", ref_sem.get("distribution", "-") + (
-                "" if semantics.get("matched", True) else " (deliberately not the engine's)")],
-        ]),
+        *_table(
+            ["", "value"],
+            [
+                ["device", env.get("device_name")],
+                ["GPUs", ", ".join(g["name"] for g in env.get("gpus") or []) or "none"],
+                ["driver / CUDA", f"{env.get('nvidia_driver') or '-'} / {env.get('cuda') or '-'}"],
+                ["libraries", ", ".join(f"{k} {v}" for k, v in (env.get("packages") or {}).items())],
+                ["model", (record.get("inputs") or {}).get("model")],
+                [
+                    "prompts",
+                    (
+                        f"{(record.get('inputs') or {}).get('prompts')} ({(record.get('inputs') or {}).get('n_prompts')} prompts, "
+                        f"{(record.get('inputs') or {}).get('n_samples')} samples)"
+                    ),
+                ],
+                [
+                    "engine",
+                    ", ".join(
+                        f"{k}={v}"
+                        for k, v in eng.items()
+                        if k not in ("versions", "requested", "routing_unavailable", "kv_cache_sizing")
+                    ),
+                ],
+                *([["KV cache", kv_cache_line(eng["kv_cache_sizing"])]] if eng.get("kv_cache_sizing") else []),
+                ["reference", ", ".join(f"{k}={v}" for k, v in ref.items() if k != "versions")],
+                ["sampling", ", ".join(f"{k}={v}" for k, v in (spec.get("sampling") or {}).items())],
+                ["engine log-probs", sem.get("distribution", "-") + f" ({sem.get('mode', '-')})"],
+                [
+                    "reference log-probs",
+                    ref_sem.get("distribution", "-")
+                    + ("" if semantics.get("matched", True) else " (deliberately not the engine's)"),
+                ],
+            ],
+        ),
         "",
         "## Headline metrics",
         "",
-        "`delta = logp_train - logp_infer`, `ratio = exp(delta)`, over model tokens only. "
-        "The decode-vs-prefill column puts the engine's own full-sequence prefill log-prob in the "
-        "reference's place: mismatch inside the engine, before any trainer is involved.",
+        (
+            "`delta = logp_train - logp_infer`, `ratio = exp(delta)`, over model tokens only. "
+            "The decode-vs-prefill column puts the engine's own full-sequence prefill log-prob in the "
+            "reference's place: mismatch inside the engine, before any trainer is involved."
+        ),
         "",
     ]
-    header = (["metric", "engine vs reference", "first turn"] + (["later turns"] if later else [])
-              + (["decode vs prefill"] if has_prefill else []) + ["meaning"])
+    header = (
+        ["metric", "engine vs reference", "first turn"]
+        + (["later turns"] if later else [])
+        + (["decode vs prefill"] if has_prefill else [])
+        + ["meaning"]
+    )
     rows = []
     for doc in METRIC_DOCS:
         key, note = doc.key, doc.meaning + (f" ({doc.reference})" if doc.reference and doc.better else "")
@@ -81,65 +106,152 @@ def render_markdown(record: dict) -> str:
 
     corr = record.get("corrections") or {}
     th = corr.get("thresholds") or {}
-    out += ["", "## Correction what-ifs", "",
-            "Share of the data each published correction would clip or drop at these thresholds.", ""]
-    out += _table(["correction", "threshold", "share"], [
-        [f"`{k}`", ", ".join(f"{a} {b:g}" for a, b in (th.get(k) or {}).items()), fmt(v)]
-        for k, v in corr.items() if k != "thresholds"
-    ])
+    out += [
+        "",
+        "## Correction what-ifs",
+        "",
+        "Share of the data each published correction would clip or drop at these thresholds.",
+        "",
+    ]
+    out += _table(
+        ["correction", "threshold", "share"],
+        [
+            [f"`{k}`", ", ".join(f"{a} {b:g}" for a, b in (th.get(k) or {}).items()), fmt(v)]
+            for k, v in corr.items()
+            if k != "thresholds"
+        ],
+    )
 
     bd = record.get("breakdowns") or {}
-    out += ["", "## |delta| by engine probability", "",
-            "Mismatch concentrates on low-probability tokens.", ""]
-    out += _table(["p_infer", "tokens", "share", "mean abs delta", "p50", "p90", "p99", "max", "mean K3"], [
-        [f"[{r['p_infer_lo']:g}, {r['p_infer_hi']:g}{']' if r['p_infer_hi'] == 1.0 else ')'}", r["count"], fmt(r["share"]), fmt(r.get("abs_delta_mean")),
-         fmt(r.get("abs_delta_p50")), fmt(r.get("abs_delta_p90")), fmt(r.get("abs_delta_p99")),
-         fmt(r.get("abs_delta_max")), fmt(r.get("k3_mean"))]
-        for r in bd.get("p_infer_buckets") or []
-    ])
+    out += ["", "## |delta| by engine probability", "", "Mismatch concentrates on low-probability tokens.", ""]
+    out += _table(
+        ["p_infer", "tokens", "share", "mean abs delta", "p50", "p90", "p99", "max", "mean K3"],
+        [
+            [
+                f"[{r['p_infer_lo']:g}, {r['p_infer_hi']:g}{']' if r['p_infer_hi'] == 1.0 else ')'}",
+                r["count"],
+                fmt(r["share"]),
+                fmt(r.get("abs_delta_mean")),
+                fmt(r.get("abs_delta_p50")),
+                fmt(r.get("abs_delta_p90")),
+                fmt(r.get("abs_delta_p99")),
+                fmt(r.get("abs_delta_max")),
+                fmt(r.get("k3_mean")),
+            ]
+            for r in bd.get("p_infer_buckets") or []
+        ],
+    )
     by_index = record.get("metrics_by_turn_index") or {}
     if len(by_index) > 1:
-        out += ["", "## By assistant turn", "",
-                "Turn 0 answers the prompt; each later turn follows a tool response.", ""]
-        out += _table(["turn", "model tokens", "sample-turns", "k3_kl", "mean prob diff", "max prob diff",
-                       "p99 abs delta", "log-ppl engine", "log-ppl reference"], [
-            [t, m.get("n_model_tokens"), m.get("n_sequences"), fmt(m.get("k3_kl")), fmt(m.get("prob_diff_mean")),
-             fmt(m.get("prob_diff_max")), fmt(m.get("abs_delta_p99")), fmt(m.get("log_ppl_infer")),
-             fmt(m.get("log_ppl_train"))]
-            for t, m in by_index.items()
-        ])
+        out += [
+            "",
+            "## By assistant turn",
+            "",
+            "Turn 0 answers the prompt; each later turn follows a tool response.",
+            "",
+        ]
+        out += _table(
+            [
+                "turn",
+                "model tokens",
+                "sample-turns",
+                "k3_kl",
+                "mean prob diff",
+                "max prob diff",
+                "p99 abs delta",
+                "log-ppl engine",
+                "log-ppl reference",
+            ],
+            [
+                [
+                    t,
+                    m.get("n_model_tokens"),
+                    m.get("n_sequences"),
+                    fmt(m.get("k3_kl")),
+                    fmt(m.get("prob_diff_mean")),
+                    fmt(m.get("prob_diff_max")),
+                    fmt(m.get("abs_delta_p99")),
+                    fmt(m.get("log_ppl_infer")),
+                    fmt(m.get("log_ppl_train")),
+                ]
+                for t, m in by_index.items()
+            ],
+        )
     out += ["", "## By response length", ""]
-    out += _table(["model tokens", "sequences", "seq max mismatch (mean)", "share > 0.5", "seq mean mismatch"], [
-        [f"[{r['length_lo']}, {r['length_hi'] or 'inf'})", r["count"], fmt(r["seq_max_mismatch_mean"]),
-         fmt(r["seq_max_mismatch_gt_0_5_share"]), fmt(r["seq_mean_mismatch_mean"])]
-        for r in bd.get("response_length_buckets") or []
-    ])
+    out += _table(
+        ["model tokens", "sequences", "seq max mismatch (mean)", "share > 0.5", "seq mean mismatch"],
+        [
+            [
+                f"[{r['length_lo']}, {r['length_hi'] or 'inf'})",
+                r["count"],
+                fmt(r["seq_max_mismatch_mean"]),
+                fmt(r["seq_max_mismatch_gt_0_5_share"]),
+                fmt(r["seq_mean_mismatch_mean"]),
+            ]
+            for r in bd.get("response_length_buckets") or []
+        ],
+    )
     out += ["", "## By token position", ""]
-    out += _table(["position", "tokens", "mean abs delta", "mean prob diff", "max prob diff", "mean K3"], [
-        [f"[{r['position_lo']}, {r['position_hi'] or 'inf'})", r["count"], fmt(r["abs_delta_mean"]),
-         fmt(r["prob_diff_mean"]), fmt(r["prob_diff_max"]), fmt(r["k3_mean"])]
-        for r in bd.get("position_buckets") or []
-    ])
+    out += _table(
+        ["position", "tokens", "mean abs delta", "mean prob diff", "max prob diff", "mean K3"],
+        [
+            [
+                f"[{r['position_lo']}, {r['position_hi'] or 'inf'})",
+                r["count"],
+                fmt(r["abs_delta_mean"]),
+                fmt(r["prob_diff_mean"]),
+                fmt(r["prob_diff_max"]),
+                fmt(r["k3_mean"]),
+            ]
+            for r in bd.get("position_buckets") or []
+        ],
+    )
     routing = record.get("routing")
     if routing and routing.get("n_tokens"):
-        out += ["", "## MoE routing agreement", "",
+        out += [
+            "",
+            "## MoE routing agreement",
+            "",
+            (
                 f"Top-{routing['top_k']} expert sets chosen for each model token's input, engine vs reference "
                 f"({routing.get('num_experts')} experts). A token flips when any layer picks another set; "
-                f"{fmt(routing['tokens_with_flip_share'])} of tokens flipped.", ""]
-        out += _table(["MoE layer", "same expert set", "shared experts"], [
-            [layer, fmt(a), fmt(o)]
-            for layer, a, o in zip(routing["moe_layers"], routing["set_agreement_by_layer"], routing["overlap_by_layer"])
-        ])
+                f"{fmt(routing['tokens_with_flip_share'])} of tokens flipped."
+            ),
+            "",
+        ]
+        out += _table(
+            ["MoE layer", "same expert set", "shared experts"],
+            [
+                [layer, fmt(a), fmt(o)]
+                for layer, a, o in zip(
+                    routing["moe_layers"], routing["set_agreement_by_layer"], routing["overlap_by_layer"]
+                )
+            ],
+        )
         out += [""]
-        out += _table(["tokens", "count", "mean abs delta", "mean prob diff", "max prob diff", "mean K3"], [
-            [name, routing[name]["n_tokens"], fmt(routing[name]["abs_delta_mean"]), fmt(routing[name]["prob_diff_mean"]),
-             fmt(routing[name]["prob_diff_max"]), fmt(routing[name]["k3_mean"])]
-            for name in ("flipped", "agreed")
-        ])
+        out += _table(
+            ["tokens", "count", "mean abs delta", "mean prob diff", "max prob diff", "mean K3"],
+            [
+                [
+                    name,
+                    routing[name]["n_tokens"],
+                    fmt(routing[name]["abs_delta_mean"]),
+                    fmt(routing[name]["prob_diff_mean"]),
+                    fmt(routing[name]["prob_diff_max"]),
+                    fmt(routing[name]["k3_mean"]),
+                ]
+                for name in ("flipped", "agreed")
+            ],
+        )
     figures = record.get("figures") or []
     if isinstance(figures, list) and figures:
-        out += ["", "## Figures", "", "The same figures, with captions and the worst sequences token by token, are in "
-                "`report.html`.", ""]
+        out += [
+            "",
+            "## Figures",
+            "",
+            ("The same figures, with captions and the worst sequences token by token, are in `report.html`."),
+            "",
+        ]
         out += [f"![{f['title']}]({f['path']})" for f in figures]
     timings = record.get("timings") or {}
     out += ["", "## Timings", ""]

@@ -13,6 +13,7 @@ reference keeps the rows it scores.
 from __future__ import annotations
 
 import re
+from typing import Self
 
 import torch
 
@@ -54,7 +55,7 @@ class RouterRecorder:
     def active(self) -> bool:
         return bool(self.routers)
 
-    def __enter__(self) -> RouterRecorder:
+    def __enter__(self) -> Self:
         for slot, (_, module) in enumerate(self.routers):
             self._handles.append(module.register_forward_hook(self._hook(slot)))
         return self

@@ -32,8 +32,10 @@ class LogprobSemantics:
 
     @property
     def transforms_logits(self) -> bool:
-        return self.mode == "processed" and self.temperature > 0 and (
-            self.temperature != 1.0 or self.top_k > 0 or self.top_p < 1.0
+        return (
+            self.mode == "processed"
+            and self.temperature > 0
+            and (self.temperature != 1.0 or self.top_k > 0 or self.top_p < 1.0)
         )
 
     def distribution(self) -> tuple:
@@ -67,7 +69,9 @@ def engine_semantics(logprobs_mode: str, temperature: float, top_k: int, top_p: 
     return LogprobSemantics(logprobs_mode if temperature > 0 else "raw", temperature, top_k, top_p)
 
 
-def reference_semantics(choice: str, engine: LogprobSemantics, temperature: float, top_k: int, top_p: float) -> LogprobSemantics:
+def reference_semantics(
+    choice: str, engine: LogprobSemantics, temperature: float, top_k: int, top_p: float
+) -> LogprobSemantics:
     """The reference's distribution for ``reference.logprobs``: "engine" matches the engine;
     "raw", "temperature" (logits / T, what verl's actor scores) and "processed" (T, top-k, top-p)
     are deliberate choices, for measuring what a mismatched trainer would see."""

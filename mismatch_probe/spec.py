@@ -26,9 +26,14 @@ from .metrics import CorrectionThresholds
 from .sampling import LOGPROBS_MODES
 
 DTYPE_ALIASES = {
-    "float32": "float32", "fp32": "float32", "float": "float32",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-    "float16": "float16", "fp16": "float16", "half": "float16",
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
 }
 # auto: sdpa where the architecture supports it, else eager (hf_models.choose_attention)
 ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
@@ -172,8 +177,9 @@ class ProbeSpec:
                 continue
             given = self.given_paths.get(dotted)
             # a bare interpreter name (python3) is looked up on PATH: keep it as typed
-            target[key] = given if given is not None else (
-                portable_path(target[key]) if "/" in target[key] else target[key])
+            target[key] = (
+                given if given is not None else (portable_path(target[key]) if "/" in target[key] else target[key])
+            )
         return d
 
     def rollout_fingerprint(self) -> str:
@@ -185,8 +191,13 @@ class ProbeSpec:
         out = []
         for v in self.variants:
             given = {k: p for k, p in self.given_paths.items() if k != "out"}
-            spec = dataclasses.replace(copy.deepcopy(self), variants=[], out=str(Path(base_out) / v["name"]),
-                                       name=f"{self.name}-{v['name']}" if self.name else v["name"], given_paths=given)
+            spec = dataclasses.replace(
+                copy.deepcopy(self),
+                variants=[],
+                out=str(Path(base_out) / v["name"]),
+                name=f"{self.name}-{v['name']}" if self.name else v["name"],
+                given_paths=given,
+            )
             for section in VARIANT_SECTIONS:
                 if v.get(section):
                     try:
@@ -208,7 +219,9 @@ class ProbeSpec:
         if not self.model:
             raise ConfigError("no model given", hint="pass --model PATH or set model = ... in the spec file")
         if not self.prompts:
-            raise ConfigError("no prompts file given", hint="pass --prompts FILE.jsonl or set prompts = ... in the spec file")
+            raise ConfigError(
+                "no prompts file given", hint="pass --prompts FILE.jsonl or set prompts = ... in the spec file"
+            )
         e, s, r = self.engine, self.sampling, self.reference
         e.dtype = normalize_dtype(e.dtype, field_name="the engine (--engine-dtype)", allow_auto=True)
         r.dtype = normalize_dtype(r.dtype, field_name="the reference (--train-dtype)", allow_auto=False)
@@ -227,8 +240,14 @@ class ProbeSpec:
         _check(s.top_k >= 0, f"sampling.top_k must be >= 0 (0 or -1 disables it), got {s.top_k}")
         _check(s.max_tokens >= 1, f"sampling.max_tokens must be >= 1, got {s.max_tokens}")
         _check(s.n >= 1, f"sampling.n must be >= 1, got {s.n}")
-        for name in ("batch_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_total_tokens",
-                     "kv_cache_memory_bytes"):
+        for name in (
+            "batch_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_model_len",
+            "max_total_tokens",
+            "kv_cache_memory_bytes",
+        ):
             value = getattr(e, name)
             _check(value is None or value >= 1, f"engine.{name} must be >= 1, got {value}")
         _check(e.tensor_parallel_size >= 1, f"engine.tensor_parallel_size must be >= 1, got {e.tensor_parallel_size}")
@@ -245,15 +264,25 @@ class ProbeSpec:
             )
         _check(r.micro_batch_size >= 1, f"reference.micro_batch_size must be >= 1, got {r.micro_batch_size}")
         _check(r.max_tokens_per_micro_batch >= 1, "reference.max_tokens_per_micro_batch must be >= 1")
-        _check(r.sequence_parallel_size >= 1, f"reference.sequence_parallel_size must be >= 1, got {r.sequence_parallel_size}")
-        _check(r.tensor_parallel_size >= 1, f"reference.tensor_parallel_size must be >= 1, got {r.tensor_parallel_size}")
+        _check(
+            r.sequence_parallel_size >= 1,
+            f"reference.sequence_parallel_size must be >= 1, got {r.sequence_parallel_size}",
+        )
+        _check(
+            r.tensor_parallel_size >= 1, f"reference.tensor_parallel_size must be >= 1, got {r.tensor_parallel_size}"
+        )
         if r.sequence_parallel_size > 1:
             if not r.packing:
-                raise ConfigError("Ulysses sequence parallelism (--train-sp) shards one packed row across ranks; "
-                                  "padded micro-batches have no packed row", hint="use --packing (reference.packing = true)")
-            _check(r.attn_implementation in SP_ATTN_IMPLEMENTATIONS + ("auto",),
-                   f"reference.attn_implementation {r.attn_implementation!r} cannot run under sequence parallelism "
-                   f"(it needs a mask over the whole row); choose {' or '.join(SP_ATTN_IMPLEMENTATIONS)}")
+                raise ConfigError(
+                    "Ulysses sequence parallelism (--train-sp) shards one packed row across ranks; "
+                    "padded micro-batches have no packed row",
+                    hint="use --packing (reference.packing = true)",
+                )
+            _check(
+                r.attn_implementation in SP_ATTN_IMPLEMENTATIONS + ("auto",),
+                f"reference.attn_implementation {r.attn_implementation!r} cannot run under sequence parallelism "
+                f"(it needs a mask over the whole row); choose {' or '.join(SP_ATTN_IMPLEMENTATIONS)}",
+            )
         _check(self.shard_size >= 1, f"shard_size must be >= 1, got {self.shard_size}")
         _check(self.max_turns >= 1, f"max_turns must be >= 1, got {self.max_turns}")
         _check(self.max_prompts is None or self.max_prompts >= 1, "max_prompts must be >= 1")
@@ -291,7 +320,12 @@ def _choice(value: str, choices: tuple, name: str) -> None:
         raise ConfigError(f"{name} is {value!r}; choose one of {', '.join(choices)}")
 
 
-SECTIONS = {"engine": EngineSpec, "sampling": SamplingSpec, "reference": ReferenceSpec, "corrections": CorrectionThresholds}
+SECTIONS = {
+    "engine": EngineSpec,
+    "sampling": SamplingSpec,
+    "reference": ReferenceSpec,
+    "corrections": CorrectionThresholds,
+}
 PATH_FIELDS = ("model", "prompts", "out")
 
 
@@ -349,11 +383,12 @@ def _variants(value: Any, source: str) -> list[dict]:
             if key not in VARIANT_SECTIONS:
                 raise ConfigError(
                     f"{where}: {key!r} cannot vary between variants, which score the same rollouts",
-                    hint="a variant sets [reference] and [corrections] settings; give other settings a spec of their own")
+                    hint="a variant sets [reference] and [corrections] settings; give other settings a spec of their own",
+                )
             if not isinstance(settings, dict):
                 raise ConfigError(f"{where}: {key} must be a table")
             fields = {f.name: f for f in dataclasses.fields(SECTIONS[key])}
-            for sub, x in settings.items():
+            for sub in settings:
                 if sub not in fields:
                     raise unknown_key(sub, fields, f"{where}.{key}")
             entry[key] = {sub: _coerce(x, fields[sub], f"{where}.{key}.{sub}") for sub, x in settings.items()}
@@ -401,7 +436,9 @@ def spec_from_dict(data: dict, *, base_dir: Path | None = None, source: str = "s
 def load_spec_file(path: str | Path) -> ProbeSpec:
     p = Path(path)
     if p.is_dir():
-        raise ConfigError(f"spec file {str(p)!r} is a directory", hint="give a probe spec (TOML), e.g. probes/demo.toml")
+        raise ConfigError(
+            f"spec file {str(p)!r} is a directory", hint="give a probe spec (TOML), e.g. probes/demo.toml"
+        )
     try:
         data = tomllib.loads(read_text(p, "spec file"))
     except tomllib.TOMLDecodeError as exc:

@@ -77,19 +77,25 @@ def notes(record: dict) -> list[str]:
     out = []
     sem = record.get("logprob_semantics") or {}
     if sem and sem.get("matched") is False:
-        out.append(f"[yellow]note:[/] the reference scores {sem['reference']['distribution']} but the engine's log-probs "
-                   f"are {sem['engine']['distribution']} (reference.logprobs = {record['spec']['reference']['logprobs']!r}); "
-                   "the mismatch above includes that difference on purpose")
+        out.append(
+            f"[yellow]note:[/] the reference scores {sem['reference']['distribution']} but the engine's log-probs "
+            f"are {sem['engine']['distribution']} (reference.logprobs = {record['spec']['reference']['logprobs']!r}); "
+            "the mismatch above includes that difference on purpose"
+        )
     n_zero = (record.get("metrics") or {}).get("n_zero_prob_train")
     if n_zero:
-        out.append(f"[yellow]note:[/] {n_zero} sampled token(s) have probability 0 under the reference "
-                   "(e.g. just outside its top-p/top-k set): their delta is -inf, so K3 and mean |delta| are inf; "
-                   "the quantiles and prob-diff columns still describe the rest")
+        out.append(
+            f"[yellow]note:[/] {n_zero} sampled token(s) have probability 0 under the reference "
+            "(e.g. just outside its top-p/top-k set): their delta is -inf, so K3 and mean |delta| are inf; "
+            "the quantiles and prob-diff columns still describe the rest"
+        )
     check = record.get("tokenization_check") or {}
     if check.get("n_checked"):
-        out.append(f"tokenization check: {check['n_differing']} of {check['n_checked']} conversations get other token ids "
-                   "when their chat is re-rendered and re-tokenized"
-                   + (" (a trainer that re-tokenizes would score different tokens)" if check["n_differing"] else ""))
+        out.append(
+            f"tokenization check: {check['n_differing']} of {check['n_checked']} conversations get other token ids "
+            "when their chat is re-rendered and re-tokenized"
+            + (" (a trainer that re-tokenizes would score different tokens)" if check["n_differing"] else "")
+        )
     prefill = record.get("decode_vs_prefill") or {}
     if prefill.get("skipped"):
         out.append(f"decode vs prefill: not measured, {prefill['skipped']}")
@@ -104,9 +110,16 @@ def plain_notes(record: dict) -> list[str]:
 
 
 TIMING_LABELS = (
-    ("setup_s", "setup"), ("engine_start_s", "engine start"), ("generation_s", "generation"),
-    ("prefill_s", "engine prefill"), ("engine_stop_s", "engine stop"), ("reference_load_s", "reference load"),
-    ("scoring_s", "reference scoring"), ("metrics_s", "metrics"), ("figures_s", "figures"), ("report_s", "report"),
+    ("setup_s", "setup"),
+    ("engine_start_s", "engine start"),
+    ("generation_s", "generation"),
+    ("prefill_s", "engine prefill"),
+    ("engine_stop_s", "engine stop"),
+    ("reference_load_s", "reference load"),
+    ("scoring_s", "reference scoring"),
+    ("metrics_s", "metrics"),
+    ("figures_s", "figures"),
+    ("report_s", "report"),
 )
 
 
@@ -139,11 +152,15 @@ def routing_line(record: dict) -> str | None:
     if not r or not r.get("n_tokens"):
         return None
     flipped, agreed = r["flipped"], r["agreed"]
-    line = (f"MoE routing: {fmt(r['tokens_with_flip_share'])} of tokens changed experts in at least one layer "
-            f"(expert-set agreement by layer: {', '.join(fmt(a) for a in r['set_agreement_by_layer'])})")
+    line = (
+        f"MoE routing: {fmt(r['tokens_with_flip_share'])} of tokens changed experts in at least one layer "
+        f"(expert-set agreement by layer: {', '.join(fmt(a) for a in r['set_agreement_by_layer'])})"
+    )
     if flipped["n_tokens"] and agreed["n_tokens"]:
-        line += (f"; mean |delta| {fmt(flipped['abs_delta_mean'])} on those tokens vs "
-                 f"{fmt(agreed['abs_delta_mean'])} elsewhere")
+        line += (
+            f"; mean |delta| {fmt(flipped['abs_delta_mean'])} on those tokens vs "
+            f"{fmt(agreed['abs_delta_mean'])} elsewhere"
+        )
     return line
 
 
@@ -172,9 +189,11 @@ def short_dtype(dtype) -> str:
 
 def layout_label(reference: dict) -> str:
     """The reference's parallel layout, e.g. "SP2 TP2"; empty for one process."""
-    return " ".join(f"{tag}{reference[key]}" for key, tag in (("sequence_parallel_size", "SP"),
-                                                               ("tensor_parallel_size", "TP"))
-                    if (reference.get(key) or 1) > 1)
+    return " ".join(
+        f"{tag}{reference[key]}"
+        for key, tag in (("sequence_parallel_size", "SP"), ("tensor_parallel_size", "TP"))
+        if (reference.get(key) or 1) > 1
+    )
 
 
 VARIANT_COLUMNS = (

@@ -109,8 +109,9 @@ def rollouts_to_table(rollouts: list[Rollout]) -> pa.Table:
             "is_model_token": [r.is_model_token for r in rollouts],
             "logp_infer": [r.logp_infer for r in rollouts],
             "finish_reason": [r.finish_reason for r in rollouts],
-            "experts_infer": [None if r.experts_infer is None else r.experts_infer.astype("<i2").tobytes()
-                              for r in rollouts],
+            "experts_infer": [
+                None if r.experts_infer is None else r.experts_infer.astype("<i2").tobytes() for r in rollouts
+            ],
             "logp_prefill": [r.logp_prefill for r in rollouts],
         },
         schema=ROLLOUT_SCHEMA,
@@ -137,8 +138,11 @@ def table_to_rollouts(table: pa.Table, routing_width: tuple[int, int] | None = N
     prefill_valid = prefill_col.is_valid().to_numpy(zero_copy_only=False) if prefill is not None else None
     out = []
     for i, (sid, pid, fin) in enumerate(
-        zip(table.column("sample_id").to_pylist(), table.column("prompt_id").to_pylist(),
-            table.column("finish_reason").to_pylist())
+        zip(
+            table.column("sample_id").to_pylist(),
+            table.column("prompt_id").to_pylist(),
+            table.column("finish_reason").to_pylist(),
+        )
     ):
         a, b = off[i], off[i + 1]
         ex = None
@@ -162,7 +166,9 @@ def _experts_column(parts: list[np.ndarray | None], model: np.ndarray) -> pa.Arr
     offsets = np.concatenate([[0], np.cumsum(row_bytes)]).astype(np.int32)
     validity = np.packbits(model, bitorder="little")
     return pa.BinaryArray.from_buffers(
-        pa.binary(), len(model), [pa.py_buffer(validity), pa.py_buffer(offsets), pa.py_buffer(flat.tobytes())],
+        pa.binary(),
+        len(model),
+        [pa.py_buffer(validity), pa.py_buffer(offsets), pa.py_buffer(flat.tobytes())],
         null_count=int((~model).sum()),
     )
 
@@ -186,8 +192,13 @@ def token_table(
     logp_infer = cat([r.logp_infer for r in rollouts], np.float32)
     lt = cat(logp_train, np.float32)
     ent = cat(entropy_train, np.float32)
-    prefill = cat([r.logp_prefill if r.logp_prefill is not None else np.full(len(r.token_ids), np.nan, np.float32)
-                   for r in rollouts], np.float32)
+    prefill = cat(
+        [
+            r.logp_prefill if r.logp_prefill is not None else np.full(len(r.token_ids), np.nan, np.float32)
+            for r in rollouts
+        ],
+        np.float32,
+    )
     prompt_ids = pa.DictionaryArray.from_arrays(
         pa.array(np.repeat(np.arange(len(rollouts), dtype=np.int32), lengths)),
         pa.array([r.prompt_id for r in rollouts], pa.string()),
@@ -217,7 +228,14 @@ def shard_paths(run_dir: Path, subdir: str) -> list[Path]:
 
 
 MODEL_TOKEN_COLUMNS = (
-    "sample_id", "turn", "position", "logp_infer", "logp_train", "logp_prefill", "experts_infer", "experts_train",
+    "sample_id",
+    "turn",
+    "position",
+    "logp_infer",
+    "logp_train",
+    "logp_prefill",
+    "experts_infer",
+    "experts_train",
 )
 OPTIONAL_COLUMNS = ("logp_prefill",)  # absent from tables written before schema version 2
 EXPERT_COLUMNS = ("experts_infer", "experts_train")
@@ -247,8 +265,10 @@ def iter_model_tokens(run_dir: Path, columns=MODEL_TOKEN_COLUMNS) -> Iterator[di
         t = pq.read_table(path, columns=list(dict.fromkeys((*wanted, "is_model_token"))))
         keep = t.column("is_model_token").to_numpy(zero_copy_only=False)
         yield {
-            c: None if c not in wanted
-            else _experts_2d(t.column(c), keep) if c in EXPERT_COLUMNS
+            c: None
+            if c not in wanted
+            else _experts_2d(t.column(c), keep)
+            if c in EXPERT_COLUMNS
             else t.column(c).to_numpy(zero_copy_only=False)[keep]
             for c in columns
         }
@@ -263,14 +283,18 @@ def read_run_record(run_dir: str | Path, what: str = "run", *, require_complete:
 
     path = Path(run_dir) / RUN_JSON
     if not path.is_file():
-        raise ConfigError(f"{what} {run_dir} is not a run directory: it has no {RUN_JSON}",
-                          hint="pass the directory that `mismatch-probe compare` wrote (its --out)")
+        raise ConfigError(
+            f"{what} {run_dir} is not a run directory: it has no {RUN_JSON}",
+            hint="pass the directory that `mismatch-probe compare` wrote (its --out)",
+        )
     try:
         record = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path} is not valid JSON ({exc})") from None
     if require_complete and (record.get("status") != "complete" or not record.get("metrics")):
         why = f": {record['error']}" if record.get("error") else ""
-        raise ConfigError(f"{what} {run_dir} is {record.get('status', 'incomplete')}{why}; it has no metrics",
-                          hint="finish it by running the same compare command again (it resumes)")
+        raise ConfigError(
+            f"{what} {run_dir} is {record.get('status', 'incomplete')}{why}; it has no metrics",
+            hint="finish it by running the same compare command again (it resumes)",
+        )
     return record

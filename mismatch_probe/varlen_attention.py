@@ -11,6 +11,8 @@ sequence runs causal SDPA on its own slice. It is registered with transformers'
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 VARLEN_SDPA = "mismatch_probe_varlen_sdpa"
@@ -44,7 +46,7 @@ def _varlen_sdpa(
         raise ValueError(f"{VARLEN_SDPA} takes sequence boundaries for one packed row only")
     out = torch.empty_like(query)
     bounds = cu_seq_lens_q.tolist()
-    for a, b in zip(bounds[:-1], bounds[1:]):
+    for a, b in itertools.pairwise(bounds):
         n = b - a
         mask, causal = None, True
         if sliding_window is not None and n > sliding_window:
@@ -52,7 +54,12 @@ def _varlen_sdpa(
             diff = i[:, None] - i[None, :]
             mask, causal = (diff >= 0) & (diff < sliding_window), False
         out[:, :, a:b] = torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], attn_mask=mask, is_causal=causal, scale=scaling,
+            query[:, :, a:b],
+            key[:, :, a:b],
+            value[:, :, a:b],
+            attn_mask=mask,
+            is_causal=causal,
+            scale=scaling,
         )
     return out.transpose(1, 2).contiguous(), None
 

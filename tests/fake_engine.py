@@ -32,8 +32,14 @@ class FakeEngine:
         for r in requests:
             n = min(4, r.max_tokens)
             toks = np.array([10 + i for i in range(n - 1)] + [stop_token_ids[0]], np.int32)
-            out.append(Completion(toks, np.full(n, FakeEngine.logprob, np.float32), "stop",
-                                  prompt_token_ids=r.prompt_token_ids + FakeEngine.echo_prompt_offset))
+            out.append(
+                Completion(
+                    toks,
+                    np.full(n, FakeEngine.logprob, np.float32),
+                    "stop",
+                    prompt_token_ids=r.prompt_token_ids + FakeEngine.echo_prompt_offset,
+                )
+            )
         if on_progress:
             on_progress(len(requests))
         return out

@@ -33,16 +33,20 @@ def conversation(sample_id, turns, rng):
 def run_dir(tmp_path):
     rng = np.random.default_rng(0)
     shards = [
-        [conversation(0, [("prompt", 5), (0, 4), ("tool", 3), (1, 6), ("tool", 2), (2, 3)], rng),
-         conversation(1, [("prompt", 7), (0, 1)], rng),
-         conversation(2, [("prompt", 4)], rng)],  # empty response
+        [
+            conversation(0, [("prompt", 5), (0, 4), ("tool", 3), (1, 6), ("tool", 2), (2, 3)], rng),
+            conversation(1, [("prompt", 7), (0, 1)], rng),
+            conversation(2, [("prompt", 4)], rng),
+        ],  # empty response
         [conversation(3, [("prompt", 3), (0, 2), ("tool", 4), (1, 5)], rng)],
     ]
     for i, shard in enumerate(shards):
         rollouts = [r for r, _ in shard]
         lts = [lt for _, lt in shard]
-        write_table_atomic(token_table(rollouts, lts, [np.zeros(len(x), np.float32) for x in lts]),
-                           tmp_path / TOKENS_DIR / shard_name(i))
+        write_table_atomic(
+            token_table(rollouts, lts, [np.zeros(len(x), np.float32) for x in lts]),
+            tmp_path / TOKENS_DIR / shard_name(i),
+        )
     return tmp_path, [c for s in shards for c in s]
 
 
@@ -81,7 +85,11 @@ def test_groups_and_masks(run_dir):
 
 def test_json_safe():
     assert json_safe({"a": float("nan"), "b": [float("inf"), -np.inf], "c": np.int64(3), "d": np.float32(0.5)}) == {
-        "a": None, "b": ["inf", "-inf"], "c": 3, "d": 0.5}
+        "a": None,
+        "b": ["inf", "-inf"],
+        "c": 3,
+        "d": 0.5,
+    }
 
 
 def test_decode_vs_prefill_is_scored_on_model_tokens_with_a_prefill(tmp_path):
@@ -90,8 +98,16 @@ def test_decode_vs_prefill_is_scored_on_model_tokens_with_a_prefill(tmp_path):
     model = np.array([False, False, True, True, True, False, True])
     li = np.array([np.nan, np.nan, -0.5, -1.0, -0.01, -9.0, -2.0], np.float32)
     lp = np.array([np.nan, -3.0, -0.4, -1.2, -0.01, -7.0, np.nan], np.float32)  # prompt/tool values must be ignored
-    r = Rollout(0, "p", np.arange(7, dtype=np.int32), np.where(model, 0, -1).astype(np.int16), model,
-                np.where(model, li, np.nan).astype(np.float32), "stop", logp_prefill=lp)
+    r = Rollout(
+        0,
+        "p",
+        np.arange(7, dtype=np.int32),
+        np.where(model, 0, -1).astype(np.int16),
+        model,
+        np.where(model, li, np.nan).astype(np.float32),
+        "stop",
+        logp_prefill=lp,
+    )
     lt = [np.where(model, li, np.nan).astype(np.float32)]
     write_table_atomic(token_table([r], lt, [np.zeros(7, np.float32)]), tmp_path / TOKENS_DIR / shard_name(0))
     out = analyze(tmp_path)["decode_vs_prefill"]

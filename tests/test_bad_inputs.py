@@ -21,8 +21,20 @@ def one_line_exit_2(proc, *fragments: str) -> None:
 
 
 def compare(tmp_path, *args: str, model=DENSE, prompts=SINGLE_TURN):
-    return cli("compare", "--model", str(model), "--prompts", str(prompts), "--out", str(tmp_path / "run"),
-               "--max-prompts", "2", "--max-tokens", "8", *args)
+    return cli(
+        "compare",
+        "--model",
+        str(model),
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(tmp_path / "run"),
+        "--max-prompts",
+        "2",
+        "--max-tokens",
+        "8",
+        *args,
+    )
 
 
 def copy_model(tmp_path, skip=()) -> object:
@@ -47,7 +59,7 @@ def test_spec_and_thresholds_files_that_are_not_utf8(tmp_path):
     spec.write_bytes('name = "caf\xe9"\n'.encode("latin-1"))
     one_line_exit_2(cli("compare", str(spec)), "probe.toml:1: not UTF-8 text (byte 0xe9 at column 12)")
     thresholds = tmp_path / "gate.toml"
-    thresholds.write_bytes(b'# seuil \xe9\n[[checks]]\n')
+    thresholds.write_bytes(b"# seuil \xe9\n[[checks]]\n")
     one_line_exit_2(cli("gate", str(tmp_path), "--thresholds", str(thresholds)), "gate.toml:1: not UTF-8 text")
 
 
@@ -73,9 +85,11 @@ def test_a_damaged_safetensors_file(tmp_path, damage):
 def test_a_sharded_checkpoint_missing_a_shard(tmp_path):
     model = copy_model(tmp_path)
     (model / "model.safetensors.index.json").write_text(
-        '{"weight_map": {"a": "model.safetensors", "b": "model-00002-of-00002.safetensors"}}')
-    one_line_exit_2(compare(tmp_path, model=model), "names 1 weight file(s) that are not there",
-                    "model-00002-of-00002.safetensors")
+        '{"weight_map": {"a": "model.safetensors", "b": "model-00002-of-00002.safetensors"}}'
+    )
+    one_line_exit_2(
+        compare(tmp_path, model=model), "names 1 weight file(s) that are not there", "model-00002-of-00002.safetensors"
+    )
 
 
 def test_a_model_directory_without_weights(tmp_path):

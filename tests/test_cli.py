@@ -61,9 +61,28 @@ def test_token_table_matches_the_record(bf16_run):
 
 def test_bf16_engine_mismatch_is_far_above_fp32(bf16_run, tmp_path):
     out = tmp_path / "fp32"
-    proc = cli("compare", "--model", str(DENSE), "--prompts", str(SINGLE_TURN), "--out", str(out),
-               "--engine-dtype", "float32", "--train-dtype", "float32", "--max-tokens", "48", "--n", "2",
-               "--max-prompts", "16", "--seed", "7", "--json")
+    proc = cli(
+        "compare",
+        "--model",
+        str(DENSE),
+        "--prompts",
+        str(SINGLE_TURN),
+        "--out",
+        str(out),
+        "--engine-dtype",
+        "float32",
+        "--train-dtype",
+        "float32",
+        "--max-tokens",
+        "48",
+        "--n",
+        "2",
+        "--max-prompts",
+        "16",
+        "--seed",
+        "7",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     fp32 = json.loads(proc.stdout)["metrics"]["k3_kl"]
     bf16 = record(bf16_run)["metrics"]["k3_kl"]
@@ -79,9 +98,28 @@ def test_mismatch_concentrates_on_low_probability_tokens(bf16_run):
 
 
 def moe_run(tmp_path, dtype):
-    proc = cli("compare", "--model", str(MOE), "--prompts", str(SINGLE_TURN), "--out", str(tmp_path / dtype),
-               "--engine-dtype", dtype, "--train-dtype", "float32", "--max-tokens", "48", "--n", "2",
-               "--max-prompts", "16", "--seed", "7", "--json")
+    proc = cli(
+        "compare",
+        "--model",
+        str(MOE),
+        "--prompts",
+        str(SINGLE_TURN),
+        "--out",
+        str(tmp_path / dtype),
+        "--engine-dtype",
+        dtype,
+        "--train-dtype",
+        "float32",
+        "--max-tokens",
+        "48",
+        "--n",
+        "2",
+        "--max-prompts",
+        "16",
+        "--seed",
+        "7",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
@@ -108,9 +146,28 @@ def test_rerun_resumes_from_the_shards(bf16_run, tmp_path):
     before = record(run)
     (run / "tokens.parquet" / "part-00000.parquet").unlink()
     spec = before["spec"]
-    args = ["compare", "--model", spec["model"], "--prompts", spec["prompts"], "--out", str(run),
-            "--engine-dtype", "bfloat16", "--train-dtype", "float32", "--max-tokens", "48", "--n", "2",
-            "--max-prompts", "16", "--seed", "7", "--json"]
+    args = [
+        "compare",
+        "--model",
+        spec["model"],
+        "--prompts",
+        spec["prompts"],
+        "--out",
+        str(run),
+        "--engine-dtype",
+        "bfloat16",
+        "--train-dtype",
+        "float32",
+        "--max-tokens",
+        "48",
+        "--n",
+        "2",
+        "--max-prompts",
+        "16",
+        "--seed",
+        "7",
+        "--json",
+    ]
     proc = cli(*args)
     assert proc.returncode == 0, proc.stderr
     after = json.loads(proc.stdout)
@@ -124,8 +181,10 @@ def test_rerun_resumes_from_the_shards(bf16_run, tmp_path):
 
 def test_spec_file_with_flag_override(tmp_path):
     spec = tmp_path / "p.toml"
-    spec.write_text(f'model = "{DENSE}"\nprompts = "{SINGLE_TURN}"\nmax_prompts = 2\n'
-                    '[sampling]\nmax_tokens = 8\nn = 1\n[engine]\ndtype = "bfloat16"\n')
+    spec.write_text(
+        f'model = "{DENSE}"\nprompts = "{SINGLE_TURN}"\nmax_prompts = 2\n'
+        '[sampling]\nmax_tokens = 8\nn = 1\n[engine]\ndtype = "bfloat16"\n'
+    )
     proc = cli("compare", str(spec), "--engine-dtype", "float32", "--out", str(tmp_path / "r"), "--json")
     assert proc.returncode == 0, proc.stderr
     rec = json.loads(proc.stdout)
@@ -133,8 +192,19 @@ def test_spec_file_with_flag_override(tmp_path):
 
 
 def test_summary_table_is_printed(bf16_run, tmp_path):
-    proc = cli("compare", "--model", str(DENSE), "--prompts", str(SINGLE_TURN), "--out", str(tmp_path / "s"),
-               "--max-prompts", "2", "--max-tokens", "8")
+    proc = cli(
+        "compare",
+        "--model",
+        str(DENSE),
+        "--prompts",
+        str(SINGLE_TURN),
+        "--out",
+        str(tmp_path / "s"),
+        "--max-prompts",
+        "2",
+        "--max-tokens",
+        "8",
+    )
     assert proc.returncode == 0, proc.stderr
     assert "K3 KL" in proc.stdout and "correction what-ifs" in proc.stdout and "run directory:" in proc.stdout
 
@@ -180,15 +250,26 @@ def test_engines_lists_hf():
 
 
 def test_import_is_light():
-    code = ("import sys, mismatch_probe, mismatch_probe.cli, mismatch_probe.engines, mismatch_probe.pipeline, "
-            "mismatch_probe.analysis; print(sorted(m for m in ('torch', 'vllm', 'sglang', 'transformers') "
-            "if m in sys.modules))")
+    code = (
+        "import sys, mismatch_probe, mismatch_probe.cli, mismatch_probe.engines, mismatch_probe.pipeline, "
+        "mismatch_probe.analysis; print(sorted(m for m in ('torch', 'vllm', 'sglang', 'transformers') "
+        "if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]"
 
 
 def test_error_text_with_brackets_is_printed_verbatim(tmp_path):
     """Messages carry things like mismatch-probe[vllm]; rich must not read them as markup."""
-    proc = cli("compare", "--model", str(DENSE), "--prompts", str(SINGLE_TURN), "--out", str(tmp_path / "r"),
-               "--engine", "vllm[cpu]")
+    proc = cli(
+        "compare",
+        "--model",
+        str(DENSE),
+        "--prompts",
+        str(SINGLE_TURN),
+        "--out",
+        str(tmp_path / "r"),
+        "--engine",
+        "vllm[cpu]",
+    )
     assert proc.returncode == 2 and "unknown engine 'vllm[cpu]'" in proc.stderr

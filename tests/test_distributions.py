@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -42,7 +43,7 @@ def accumulate(sample, turn, lt, li, cuts):
     overall = MetricsAccumulator()
     by_turn = {"first": MetricsAccumulator(), "later": MetricsAccumulator()}
     bounds = [0, *cuts, len(sample)]
-    for a, b in zip(bounds[:-1], bounds[1:]):
+    for a, b in itertools.pairwise(bounds):
         s, t, x, y = sample[a:b], turn[a:b], lt[a:b], li[a:b]
         acc.add(x, y, s, t)
         overall.add(x, y, segment_starts(s))
@@ -109,12 +110,25 @@ def write_run(run_dir, lengths, worst_at, prompt_len=10):
         li = np.where(model, np.log(0.5), np.nan).astype(np.float32)
         lt = li.copy()
         li[w], lt[w] = np.log(0.9), np.log(0.3)
-        tables.append(pa.Table.from_arrays([
-            pa.array(np.full(n, k, np.int64)), pa.array([f"p<{k}>"] * n), pa.array(np.where(model, 0, -1).astype(np.int16)),
-            pa.array(np.arange(n, dtype=np.int32)), pa.array((np.arange(n) % 50 + 100).astype(np.int32)), pa.array(model),
-            pa.array(li, mask=~model), pa.array(lt, mask=~model), pa.nulls(n, pa.float32()), pa.nulls(n, pa.float32()),
-            pa.nulls(n, pa.binary()), pa.nulls(n, pa.binary()),
-        ], schema=TOKEN_SCHEMA))
+        tables.append(
+            pa.Table.from_arrays(
+                [
+                    pa.array(np.full(n, k, np.int64)),
+                    pa.array([f"p<{k}>"] * n),
+                    pa.array(np.where(model, 0, -1).astype(np.int16)),
+                    pa.array(np.arange(n, dtype=np.int32)),
+                    pa.array((np.arange(n) % 50 + 100).astype(np.int32)),
+                    pa.array(model),
+                    pa.array(li, mask=~model),
+                    pa.array(lt, mask=~model),
+                    pa.nulls(n, pa.float32()),
+                    pa.nulls(n, pa.float32()),
+                    pa.nulls(n, pa.binary()),
+                    pa.nulls(n, pa.binary()),
+                ],
+                schema=TOKEN_SCHEMA,
+            )
+        )
         ids.append(k)
     write_table_atomic(pa.concat_tables(tables), run_dir / TOKENS_DIR / shard_name(0))
 

@@ -33,21 +33,31 @@ def test_sglang_finish_reasons_and_an_abort_that_is_not_a_sample():
     assert sglang.finish_reason({"finish_reason": {"type": "stop", "matched": 2}}, "r") == "stop"
     assert sglang.finish_reason({"finish_reason": {"type": "length", "length": 64}}, "r") == "length"
     assert sglang.finish_reason({"finish_reason": None}, "r") == "length"  # max_new_tokens = 0
-    abort = {"type": "abort", "message": "Input length (9000 tokens) exceeds the maximum allowed length",
-             "status_code": 400, "err_type": None}
-    with pytest.raises(RuntimeError, match=r"aborted sampling request 3: Input length \(9000 tokens\).*--max-model-len"):
+    abort = {
+        "type": "abort",
+        "message": "Input length (9000 tokens) exceeds the maximum allowed length",
+        "status_code": 400,
+        "err_type": None,
+    }
+    with pytest.raises(
+        RuntimeError, match=r"aborted sampling request 3: Input length \(9000 tokens\).*--max-model-len"
+    ):
         sglang.finish_reason({"finish_reason": abort}, "sampling request 3")
 
 
 def test_vllm_entries_are_looked_up_by_id_in_flat_and_dict_form():
     tokens = np.array([4, 7, 3], np.int32)
     # per position: the sampled token, then the top-1 when it differs (vLLM's order)
-    flat = SimpleNamespace(start_indices=[0, 1, 3], end_indices=[1, 3, 4], token_ids=[4, 7, 1, 3],
-                           logprobs=[-0.1, -2.0, -0.2, -0.3])
+    flat = SimpleNamespace(
+        start_indices=[0, 1, 3], end_indices=[1, 3, 4], token_ids=[4, 7, 1, 3], logprobs=[-0.1, -2.0, -0.2, -0.3]
+    )
     np.testing.assert_allclose(vllm.sampled_logprobs(flat, tokens), [-0.1, -2.0, -0.3])
     np.testing.assert_allclose(vllm.sampled_logprobs(flat, tokens, first=1), [-2.0, -0.3])
-    as_dicts = [{4: SimpleNamespace(logprob=-0.1)}, {1: SimpleNamespace(logprob=-0.2), 7: SimpleNamespace(logprob=-2.0)},
-                {3: SimpleNamespace(logprob=-0.3)}]
+    as_dicts = [
+        {4: SimpleNamespace(logprob=-0.1)},
+        {1: SimpleNamespace(logprob=-0.2), 7: SimpleNamespace(logprob=-2.0)},
+        {3: SimpleNamespace(logprob=-0.3)},
+    ]
     np.testing.assert_allclose(vllm.sampled_logprobs(as_dicts, tokens), [-0.1, -2.0, -0.3])
     with pytest.raises(RuntimeError, match="no log-prob for token 7 at position 1"):
         vllm.sampled_logprobs([as_dicts[0], {1: SimpleNamespace(logprob=-0.2)}, as_dicts[2]], tokens)
@@ -64,5 +74,10 @@ def test_extra_args_must_be_engine_arguments_mismatch_probe_does_not_set():
         check_extra_args({"zzz": 1}, known, (), "SGLang 0.5.23", "ServerArgs")
     assert e.value.hint == "see ServerArgs"
     with pytest.raises(ConfigError, match="sets 'tensor_parallel_size', which mismatch-probe sets itself"):
-        check_extra_args({"max_logprobs": 5, "tensor_parallel_size": 2}, known, {"tensor_parallel_size": 1},
-                         "vLLM 0.32", "EngineArgs")
+        check_extra_args(
+            {"max_logprobs": 5, "tensor_parallel_size": 2},
+            known,
+            {"tensor_parallel_size": 1},
+            "vLLM 0.32",
+            "EngineArgs",
+        )

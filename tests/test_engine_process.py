@@ -28,8 +28,9 @@ def scripted(monkeypatch, tmp_path):
     monkeypatch.setenv("PYTHONPATH", TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""))
     monkeypatch.setenv("MISMATCH_PROBE_TEST_CALLS", str(tmp_path / "calls"))
     for name in ("DiesOnSecondShard", "RaisesOnGenerate", "RefusesSetting", "KilledOnGenerate"):
-        monkeypatch.setitem(engines.BUILTIN_ENGINES, name,
-                            engines.EngineEntry(name, f"scripted_engines:{name}", (), "", "test"))
+        monkeypatch.setitem(
+            engines.BUILTIN_ENGINES, name, engines.EngineEntry(name, f"scripted_engines:{name}", (), "", "test")
+        )
 
 
 def spec(out, engine="hf", **engine_settings):
@@ -51,16 +52,24 @@ def test_worker_returns_exactly_what_the_engine_computed(tmp_path):
     requests = [GenerationRequest(rng.integers(3, 300, size=k).astype(np.int32), 12) for k in (5, 9, 3, 7, 4)]
     local = HFEngine(DENSE, es)
     expected = local.generate(requests, sampling, stop_token_ids=[2], seed=11)
-    expected_prefill = local.prefill_logprobs([ScoreRequest(np.concatenate([r.prompt_token_ids, c.token_ids]), len(r.prompt_token_ids))
-                                               for r, c in zip(requests, expected)])
+    expected_prefill = local.prefill_logprobs(
+        [
+            ScoreRequest(np.concatenate([r.prompt_token_ids, c.token_ids]), len(r.prompt_token_ids))
+            for r, c in zip(requests, expected)
+        ]
+    )
     local.close()
 
     progress = []
     worker = EngineProcess(get_entry("hf"), DENSE, es, log_path=tmp_path / "engine.log")
     try:
         got = worker.generate(requests, sampling, stop_token_ids=[2], seed=11, on_progress=progress.append)
-        got_prefill = worker.prefill_logprobs([ScoreRequest(np.concatenate([r.prompt_token_ids, c.token_ids]), len(r.prompt_token_ids))
-                                               for r, c in zip(requests, got)])
+        got_prefill = worker.prefill_logprobs(
+            [
+                ScoreRequest(np.concatenate([r.prompt_token_ids, c.token_ids]), len(r.prompt_token_ids))
+                for r, c in zip(requests, got)
+            ]
+        )
         assert worker.info()["dtype"] == "float32"
         assert worker.semantics(sampling).mode == "raw"
     finally:
@@ -82,7 +91,9 @@ def test_prefill_matches_decode_for_an_fp32_engine(tmp_path):
     eng = HFEngine(DENSE, EngineSpec(dtype="float32", batch_size=3))
     reqs = [GenerationRequest(np.array([1, 40, 50, 60 + k], np.int32), 10) for k in range(3)]
     done = eng.generate(reqs, SamplingSpec(temperature=1.0, max_tokens=10), stop_token_ids=[2], seed=0)
-    pre = eng.prefill_logprobs([ScoreRequest(np.concatenate([r.prompt_token_ids, c.token_ids]), 4) for r, c in zip(reqs, done)])
+    pre = eng.prefill_logprobs(
+        [ScoreRequest(np.concatenate([r.prompt_token_ids, c.token_ids]), 4) for r, c in zip(reqs, done)]
+    )
     eng.close()
     for c, p in zip(done, pre):
         assert len(p) == len(c.token_ids)
@@ -145,8 +156,21 @@ def test_engine_python_runs_the_worker_under_that_interpreter(tmp_path):
     wrapper.parent.mkdir()
     wrapper.write_text(f'#!/bin/sh\necho "$@" > {marker}\nexec {sys.executable} "$@"\n')
     wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
-    proc = cli("compare", "--model", str(DENSE), "--prompts", str(SINGLE_TURN), "--out", str(tmp_path / "r"),
-               "--max-prompts", "2", "--max-tokens", "8", "--engine-python", str(wrapper))
+    proc = cli(
+        "compare",
+        "--model",
+        str(DENSE),
+        "--prompts",
+        str(SINGLE_TURN),
+        "--out",
+        str(tmp_path / "r"),
+        "--max-prompts",
+        "2",
+        "--max-tokens",
+        "8",
+        "--engine-python",
+        str(wrapper),
+    )
     assert proc.returncode == 0, proc.stderr
     assert "mismatch_probe.engines.worker" in marker.read_text()
     rec = json.loads((tmp_path / "r" / "run.json").read_text())
@@ -156,8 +180,20 @@ def test_engine_python_runs_the_worker_under_that_interpreter(tmp_path):
 
 def test_engine_python_without_mismatch_probe_says_how_to_fix_it(tmp_path):
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "bare")], check=True)
-    proc = cli("compare", "--model", str(DENSE), "--prompts", str(SINGLE_TURN), "--out", str(tmp_path / "r"),
-               "--max-prompts", "1", "--engine-python", str(tmp_path / "bare" / "bin" / "python"), cwd=tmp_path)
+    proc = cli(
+        "compare",
+        "--model",
+        str(DENSE),
+        "--prompts",
+        str(SINGLE_TURN),
+        "--out",
+        str(tmp_path / "r"),
+        "--max-prompts",
+        "1",
+        "--engine-python",
+        str(tmp_path / "bare" / "bin" / "python"),
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2, proc.stderr
     err = " ".join(proc.stderr.split())
     assert "cannot run the engine worker" in err and "No module named 'mismatch_probe'" in err
@@ -165,7 +201,9 @@ def test_engine_python_without_mismatch_probe_says_how_to_fix_it(tmp_path):
 
 
 def test_a_setting_the_engine_does_not_have_is_refused(tmp_path):
-    proc = cli("compare", "--model", str(DENSE), "--prompts", str(SINGLE_TURN), "--out", str(tmp_path / "r"), "--tp", "2")
+    proc = cli(
+        "compare", "--model", str(DENSE), "--prompts", str(SINGLE_TURN), "--out", str(tmp_path / "r"), "--tp", "2"
+    )
     assert proc.returncode == 2
     assert "engine 'hf' has no setting engine.tensor_parallel_size (--tp)" in proc.stderr
     assert "it applies to: sglang, vllm" in proc.stderr
@@ -185,5 +223,9 @@ def test_the_engine_cores_root_cause_is_found_in_its_log(tmp_path):
         "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}\n"
     )
     found = log_errors(log, exclude="Engine core initialization failed. See root cause above. Failed core proc(s): {}")
-    assert found == ["ValueError: Available memory on node 0 (14.69/16.34 GiB) on startup is less than desired "
-                     "CPU memory utilization (0.92, 15.03 GiB)."]
+    assert found == [
+        (
+            "ValueError: Available memory on node 0 (14.69/16.34 GiB) on startup is less than desired "
+            "CPU memory utilization (0.92, 15.03 GiB)."
+        )
+    ]

@@ -47,8 +47,12 @@ def test_prompt_files():
 
 @pytest.mark.slow
 def test_build_script_runs(tmp_path):
-    proc = subprocess.run([sys.executable, str(FIXTURES / "build.py"), "--quick", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(FIXTURES / "build.py"), "--quick", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "mean next-token entropy" in proc.stdout
     from transformers import AutoModelForCausalLM

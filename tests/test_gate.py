@@ -24,8 +24,11 @@ def thresholds(tmp_path, body: str, name="t.toml"):
 
 
 def check(metric, op, bound, severity="fail", name=None, **extra) -> str:
-    lines = ["[[checks]]", f'metric = "{metric}"' if metric else "", f'op = "{op}"', f"{bound}",
-             f'severity = "{severity}"'] + ([f'name = "{name}"'] if name else []) + [f"{k} = {v}" for k, v in extra.items()]
+    lines = (
+        ["[[checks]]", f'metric = "{metric}"' if metric else "", f'op = "{op}"', f"{bound}", f'severity = "{severity}"']
+        + ([f'name = "{name}"'] if name else [])
+        + [f"{k} = {v}" for k, v in extra.items()]
+    )
     return "\n".join(line for line in lines if line) + "\n\n"
 
 
@@ -71,9 +74,11 @@ def test_every_status_and_exit_code(bf16_run, tmp_path):
 
 
 def test_missing_nan_and_infinite_values_fail_closed(bf16_run, tmp_path):
-    body = (check("k3_kl", "<=", "threshold = 1", "warn", name="k3")
-            + check("metrics_by_turn.later.k3_kl", "<=", "threshold = 1", "warn", name="later")
-            + check("chi2_token_sn", ">=", "threshold = 0", name="chi2"))  # >= 0 by construction
+    body = (
+        check("k3_kl", "<=", "threshold = 1", "warn", name="k3")
+        + check("metrics_by_turn.later.k3_kl", "<=", "threshold = 1", "warn", name="later")
+        + check("chi2_token_sn", ">=", "threshold = 0", name="chi2")
+    )  # >= 0 by construction
     path = thresholds(tmp_path, body)
     proc, res = gate(bf16_run, path)  # single-turn run: no later turns
     assert proc.returncode == 1
@@ -88,8 +93,11 @@ def test_missing_nan_and_infinite_values_fail_closed(bf16_run, tmp_path):
 
 def test_baseline_relative_bounds(bf16_run, tmp_path):
     rec = json.loads((bf16_run / "run.json").read_text())["metrics"]
-    path = thresholds(tmp_path, check("k3_kl", "<=", "baseline_factor = 1.5", name="k3")
-                      + check("abs_delta_p99", "<=", "baseline_factor = 1.0", name="p99"))
+    path = thresholds(
+        tmp_path,
+        check("k3_kl", "<=", "baseline_factor = 1.5", name="k3")
+        + check("abs_delta_p99", "<=", "baseline_factor = 1.0", name="p99"),
+    )
     proc, res = gate(bf16_run, path, "--baseline", str(bf16_run))  # against itself: equal passes <=
     assert proc.returncode == 0 and res["baseline"] == str(bf16_run)
     assert res["checks"][0]["threshold"] == pytest.approx(1.5 * rec["k3_kl"])
@@ -111,8 +119,10 @@ def per_sample(run):
     model = t.column("is_model_token").to_numpy(zero_copy_only=False)
     sample = t.column("sample_id").to_numpy()[model]
     turn = t.column("turn").to_numpy()[model]
-    gap = np.abs(np.exp(t.column("logp_train").to_numpy(zero_copy_only=False)[model].astype(np.float64))
-                 - np.exp(t.column("logp_infer").to_numpy(zero_copy_only=False)[model].astype(np.float64)))
+    gap = np.abs(
+        np.exp(t.column("logp_train").to_numpy(zero_copy_only=False)[model].astype(np.float64))
+        - np.exp(t.column("logp_infer").to_numpy(zero_copy_only=False)[model].astype(np.float64))
+    )
     return {s: gap[sample == s].max() for s in np.unique(sample)}, turn
 
 
@@ -120,15 +130,27 @@ def test_sequence_statistics_match_numpy(bf16_run, tmp_path):
     worst, turn = per_sample(bf16_run)
     values = np.array(list(worst.values()))
     assert (turn == 0).all()  # single turn: "first" sequences are the samples
-    stats = [("p99", None, np.percentile(values, 99)), ("p50", None, np.median(values)),
-             ("mean", None, values.mean()), ("max", None, values.max()),
-             ("share_above", float(np.median(values)), (values > np.median(values)).mean())]
+    stats = [
+        ("p99", None, np.percentile(values, 99)),
+        ("p50", None, np.median(values)),
+        ("mean", None, values.mean()),
+        ("max", None, values.max()),
+        ("share_above", float(np.median(values)), (values > np.median(values)).mean()),
+    ]
     body = ""
     for stat, above, _ in stats:
-        body += ("[[checks]]\n" f'name = "{stat}"\n' 'sequence_metric = "max_mismatch"\n' f'statistic = "{stat}"\n'
-                 + (f"above = {above!r}\n" if above is not None else "") + 'op = "<="\nthreshold = 1\n\n')
-    body += ('[[checks]]\nname = "first"\nsequence_metric = "max_mismatch"\nstatistic = "p99"\nturns = "first"\n'
-             'op = "<="\nthreshold = 1\n')
+        body += (
+            "[[checks]]\n"
+            f'name = "{stat}"\n'
+            'sequence_metric = "max_mismatch"\n'
+            f'statistic = "{stat}"\n'
+            + (f"above = {above!r}\n" if above is not None else "")
+            + 'op = "<="\nthreshold = 1\n\n'
+        )
+    body += (
+        '[[checks]]\nname = "first"\nsequence_metric = "max_mismatch"\nstatistic = "p99"\nturns = "first"\n'
+        'op = "<="\nthreshold = 1\n'
+    )
     proc, res = gate(bf16_run, thresholds(tmp_path, body))
     assert proc.returncode == 0, proc.stderr
     got = {c["name"]: c["value"] for c in res["checks"]}
@@ -156,12 +178,23 @@ def test_junit_and_markdown_outputs(bf16_run, tmp_path):
     from junitparser import Error, Failure, JUnitXml
 
     k3 = json.loads((bf16_run / "run.json").read_text())["metrics"]["k3_kl"]
-    body = (check("k3_kl", "<=", "threshold = 1", name="ok") + check("k3_kl", ">=", "threshold = 1", name="bad")
-            + check("k3_kl", ">=", "threshold = 1", "warn", name="meh")
-            + check("k3_kl", "<=", "baseline_factor = 2", name="<rel>"))
+    body = (
+        check("k3_kl", "<=", "threshold = 1", name="ok")
+        + check("k3_kl", ">=", "threshold = 1", name="bad")
+        + check("k3_kl", ">=", "threshold = 1", "warn", name="meh")
+        + check("k3_kl", "<=", "baseline_factor = 2", name="<rel>")
+    )
     junit, md = tmp_path / "out" / "gate.xml", tmp_path / "out" / "summary.md"
-    proc = cli("gate", str(bf16_run), "--thresholds", str(thresholds(tmp_path, body)), "--junit", str(junit),
-               "--markdown", str(md))
+    proc = cli(
+        "gate",
+        str(bf16_run),
+        "--thresholds",
+        str(thresholds(tmp_path, body)),
+        "--junit",
+        str(junit),
+        "--markdown",
+        str(md),
+    )
     assert proc.returncode == 2  # the baseline check cannot be evaluated
     xml = JUnitXml.fromfile(str(junit))
     cases = {case.name: case for suite in xml for case in suite}
@@ -175,26 +208,53 @@ def test_junit_and_markdown_outputs(bf16_run, tmp_path):
     assert "| ❌ FAIL | bad |" in text and "| ⚠️ WARN | meh |" in text and "&lt;rel&gt;" in text
 
 
-@pytest.mark.parametrize("body, where, message", [
-    ("[[checks]]\nmetric = 'k3_kl'\nop = '<='\nthreshold = 1e-3\n\n[[checks]]\nmetric = 'k3_kl'\nop = '<='\ntreshold = 1\n",
-     ":9:", "unknown key 'treshold'.*did you mean 'threshold'"),
-    ("[[checks]]\nmetric = 'k3_kll'\nop = '<='\nthreshold = 1\n", ":2:", "unknown metric 'k3_kll'.*did you mean 'k3_kl'"),
-    ("[[checks]]\nmetric = 'k3_kl'\nop = '=<'\nthreshold = 1\n", ":3:", "op must be one of"),
-    ("[[checks]]\nmetric = 'k3_kl'\nop = '<='\n", ":1:", "exactly one of threshold"),
-    ("[[checks]]\nmetric = 'k3_kl'\nop = '<='\nthreshold = 1\nbaseline_factor = 2\n", ":1:", "exactly one of threshold"),
-    ("[[checks]]\nmetric = 'k3_kl'\nop = '<='\nthreshold = 'small'\n", ":4:", "threshold must be a finite number"),
-    ("[[checks]]\nmetric = 'k3_kl'\nop = '<='\nthreshold = 1\nseverity = 'info'\n", ":5:", "severity must be"),
-    ("[[checks]]\nsequence_metric = 'max_mismatch'\nstatistic = 'p95'\nop = '<='\nthreshold = 1\n", ":3:",
-     "statistic must be one of"),
-    ("[[checks]]\nsequence_metric = 'max_mismatch'\nstatistic = 'share_above'\nop = '<='\nthreshold = 1\n", ":3:",
-     "share_above needs above"),
-    ("[[checks]]\nmetric = 'k3_kl'\nstatistic = 'p99'\nop = '<='\nthreshold = 1\n", ":3:", "statistic goes with sequence_metric"),
-    ("[[checks]]\nmetric = 'k3_kl'\nop = '<='\nthreshold = 1\n[[checks]]\nmetric = 'k3_kl'\nop = '<='\nthreshold = 2\n",
-     ":5:", "duplicate check name"),
-    ("[[checks]]\nmetric = 'k3_kl'\nop = '<='\nthreshold = = 1\n", "not valid TOML", "line 4"),
-    ("checks = 3\n", "", "no checks"),
-    ("[gate]\nx = 1\n", ":1:", "unknown top-level key 'gate'"),
-])
+@pytest.mark.parametrize(
+    "body, where, message",
+    [
+        (
+            "[[checks]]\nmetric = 'k3_kl'\nop = '<='\nthreshold = 1e-3\n\n[[checks]]\nmetric = 'k3_kl'\nop = '<='\ntreshold = 1\n",
+            ":9:",
+            "unknown key 'treshold'.*did you mean 'threshold'",
+        ),
+        (
+            "[[checks]]\nmetric = 'k3_kll'\nop = '<='\nthreshold = 1\n",
+            ":2:",
+            "unknown metric 'k3_kll'.*did you mean 'k3_kl'",
+        ),
+        ("[[checks]]\nmetric = 'k3_kl'\nop = '=<'\nthreshold = 1\n", ":3:", "op must be one of"),
+        ("[[checks]]\nmetric = 'k3_kl'\nop = '<='\n", ":1:", "exactly one of threshold"),
+        (
+            "[[checks]]\nmetric = 'k3_kl'\nop = '<='\nthreshold = 1\nbaseline_factor = 2\n",
+            ":1:",
+            "exactly one of threshold",
+        ),
+        ("[[checks]]\nmetric = 'k3_kl'\nop = '<='\nthreshold = 'small'\n", ":4:", "threshold must be a finite number"),
+        ("[[checks]]\nmetric = 'k3_kl'\nop = '<='\nthreshold = 1\nseverity = 'info'\n", ":5:", "severity must be"),
+        (
+            "[[checks]]\nsequence_metric = 'max_mismatch'\nstatistic = 'p95'\nop = '<='\nthreshold = 1\n",
+            ":3:",
+            "statistic must be one of",
+        ),
+        (
+            "[[checks]]\nsequence_metric = 'max_mismatch'\nstatistic = 'share_above'\nop = '<='\nthreshold = 1\n",
+            ":3:",
+            "share_above needs above",
+        ),
+        (
+            "[[checks]]\nmetric = 'k3_kl'\nstatistic = 'p99'\nop = '<='\nthreshold = 1\n",
+            ":3:",
+            "statistic goes with sequence_metric",
+        ),
+        (
+            "[[checks]]\nmetric = 'k3_kl'\nop = '<='\nthreshold = 1\n[[checks]]\nmetric = 'k3_kl'\nop = '<='\nthreshold = 2\n",
+            ":5:",
+            "duplicate check name",
+        ),
+        ("[[checks]]\nmetric = 'k3_kl'\nop = '<='\nthreshold = = 1\n", "not valid TOML", "line 4"),
+        ("checks = 3\n", "", "no checks"),
+        ("[gate]\nx = 1\n", ":1:", "unknown top-level key 'gate'"),
+    ],
+)
 def test_malformed_thresholds_name_the_line(tmp_path, body, where, message):
     path = thresholds(tmp_path, body)
     with pytest.raises(ConfigError, match=message) as exc:
@@ -224,9 +284,27 @@ def test_shipped_threshold_sets_load_and_pass_the_fixture(bf16_run):
 def test_compare_with_gate_probes_and_gates_in_one_step(tmp_path):
     body = check("k3_kl", "<=", "threshold = 1e-30", name="impossible")
     out = tmp_path / "run"
-    args = ["compare", "--model", str(DENSE), "--prompts", str(SINGLE_TURN), "--out", str(out), "--engine", "hf",
-            "--engine-dtype", "bfloat16", "--train-dtype", "float32", "--max-tokens", "8", "--n", "1",
-            "--max-prompts", "4"]
+    args = [
+        "compare",
+        "--model",
+        str(DENSE),
+        "--prompts",
+        str(SINGLE_TURN),
+        "--out",
+        str(out),
+        "--engine",
+        "hf",
+        "--engine-dtype",
+        "bfloat16",
+        "--train-dtype",
+        "float32",
+        "--max-tokens",
+        "8",
+        "--n",
+        "1",
+        "--max-prompts",
+        "4",
+    ]
     proc = cli(*args, "--gate", str(thresholds(tmp_path, body)))
     assert proc.returncode == 1 and "gate FAIL" in proc.stdout and "impossible" in proc.stdout
     assert json.loads((out / "run.json").read_text())["status"] == "complete"  # the run is kept

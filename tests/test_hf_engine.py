@@ -87,7 +87,7 @@ def test_seed_makes_sampling_repeatable(prompts):
     a = generate(eng, ids, stops, seed=5)
     b = generate(eng, ids, stops, seed=5)
     c = generate(eng, ids, stops, seed=6)
-    same = lambda x, y: all(np.array_equal(i.token_ids, j.token_ids) for i, j in zip(x, y))  # noqa: E731
+    same = lambda x, y: all(np.array_equal(i.token_ids, j.token_ids) for i, j in zip(x, y))
     assert same(a, b)
     assert not same(a, c)
     eng.close()

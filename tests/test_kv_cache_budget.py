@@ -9,8 +9,14 @@ from mismatch_probe.engines.process import is_memory_refusal
 from mismatch_probe.engines.vllm import CPU_KV_CACHE_SHARE, cpu_kv_cache_budget, kv_bytes_per_token
 
 GiB = 2**30
-QWEN3_8B = {"num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-            "hidden_size": 4096, "max_position_embeddings": 40960}
+QWEN3_8B = {
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "hidden_size": 4096,
+    "max_position_embeddings": 40960,
+}
 
 
 def test_bytes_per_token_by_hand():
@@ -28,37 +34,69 @@ def test_bytes_per_token_by_hand():
 
 
 def test_a_small_model_gets_what_it_needs():
-    cfg = {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
-           "max_position_embeddings": 1024}
-    b = cpu_kv_cache_budget(cfg, dtype_bytes=2, tp=1, max_num_seqs=256, max_model_len=None,
-                            available_bytes=8 * GiB, weights_bytes=GiB)
+    cfg = {
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "max_position_embeddings": 1024,
+    }
+    b = cpu_kv_cache_budget(
+        cfg, dtype_bytes=2, tp=1, max_num_seqs=256, max_model_len=None, available_bytes=8 * GiB, weights_bytes=GiB
+    )
     assert b["bytes_per_token"] == 2048 and b["needed_bytes"] == 256 * 1024 * 2048 == 512 * 2**20
     assert b["kv_cache_memory_bytes"] == b["needed_bytes"] and b["tokens"] == 256 * 1024
     assert b["cap_bytes"] == int(CPU_KV_CACHE_SHARE * 7 * GiB)
 
 
 def test_a_large_model_is_capped_by_free_memory_per_rank():
-    b = cpu_kv_cache_budget(QWEN3_8B, dtype_bytes=2, tp=2, max_num_seqs=512, max_model_len=8192,
-                            available_bytes=100 * GiB, weights_bytes=16 * GiB)
+    b = cpu_kv_cache_budget(
+        QWEN3_8B,
+        dtype_bytes=2,
+        tp=2,
+        max_num_seqs=512,
+        max_model_len=8192,
+        available_bytes=100 * GiB,
+        weights_bytes=16 * GiB,
+    )
     assert b["needed_bytes"] == 73_728 * 512 * 8192  # 288 GiB: far over the node
     assert b["kv_cache_memory_bytes"] == b["cap_bytes"] == int(0.5 * 84 * GiB / 2)
     assert b["tokens"] == b["cap_bytes"] // 73_728
     # nothing free at all still gives vLLM a number (it then refuses, and we name our flags)
-    empty = cpu_kv_cache_budget(QWEN3_8B, dtype_bytes=2, tp=1, max_num_seqs=1, max_model_len=None,
-                                available_bytes=GiB, weights_bytes=16 * GiB)
+    empty = cpu_kv_cache_budget(
+        QWEN3_8B, dtype_bytes=2, tp=1, max_num_seqs=1, max_model_len=None, available_bytes=GiB, weights_bytes=16 * GiB
+    )
     assert empty["kv_cache_memory_bytes"] == 1 and empty["cap_bytes"] == 0
 
 
-@pytest.mark.parametrize("message, refusal", [
-    # vLLM 0.32's CPU worker and KV-cache checks, verbatim
-    ("ValueError: Available memory on node 0 (6.9/8.46 GiB) on startup is less than desired CPU memory "
-     "utilization (0.92, 7.79 GiB). On the CPU backend, the `--gpu-memory-utilization` flag controls ...", True),
-    ("ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when "
-     "initializing the engine", True),
-    ("ValueError: To serve at least one request with the models's max seq len (1024), (0.5 GiB KV cache is "
-     "needed, which is larger than the available KV cache memory (0.1 GiB)", True),
-    ("RuntimeError: Engine core initialization failed. See root cause above.", False),
-    ("ValueError: unknown quantization method 'int3'", False),
-])
+@pytest.mark.parametrize(
+    "message, refusal",
+    [
+        # vLLM 0.32's CPU worker and KV-cache checks, verbatim
+        (
+            (
+                "ValueError: Available memory on node 0 (6.9/8.46 GiB) on startup is less than desired CPU memory "
+                "utilization (0.92, 7.79 GiB). On the CPU backend, the `--gpu-memory-utilization` flag controls ..."
+            ),
+            True,
+        ),
+        (
+            (
+                "ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when "
+                "initializing the engine"
+            ),
+            True,
+        ),
+        (
+            (
+                "ValueError: To serve at least one request with the models's max seq len (1024), (0.5 GiB KV cache is "
+                "needed, which is larger than the available KV cache memory (0.1 GiB)"
+            ),
+            True,
+        ),
+        ("RuntimeError: Engine core initialization failed. See root cause above.", False),
+        ("ValueError: unknown quantization method 'int3'", False),
+    ],
+)
 def test_memory_refusals_are_told_apart(message, refusal):
     assert is_memory_refusal(message) is refusal

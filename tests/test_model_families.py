@@ -29,9 +29,29 @@ def gpt_oss(tmp_path_factory):
 @pytest.fixture(scope="session")
 def gpt_oss_run(gpt_oss, tmp_path_factory):
     out = tmp_path_factory.mktemp("runs") / "gpt-oss-fp32"
-    proc = cli("compare", "--model", str(gpt_oss), "--prompts", str(SINGLE_TURN), "--out", str(out),
-               "--engine", "hf", "--engine-dtype", "float32", "--train-dtype", "float32", "--max-prompts", "8",
-               "--n", "2", "--max-tokens", "40", "--seed", "3")
+    proc = cli(
+        "compare",
+        "--model",
+        str(gpt_oss),
+        "--prompts",
+        str(SINGLE_TURN),
+        "--out",
+        str(out),
+        "--engine",
+        "hf",
+        "--engine-dtype",
+        "float32",
+        "--train-dtype",
+        "float32",
+        "--max-prompts",
+        "8",
+        "--n",
+        "2",
+        "--max-tokens",
+        "40",
+        "--seed",
+        "3",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
@@ -72,8 +92,23 @@ def test_gpt_oss_packed_rows_equal_padded_micro_batches(gpt_oss):
 
 
 def test_an_attention_the_architecture_lacks_is_refused_before_loading(gpt_oss, tmp_path):
-    proc = cli("compare", "--model", str(gpt_oss), "--prompts", str(SINGLE_TURN), "--out", str(tmp_path / "r"),
-               "--engine", "hf", "--train-attn", "sdpa", "--max-prompts", "1", "--max-tokens", "4")
+    proc = cli(
+        "compare",
+        "--model",
+        str(gpt_oss),
+        "--prompts",
+        str(SINGLE_TURN),
+        "--out",
+        str(tmp_path / "r"),
+        "--engine",
+        "hf",
+        "--train-attn",
+        "sdpa",
+        "--max-prompts",
+        "1",
+        "--max-tokens",
+        "4",
+    )
     assert proc.returncode == 2, proc.stderr
     assert "GptOssForCausalLM does not support attn_implementation='sdpa'" in proc.stderr
     assert "'auto'" in proc.stderr and "Traceback" not in proc.stderr

@@ -40,8 +40,12 @@ class ScriptedAssistant:
             self.requests.append(r.prompt_token_ids.copy())
             starts = sum(1 for t in r.prompt_token_ids if t == self.tokenizer.convert_tokens_to_ids("<|im_start|>"))
             k = (starts - 3) // 2  # system, user, assistant; then a tool and an assistant header per turn
-            ids = np.array(self.tokenizer.encode(self.turns[min(k, len(self.turns) - 1)], add_special_tokens=False), np.int32)
-            out.append(Completion(ids, np.full(len(ids), -0.25, np.float32), "stop", prompt_token_ids=r.prompt_token_ids))
+            ids = np.array(
+                self.tokenizer.encode(self.turns[min(k, len(self.turns) - 1)], add_special_tokens=False), np.int32
+            )
+            out.append(
+                Completion(ids, np.full(len(ids), -0.25, np.float32), "stop", prompt_token_ids=r.prompt_token_ids)
+            )
         return out
 
     def close(self):
@@ -54,8 +58,13 @@ def test_the_chat_template_gives_the_tool_block(tokenizer):
 
 
 def probe(tmp_path, max_turns):
-    s = ProbeSpec(model=str(DENSE), prompts=str(MULTI_TURN), out=str(tmp_path / f"run{max_turns}"), max_prompts=1,
-                  max_turns=max_turns)
+    s = ProbeSpec(
+        model=str(DENSE),
+        prompts=str(MULTI_TURN),
+        out=str(tmp_path / f"run{max_turns}"),
+        max_prompts=1,
+        max_turns=max_turns,
+    )
     s.reference.dtype = "float32"
     return s
 
@@ -63,17 +72,20 @@ def probe(tmp_path, max_turns):
 def test_every_token_has_its_turn_and_mask(tmp_path, tokenizer):
     import pyarrow.parquet as pq
 
-    turns = ["Let me calculate that. <tool_call>calculator(18 * 10 - 85)</tool_call><|im_end|>",
-             "<tool_call>calculator(95 / 0)</tool_call><|im_end|>",
-             "The answer is 95.<|im_end|>"]
+    turns = [
+        "Let me calculate that. <tool_call>calculator(18 * 10 - 85)</tool_call><|im_end|>",
+        "<tool_call>calculator(95 / 0)</tool_call><|im_end|>",
+        "The answer is 95.<|im_end|>",
+    ]
     engine = ScriptedAssistant(tokenizer, turns)
     result = run_compare(probe(tmp_path, 4), engine=engine)
 
-    enc = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    enc = lambda text: tokenizer.encode(text, add_special_tokens=False)
     prompt = list(engine.requests[0])
     segments = [  # (ids, turn, is_model_token), as the conversation must be laid out
         (prompt, -1, False),
-        (enc(turns[0]), 0, True), (enc("\n<|im_start|>tool\n95<|im_end|>\n<|im_start|>assistant\n"), -1, False),
+        (enc(turns[0]), 0, True),
+        (enc("\n<|im_start|>tool\n95<|im_end|>\n<|im_start|>assistant\n"), -1, False),
         (enc(turns[1]), 1, True),
         (enc("\n<|im_start|>tool\nerror: division by zero<|im_end|>\n<|im_start|>assistant\n"), -1, False),
         (enc(turns[2]), 2, True),
@@ -144,15 +156,18 @@ def test_a_recorded_conversation_is_replayed_with_fresh_assistant_turns(tmp_path
 
     import pyarrow.parquet as pq
 
-    record = {"id": "trace-1", "messages": [
-        {"role": "system", "content": "You are a helpful assistant."},
-        {"role": "user", "content": "What is 18 * 30?"},
-        {"role": "assistant", "content": "<tool_call>calculator(18 * 30)</tool_call>"},
-        {"role": "tool", "content": "540"},
-        {"role": "assistant", "content": "It is 540."},
-        {"role": "user", "content": "And 2 + 2?"},
-        {"role": "assistant", "content": "4."},
-    ]}
+    record = {
+        "id": "trace-1",
+        "messages": [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "What is 18 * 30?"},
+            {"role": "assistant", "content": "<tool_call>calculator(18 * 30)</tool_call>"},
+            {"role": "tool", "content": "540"},
+            {"role": "assistant", "content": "It is 540."},
+            {"role": "user", "content": "And 2 + 2?"},
+            {"role": "assistant", "content": "4."},
+        ],
+    }
     prompts = tmp_path / "trace.jsonl"
     prompts.write_text(json.dumps(record) + "\n")
     turns = ["I think it is 540.<|im_end|>", "The answer is 540.<|im_end|>", "It is 4.<|im_end|>"]
@@ -161,11 +176,16 @@ def test_a_recorded_conversation_is_replayed_with_fresh_assistant_turns(tmp_path
     s.reference.dtype = "float32"
     result = run_compare(s, engine=engine)
 
-    enc = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    enc = lambda text: tokenizer.encode(text, add_special_tokens=False)
     prompt = enc(tokenizer.apply_chat_template(record["messages"][:2], tokenize=False, add_generation_prompt=True))
-    segments = [(prompt, -1), (enc(turns[0]), 0), (enc("\n<|im_start|>tool\n540<|im_end|>\n<|im_start|>assistant\n"), -1),
-                (enc(turns[1]), 1), (enc("\n<|im_start|>user\nAnd 2 + 2?<|im_end|>\n<|im_start|>assistant\n"), -1),
-                (enc(turns[2]), 2)]
+    segments = [
+        (prompt, -1),
+        (enc(turns[0]), 0),
+        (enc("\n<|im_start|>tool\n540<|im_end|>\n<|im_start|>assistant\n"), -1),
+        (enc(turns[1]), 1),
+        (enc("\n<|im_start|>user\nAnd 2 + 2?<|im_end|>\n<|im_start|>assistant\n"), -1),
+        (enc(turns[2]), 2),
+    ]
     table = pq.read_table(result.run_dir / "tokens.parquet")
     assert table.column("token_id").to_pylist() == [t for ids, _ in segments for t in ids]
     assert table.column("turn").to_pylist() == [k for ids, k in segments for _ in ids]
@@ -195,7 +215,9 @@ class CharByChar(ScriptedAssistant):
             self.requests.append(r.prompt_token_ids.copy())
             ids = [i for ch in "The answer is 95." for i in self.tokenizer.encode(ch, add_special_tokens=False)]
             ids = np.array(ids + [stop_token_ids[0]], np.int32)
-            out.append(Completion(ids, np.full(len(ids), -0.25, np.float32), "stop", prompt_token_ids=r.prompt_token_ids))
+            out.append(
+                Completion(ids, np.full(len(ids), -0.25, np.float32), "stop", prompt_token_ids=r.prompt_token_ids)
+            )
         return out
 
 

@@ -28,8 +28,9 @@ BUDGET = 160
 
 
 def _layout_spec(dtype, sp, tp, **kw) -> ReferenceSpec:
-    return ReferenceSpec(dtype=dtype, sequence_parallel_size=sp, tensor_parallel_size=tp,
-                         max_tokens_per_micro_batch=BUDGET, **kw)
+    return ReferenceSpec(
+        dtype=dtype, sequence_parallel_size=sp, tensor_parallel_size=tp, max_tokens_per_micro_batch=BUDGET, **kw
+    )
 
 
 @functools.cache
@@ -63,8 +64,10 @@ def test_fp32_layouts_reproduce_one_process(model, layout):
 
 def test_bf16_tensor_parallel_differs_measurably_and_ulysses_does_not():
     tp, sp = _gap(DENSE, "bfloat16", (1, 2)), _gap(DENSE, "bfloat16", (2, 1))
-    print(f"bf16 tp2: max |dlogp| {tp.max():.3g}, mean {tp.mean():.3g}; "
-          f"sp2: max {sp.max():.3g}, mean {sp.mean():.3g} ({len(tp)} tokens)")
+    print(
+        f"bf16 tp2: max |dlogp| {tp.max():.3g}, mean {tp.mean():.3g}; "
+        f"sp2: max {sp.max():.3g}, mean {sp.mean():.3g} ({len(tp)} tokens)"
+    )
     assert tp.mean() > 1e-3 and tp.max() > 1e-2  # the layout moves bf16 log-probs
     assert tp.max() < 1.0  # ... without breaking the model
     assert sp.max() <= tp.max() / 10  # Ulysses splits no reduction of a dense model
@@ -74,8 +77,11 @@ def test_info_describes_the_layout():
     sp_info, tp_info = scored(DENSE, "float32", 2, 1)[1], scored(DENSE, "float32", 1, 2)[1]
     assert (sp_info["sequence_parallel_size"], sp_info["tensor_parallel_size"]) == (2, 1)
     assert sp_info["parallel"]["world_size"] == 2 and sp_info["parallel"]["backend"] == "gloo"
-    assert sp_info["parallel"]["ulysses"] == {"inner_attention": "mismatch_probe_varlen_sdpa",
-                                              "attention_heads_per_rank": 2, "kv_head_repeats": 1}
+    assert sp_info["parallel"]["ulysses"] == {
+        "inner_attention": "mismatch_probe_varlen_sdpa",
+        "attention_heads_per_rank": 2,
+        "kv_head_repeats": 1,
+    }
     plan = tp_info["parallel"]["tensor_parallel"]
     # 4 layers: q, k, v, gate, up column-wise; o, down row-wise
     assert plan["sharded_linear_layers"] == {"colwise": 20, "rowwise": 8}
@@ -120,11 +126,14 @@ def test_heads_that_do_not_split_fail_before_any_rank_starts():
         open_reference_scorer(DENSE, _layout_spec("float32", 8, 1))
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"packing": False}, "packed row"),
-    ({"attn_implementation": "eager"}, "cannot run under sequence parallelism"),
-    ({"sequence_parallel_size": 0}, "must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"packing": False}, "packed row"),
+        ({"attn_implementation": "eager"}, "cannot run under sequence parallelism"),
+        ({"sequence_parallel_size": 0}, "must be >= 1"),
+    ],
+)
 def test_spec_rejects_layouts_that_cannot_run(change, message):
     spec = ProbeSpec(model=str(DENSE), prompts="p.jsonl")
     spec.reference = ReferenceSpec(**{"sequence_parallel_size": 2, **change})
@@ -153,7 +162,7 @@ def test_compare_with_variants_scores_one_set_of_rollouts_in_each_layout(tmp_pat
 name = "layouts"
 model = "{DENSE}"
 prompts = "{SINGLE_TURN}"
-out = "{tmp_path / 'runs'}"
+out = "{tmp_path / "runs"}"
 max_prompts = 6
 [engine]
 name = "hf"
@@ -196,8 +205,9 @@ reference.tensor_parallel_size = 2
 def test_a_bad_layout_fails_before_the_engine_samples(tmp_path):
     from conftest import SINGLE_TURN, cli
 
-    proc = cli("compare", "--model", str(DENSE), "--prompts", str(SINGLE_TURN), "--out", str(tmp_path / "r"),
-               "--train-tp", "3")
+    proc = cli(
+        "compare", "--model", str(DENSE), "--prompts", str(SINGLE_TURN), "--out", str(tmp_path / "r"), "--train-tp", "3"
+    )
     assert proc.returncode == 2
     assert "--train-tp 3: the model has 4 attention heads and 2 key/value heads" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "r").exists()
@@ -227,9 +237,29 @@ def test_cli_train_sp_rescores_another_runs_rollouts(bf16_run, tmp_path):
 
     out = tmp_path / "sp2"
     proc = cli(
-        "compare", "--model", str(DENSE), "--prompts", str(SINGLE_TURN), "--out", str(out),
-        "--engine-dtype", "bfloat16", "--train-dtype", "float32", "--max-tokens", "48", "--n", "2",
-        "--max-prompts", "16", "--seed", "7", "--train-sp", "2", "--rollouts-from", str(bf16_run),
+        "compare",
+        "--model",
+        str(DENSE),
+        "--prompts",
+        str(SINGLE_TURN),
+        "--out",
+        str(out),
+        "--engine-dtype",
+        "bfloat16",
+        "--train-dtype",
+        "float32",
+        "--max-tokens",
+        "48",
+        "--n",
+        "2",
+        "--max-prompts",
+        "16",
+        "--seed",
+        "7",
+        "--train-sp",
+        "2",
+        "--rollouts-from",
+        str(bf16_run),
     )
     assert proc.returncode == 0, proc.stderr
     rec = json.loads((out / "run.json").read_text())
@@ -241,6 +271,17 @@ def test_cli_train_sp_rescores_another_runs_rollouts(bf16_run, tmp_path):
         return token_rows(run, model_only=True).column("logp_train").to_numpy()
 
     assert np.abs(logp_train(out) - logp_train(bf16_run)).max() < 2e-5
-    mismatched = cli("compare", "--model", str(DENSE), "--prompts", str(SINGLE_TURN), "--out", str(tmp_path / "x"),
-                     "--rollouts-from", str(bf16_run), "--max-tokens", "32")
+    mismatched = cli(
+        "compare",
+        "--model",
+        str(DENSE),
+        "--prompts",
+        str(SINGLE_TURN),
+        "--out",
+        str(tmp_path / "x"),
+        "--rollouts-from",
+        str(bf16_run),
+        "--max-tokens",
+        "32",
+    )
     assert mismatched.returncode == 2 and "another model, prompt set, engine or sampling" in mismatched.stderr

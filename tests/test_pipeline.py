@@ -18,8 +18,11 @@ from mismatch_probe.spec import ProbeSpec
 
 @pytest.fixture(autouse=True)
 def fake_engine(monkeypatch):
-    monkeypatch.setitem(engines.BUILTIN_ENGINES, "fake",
-                        engines.EngineEntry("fake", "fake_engine:FakeEngine", (), "", "scripted, for tests"))
+    monkeypatch.setitem(
+        engines.BUILTIN_ENGINES,
+        "fake",
+        engines.EngineEntry("fake", "fake_engine:FakeEngine", (), "", "scripted, for tests"),
+    )
     FakeEngine.calls, FakeEngine.fail_on_call, FakeEngine.echo_prompt_offset = [], None, 0
     FakeEngine.logprob = -0.6931471805599453
     yield
@@ -77,7 +80,7 @@ def test_overwrite_refuses_a_directory_that_is_not_a_run(tmp_path):
 
 
 def test_a_report_that_fails_to_render_keeps_the_complete_run(tmp_path, monkeypatch):
-    import mismatch_probe.plots as plots
+    from mismatch_probe import plots
     from mismatch_probe.errors import ProbeError
 
     def broken(record, dist):
@@ -111,8 +114,9 @@ def test_rollouts_from_scores_another_runs_samples_without_an_engine(tmp_path):
         assert a.column(column).equals(b.column(column))
     assert not a.column("logp_train").equals(b.column("logp_train"))  # fp32 vs bf16 reference
     # linked, not copied, where the file system allows it
-    assert (tmp_path / "b" / "rollouts" / "part-00000.parquet").stat().st_ino == \
-        (tmp_path / "a" / "rollouts" / "part-00000.parquet").stat().st_ino
+    assert (tmp_path / "b" / "rollouts" / "part-00000.parquet").stat().st_ino == (
+        tmp_path / "a" / "rollouts" / "part-00000.parquet"
+    ).stat().st_ino
 
 
 def test_rollouts_from_refuses_other_sampling_and_unfinished_runs(tmp_path):

@@ -25,7 +25,9 @@ def write(tmp_path, lines):
 
 
 def load(path, tok, **kw):
-    return tokenize_prompts(path, tok, max_model_len=kw.pop("max_model_len", 1024), max_new_tokens=kw.pop("max_new", 16), **kw)
+    return tokenize_prompts(
+        path, tok, max_model_len=kw.pop("max_model_len", 1024), max_new_tokens=kw.pop("max_new", 16), **kw
+    )
 
 
 def test_chat_prompts_use_the_chat_template(tokenizer):
@@ -40,12 +42,15 @@ def test_chat_prompts_use_the_chat_template(tokenizer):
 
 
 def test_three_prompt_kinds_and_default_ids(tmp_path, tokenizer):
-    p = write(tmp_path, [
-        json.dumps({"prompt": "Hello"}),
-        "",
-        json.dumps({"id": 7, "prompt_token_ids": [1, 5, 9]}),
-        json.dumps({"messages": [{"role": "user", "content": "Hi"}]}),
-    ])
+    p = write(
+        tmp_path,
+        [
+            json.dumps({"prompt": "Hello"}),
+            "",
+            json.dumps({"id": 7, "prompt_token_ids": [1, 5, 9]}),
+            json.dumps({"messages": [{"role": "user", "content": "Hi"}]}),
+        ],
+    )
     prompts = load(p, tokenizer)
     assert [x.id for x in prompts] == ["prompts-1", "7", "prompts-4"]
     assert prompts[1].token_ids.tolist() == [1, 5, 9]
@@ -72,7 +77,9 @@ def test_bad_lines_are_named(tmp_path, tokenizer, line, match):
 
 def test_prompt_longer_than_the_context(tmp_path, tokenizer):
     p = write(tmp_path, [json.dumps({"prompt_token_ids": list(range(1, 101))})])
-    with pytest.raises(ConfigError, match=r":1: prompt has 100 tokens; with max_tokens 16 it needs 116 positions.*context is 64"):
+    with pytest.raises(
+        ConfigError, match=r":1: prompt has 100 tokens; with max_tokens 16 it needs 116 positions.*context is 64"
+    ):
         load(p, tokenizer, max_model_len=64)
 
 

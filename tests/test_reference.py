@@ -57,8 +57,10 @@ def check_engine_prefill_against_independent(engine, starts):
     rng = np.random.default_rng(3)
     seqs = [rng.integers(3, 900, size=n).astype(np.int32) for n in (12, 30, 7)]
     got = engine.prefill_logprobs([ScoreRequest(s, k) for s, k in zip(seqs, starts)])
-    rollouts = [Rollout(i, "x", s, np.zeros(len(s), np.int16), np.arange(len(s)) >= k,
-                        np.zeros(len(s), np.float32), "stop") for i, (s, k) in enumerate(zip(seqs, starts))]
+    rollouts = [
+        Rollout(i, "x", s, np.zeros(len(s), np.int16), np.arange(len(s)) >= k, np.zeros(len(s), np.float32), "stop")
+        for i, (s, k) in enumerate(zip(seqs, starts))
+    ]
     want, _ = independent(DENSE, rollouts)
     for g, w in zip(got, want):
         assert g.shape == w.shape
@@ -92,8 +94,9 @@ def test_packed_and_padded_agree_in_fp32():
 
 
 def test_token_budget_splits_packed_micro_batches():
-    scorer = ReferenceScorer(DENSE, ReferenceSpec(dtype="float32", packing=True, micro_batch_size=10,
-                                                  max_tokens_per_micro_batch=40))
+    scorer = ReferenceScorer(
+        DENSE, ReferenceSpec(dtype="float32", packing=True, micro_batch_size=10, max_tokens_per_micro_batch=40)
+    )
     rollouts = make_rollouts(6, seed=2)
     batches = list(scorer.micro_batches(rollouts))
     assert sorted(i for b in batches for i in b) == list(range(6))

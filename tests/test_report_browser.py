@@ -22,8 +22,13 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow]
 PAYLOAD = "<script>alert(1)</script>"
 ID_PAYLOAD = "<img src=x onerror=alert(2)>"
 CHROMIUM_ARGS = [  # as root in a sandbox with a closed network (see the machine notes)
-    "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-    "--disable-sync", "--no-first-run", "--disable-quic",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-quic",
 ]
 EXAMPLES = ROOT / "reports" / "example", ROOT / "reports" / "example-fp32"
 
@@ -36,8 +41,12 @@ def _unavailable(reason: str):
 
 @pytest.fixture(scope="module")
 def browser():
-    chromium = (os.environ.get("MISMATCH_PROBE_CHROMIUM") or shutil.which("chromium")
-                or shutil.which("chromium-browser") or shutil.which("google-chrome"))
+    chromium = (
+        os.environ.get("MISMATCH_PROBE_CHROMIUM")
+        or shutil.which("chromium")
+        or shutil.which("chromium-browser")
+        or shutil.which("google-chrome")
+    )
     if not chromium:
         _unavailable("Chromium is not installed (Debian: apt-get install chromium)")
     try:
@@ -55,12 +64,16 @@ class LoadedPage:
         self.page = browser.new_page(viewport={"width": 1400, "height": height})
         self.problems: list[str] = []
         self.dialogs: list[str] = []
-        self.page.on("console", lambda m: self.problems.append(f"console {m.type}: {m.text}")
-                     if m.type in ("error", "warning") else None)
+        self.page.on(
+            "console",
+            lambda m: self.problems.append(f"console {m.type}: {m.text}") if m.type in ("error", "warning") else None,
+        )
         self.page.on("pageerror", lambda e: self.problems.append(f"page error: {e}"))
         self.page.on("dialog", lambda d: (self.dialogs.append(d.message), d.dismiss()))
-        self.page.on("request", lambda r: self.problems.append(f"request: {r.url}")
-                     if not r.url.startswith(("file:", "data:")) else None)
+        self.page.on(
+            "request",
+            lambda r: self.problems.append(f"request: {r.url}") if not r.url.startswith(("file:", "data:")) else None,
+        )
         self.page.goto(path.as_uri(), wait_until="load")
 
     def check(self, n_figures: int) -> bytes:
@@ -97,13 +110,38 @@ def hostile_run(tmp_path_factory) -> Path:
     """A real run whose prompts carry markup in their text and in their id."""
     tmp = tmp_path_factory.mktemp("hostile")
     prompts = tmp / "prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps(p) for p in [
-        {"id": ID_PAYLOAD, "messages": [{"role": "user", "content": f"{PAYLOAD} What is two plus two?"}]},
-        {"id": "plain", "messages": [{"role": "user", "content": f"Say {PAYLOAD} back."}]},
-    ]) + "\n")
+    prompts.write_text(
+        "\n".join(
+            json.dumps(p)
+            for p in [
+                {"id": ID_PAYLOAD, "messages": [{"role": "user", "content": f"{PAYLOAD} What is two plus two?"}]},
+                {"id": "plain", "messages": [{"role": "user", "content": f"Say {PAYLOAD} back."}]},
+            ]
+        )
+        + "\n"
+    )
     out = tmp / "run"
-    proc = cli("compare", "--model", str(DENSE), "--prompts", str(prompts), "--out", str(out), "--engine", "hf",
-               "--engine-dtype", "bfloat16", "--train-dtype", "float32", "--max-tokens", "24", "--n", "2", "--seed", "3")
+    proc = cli(
+        "compare",
+        "--model",
+        str(DENSE),
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(out),
+        "--engine",
+        "hf",
+        "--engine-dtype",
+        "bfloat16",
+        "--train-dtype",
+        "float32",
+        "--max-tokens",
+        "24",
+        "--n",
+        "2",
+        "--seed",
+        "3",
+    )
     assert proc.returncode == 0, proc.stderr
     return out
 
@@ -129,13 +167,17 @@ def test_comparison_loads_cleanly(browser, hostile_run, bf16_run, tmp_path):
     assert "different prompts" in page.page.inner_text("#runs")
 
 
-@pytest.mark.skipif(not all((p / "run.json").is_file() for p in EXAMPLES), reason="the committed example runs are absent")
+@pytest.mark.skipif(
+    not all((p / "run.json").is_file() for p in EXAMPLES), reason="the committed example runs are absent"
+)
 def test_committed_examples_render(browser, tmp_path):
     """The committed vLLM runs (engine bf16 and fp32 against an fp32 reference); the README's
     screenshots are taken here."""
     report, comparison = tmp_path / "report.html", tmp_path / "compare.html"
-    for args in ((str(EXAMPLES[0]), "--out", str(report)),
-                 (str(EXAMPLES[0]), str(EXAMPLES[1]), "--out", str(comparison))):
+    for args in (
+        (str(EXAMPLES[0]), "--out", str(report)),
+        (str(EXAMPLES[0]), str(EXAMPLES[1]), "--out", str(comparison)),
+    ):
         proc = cli("report", *args)
         assert proc.returncode == 0, proc.stderr
     page = LoadedPage(browser, report, height=1500)

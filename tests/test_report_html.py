@@ -89,7 +89,9 @@ def test_a_run_without_distributions_is_reported_from_its_table(bf16_run, tmp_pa
     recomputed = load_run(run).dist
     assert recomputed["groups"] == stored["groups"] and recomputed["sequences"] == stored["sequences"]
     assert recomputed["worst"] == stored["worst"]
-    assert [w["tokens"]["text"] for w in recomputed["worst_sequences"]] == [w["tokens"]["text"] for w in stored["worst_sequences"]]
+    assert [w["tokens"]["text"] for w in recomputed["worst_sequences"]] == [
+        w["tokens"]["text"] for w in stored["worst_sequences"]
+    ]
 
 
 @pytest.mark.slow
@@ -127,22 +129,26 @@ def _fake_gpu_run(run: RunData, name: str, gpu: str, k3: float, tag: str) -> Run
 @pytest.mark.slow
 def test_comparison_groups_by_gpu_and_marks_best_and_worst(bf16_run):
     base = load_run(bf16_run)
-    runs = [_fake_gpu_run(base, "h100-a", "NVIDIA H100", 2e-4, "bfloat16"),
-            _fake_gpu_run(base, "a100", "NVIDIA A100", float("inf"), "bfloat16"),
-            _fake_gpu_run(base, "h100-b", "NVIDIA H100", 1e-6, "float32")]
+    runs = [
+        _fake_gpu_run(base, "h100-a", "NVIDIA H100", 2e-4, "bfloat16"),
+        _fake_gpu_run(base, "a100", "NVIDIA A100", float("inf"), "bfloat16"),
+        _fake_gpu_run(base, "h100-b", "NVIDIA H100", 1e-6, "float32"),
+    ]
     runs[1].record["inputs"]["model"] = "/elsewhere/model"
     html = render_comparison(runs)
     doc = assert_inert_and_self_contained(html)
     heads = [(a.get("colspan"), t) for t, a in doc.tags if t == "th" and a.get("colspan") in ("1", "2")]
     assert heads == [("2", "th"), ("1", "th")]  # H100 (2 runs) first, as it came first, then A100
-    assert re.search(r'colspan="2" class="num">NVIDIA H100<', html) and re.search(r'colspan="1" class="num">NVIDIA A100<', html)
-    row = re.search(r"<code>k3_kl</code></td>(.*?)</tr>", html, re.S).group(1)
+    assert re.search(r'colspan="2" class="num">NVIDIA H100<', html) and re.search(
+        r'colspan="1" class="num">NVIDIA A100<', html
+    )
+    row = re.search(r"<code>k3_kl</code></td>(.*?)</tr>", html, re.DOTALL).group(1)
     cells = re.findall(r'<td class="num( best| worst)?">([^<]*)</td>', row)
     # columns are grouped: h100-a, h100-b, then a100
     assert [c[1] for c in cells] == ["2.000e-04", "1.000e-06", "inf"]
     assert [c[0].strip() for c in cells] == ["", "best", "worst"]
     assert "different model" in html
-    diff = re.search(r'id="differences".*?</section>', html, re.S).group(0)
+    diff = re.search(r'id="differences".*?</section>', html, re.DOTALL).group(0)
     assert "<code>hardware</code>" in diff and "<code>engine.dtype</code>" in diff and "<code>model</code>" in diff
     assert "<code>sampling.seed</code>" not in diff  # equal in all runs
     assert len([a for t, a in doc.tags if t == "img"]) == 4
@@ -198,7 +204,9 @@ def test_gpu_type_names_the_hardware_that_ran_the_probe():
     from mismatch_probe.report_html import gpu_type
 
     env = {"gpus": [{"name": "NVIDIA H20"}, {"name": "NVIDIA H20"}], "cpu_model": "Xeon"}
-    assert gpu_type({"environment": env, "engine": {"platform": "cuda"}, "reference": {"device": "cuda"}}) == "NVIDIA H20"
+    assert (
+        gpu_type({"environment": env, "engine": {"platform": "cuda"}, "reference": {"device": "cuda"}}) == "NVIDIA H20"
+    )
     assert gpu_type({"environment": env, "engine": {"device": "cuda"}, "reference": {"device": "cpu"}}) == "NVIDIA H20"
     assert gpu_type({"environment": env, "engine": {"device": "cpu"}, "reference": {"device": "cpu"}}) == "CPU: Xeon"
     assert gpu_type({"environment": {"gpus": [], "cpu_model": "EPYC"}}) == "CPU: EPYC"
@@ -212,9 +220,15 @@ def test_a_run_with_no_model_tokens_renders(tmp_path):
     empty = MetricsAccumulator()
     dist = DistributionAccumulator().finish(empty, {"first": empty, "later": empty})
     dist["worst_sequences"] = []
-    record = {"status": "complete", "metrics": empty.metrics(), "metrics_by_turn": {"first": empty.metrics(),
-              "later": empty.metrics()}, "corrections": empty.corrections(), "breakdowns": empty.breakdowns(),
-              "spec": {"name": "empty"}, "environment": {"gpus": [], "cpu_model": "EPYC"}}
+    record = {
+        "status": "complete",
+        "metrics": empty.metrics(),
+        "metrics_by_turn": {"first": empty.metrics(), "later": empty.metrics()},
+        "corrections": empty.corrections(),
+        "breakdowns": empty.breakdowns(),
+        "spec": {"name": "empty"},
+        "environment": {"gpus": [], "cpu_model": "EPYC"},
+    }
     html = render_run(RunData(tmp_path, record, dist))
     assert_inert_and_self_contained(html)
     assert "No model tokens." in html and html.count("data:image/png;base64,") == 7
@@ -237,13 +251,32 @@ def test_a_token_the_reference_gives_probability_zero_is_reported_not_crashed(bf
     lt = table.column("logp_train").to_numpy(zero_copy_only=False).copy()
     first_model = int(np.flatnonzero(table.column("is_model_token").to_numpy(zero_copy_only=False))[3])
     lt[first_model] = -np.inf
-    table = table.set_column(table.schema.get_field_index("logp_train"), "logp_train",
-                             pa.array(lt, pa.float32(), mask=np.isnan(lt)))
+    table = table.set_column(
+        table.schema.get_field_index("logp_train"), "logp_train", pa.array(lt, pa.float32(), mask=np.isnan(lt))
+    )
     pq.write_table(table, shard)
     spec = json.loads((run / "run.json").read_text())["spec"]
-    proc = cli("compare", "--model", spec["model"], "--prompts", spec["prompts"], "--out", str(run),
-               "--engine-dtype", "bfloat16", "--train-dtype", "float32", "--max-tokens", "48", "--n", "2",
-               "--max-prompts", "16", "--seed", "7")
+    proc = cli(
+        "compare",
+        "--model",
+        spec["model"],
+        "--prompts",
+        spec["prompts"],
+        "--out",
+        str(run),
+        "--engine-dtype",
+        "bfloat16",
+        "--train-dtype",
+        "float32",
+        "--max-tokens",
+        "48",
+        "--n",
+        "2",
+        "--max-prompts",
+        "16",
+        "--seed",
+        "7",
+    )
     assert proc.returncode == 0, proc.stderr
     rec = json.loads((run / "run.json").read_text())
     assert rec["metrics"]["k3_kl"] == "inf" and rec["metrics"]["n_zero_prob_train"] == 1
@@ -252,5 +285,5 @@ def test_a_token_the_reference_gives_probability_zero_is_reported_not_crashed(bf
     assert load(run)["groups"]["first"]["log_ratio_hist"][0] == 1
     proc = cli("report", str(bf16_run), str(run), "--out", str(tmp_path / "c.html"))
     assert proc.returncode == 0, proc.stderr
-    row = re.search(r"<code>k3_kl</code></td>(.*?)</tr>", (tmp_path / "c.html").read_text(), re.S).group(1)
+    row = re.search(r"<code>k3_kl</code></td>(.*?)</tr>", (tmp_path / "c.html").read_text(), re.DOTALL).group(1)
     assert re.findall(r'<td class="num( best| worst)?">([^<]*)</td>', row)[1] == (" worst", "inf")

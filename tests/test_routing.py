@@ -64,8 +64,18 @@ def test_reference_routing_matches_router_logits(packing):
         n_p, n_r = int(rng.integers(3, 12)), int(rng.integers(2, 20))
         ids = rng.integers(3, 1000, n_p + n_r).astype(np.int32)
         model = np.r_[np.zeros(n_p, bool), np.ones(n_r, bool)]
-        rollouts.append(Rollout(i, str(i), ids, np.where(model, 0, -1).astype(np.int16), model,
-                                np.zeros(len(ids), np.float32), "stop", np.zeros((n_r, 4, 2), np.int16)))
+        rollouts.append(
+            Rollout(
+                i,
+                str(i),
+                ids,
+                np.where(model, 0, -1).astype(np.int16),
+                model,
+                np.zeros(len(ids), np.float32),
+                "stop",
+                np.zeros((n_r, 4, 2), np.int16),
+            )
+        )
     scorer = ReferenceScorer(MOE, ReferenceSpec(dtype="float32", packing=packing, micro_batch_size=3))
     scores = scorer.score(rollouts, LogprobSemantics("raw"))
     for r, got in zip(rollouts, scores.experts):
@@ -79,8 +89,12 @@ def test_engine_routing_matches_router_logits():
     tok = load_tokenizer(MOE)
     prompts = tokenize_prompts(SINGLE_TURN, tok, max_prompts=4, max_model_len=1024, max_new_tokens=24)
     eng = load_engine("hf")(MOE, EngineSpec(dtype="float32", batch_size=4))
-    outs = eng.generate([GenerationRequest(p.token_ids, 24) for p in prompts], SamplingSpec(max_tokens=24),
-                        stop_token_ids=stop_token_ids(MOE, tok), seed=0)
+    outs = eng.generate(
+        [GenerationRequest(p.token_ids, 24) for p in prompts],
+        SamplingSpec(max_tokens=24),
+        stop_token_ids=stop_token_ids(MOE, tok),
+        seed=0,
+    )
     assert eng.info()["routing"] == {"moe_layers": [0, 1, 2, 3], "top_k": 2, "num_experts": 8}
     for p, c in zip(prompts, outs):
         full = np.concatenate([p.token_ids, c.token_ids])

@@ -73,8 +73,13 @@ def test_matched_logprob_semantics_sit_at_the_dtype_floor(engine, tmp_path):
 
     sem = matched["logprob_semantics"]
     assert sem["matched"] is True and raw["logprob_semantics"]["matched"] is False
-    assert sem["engine"] == {"mode": "processed", "temperature": 0.7, "top_k": 0, "top_p": 1.0,
-                             "distribution": "log_softmax(logits / temperature)"}
+    assert sem["engine"] == {
+        "mode": "processed",
+        "temperature": 0.7,
+        "top_k": 0,
+        "top_p": 1.0,
+        "distribution": "log_softmax(logits / temperature)",
+    }
     k3_matched, k3_raw = matched["metrics"]["k3_kl"], raw["metrics"]["k3_kl"]
     assert 0 < k3_matched < 5e-4, (k3_matched, k3_raw)
     assert k3_raw > 20 * k3_matched, (k3_matched, k3_raw)
@@ -131,8 +136,23 @@ def compare_cli(tmp_path, *args, expect_rc: int = 0, spec_tail: str = ""):
         spec = tmp_path / "spec.toml"
         spec.write_text(text)
     out = tmp_path / "run"
-    proc = cli("compare", str(spec), "--engine-python", SGLANG_PYTHON,
-               "--out", str(out), "--max-prompts", "16", "--n", "2", "--max-tokens", "48", "--seed", "3", *args)
+    proc = cli(
+        "compare",
+        str(spec),
+        "--engine-python",
+        SGLANG_PYTHON,
+        "--out",
+        str(out),
+        "--max-prompts",
+        "16",
+        "--n",
+        "2",
+        "--max-tokens",
+        "48",
+        "--seed",
+        "3",
+        *args,
+    )
     assert proc.returncode == expect_rc, proc.stderr[-3000:]
     return json.loads((out / "run.json").read_text()) if expect_rc == 0 else proc
 
@@ -155,8 +175,16 @@ def test_fp32_engine_with_raw_logprobs_matches_the_fp32_reference(tmp_path):
 def test_tensor_parallel_2_and_an_fp32_lm_head(tmp_path):
     """TP=2 (one core per rank on CPU), SGLang's fp32 LM head, no radix cache and an engine seed
     from [engine.extra_args], all recorded as built."""
-    rec = compare_cli(tmp_path, "--tp", "2", "--engine-logits-fp32", "--no-prefix-caching", "--temperature", "1.0",
-                      spec_tail="[engine.extra_args]\nrandom_seed = 7\n")
+    rec = compare_cli(
+        tmp_path,
+        "--tp",
+        "2",
+        "--engine-logits-fp32",
+        "--no-prefix-caching",
+        "--temperature",
+        "1.0",
+        spec_tail="[engine.extra_args]\nrandom_seed = 7\n",
+    )
     eng = rec["engine"]
     # the engine seed is a default mismatch-probe sets, which [engine.extra_args] overrides
     assert eng["random_seed"] == 7 and eng["requested"]["random_seed"] == 7
@@ -175,14 +203,18 @@ def test_settings_sglang_cannot_honor_fail_before_sampling(tmp_path):
     with pytest.raises(ConfigError, match="has no argument 'disable_radx_cache'.*disable_radix_cache"):
         EngineProcess(get_entry("sglang"), DENSE, engine_spec(extra_args={"disable_radx_cache": True}), log_path=log)
     with pytest.raises(ConfigError, match="sets 'tp_size', which mismatch-probe sets itself"):
-        EngineProcess(get_entry("sglang"), DENSE, engine_spec(tensor_parallel_size=2, extra_args={"tp_size": 2}),
-                      log_path=log)
+        EngineProcess(
+            get_entry("sglang"), DENSE, engine_spec(tensor_parallel_size=2, extra_args={"tp_size": 2}), log_path=log
+        )
     proc = compare_cli(tmp_path, "--cascade-attn", expect_rc=2)
     assert "engine 'sglang' has no setting engine.cascade_attn" in proc.stderr and "Traceback" not in proc.stderr
     if not torch.cuda.is_available():
         # SGLang's deterministic mode (and rl_on_policy_target, which implies it) needs a GPU
         # attention backend; on CPU that is SGLang's own refusal, naming the backend set for it
         for kw in ({"batch_invariant": True}, {"rl_on_policy_target": "fsdp"}):
-            with pytest.raises(ConfigError, match="deterministic inference.*'torch_native'.*"
-                                                  "mismatch-probe itself set .*attention_backend='torch_native'"):
+            with pytest.raises(
+                ConfigError,
+                match="deterministic inference.*'torch_native'.*"
+                "mismatch-probe itself set .*attention_backend='torch_native'",
+            ):
                 EngineProcess(get_entry("sglang"), DENSE, engine_spec(**kw), log_path=log)

@@ -84,8 +84,14 @@ def test_missing_model_and_prompts():
 
 
 def test_top_k_minus_one_means_disabled_and_greedy_forces_raw():
-    spec = spec_from_dict({"model": "m", "prompts": "p", "sampling": {"top_k": -1, "temperature": 0.0},
-                           "engine": {"logprobs_mode": "processed"}}).validate()
+    spec = spec_from_dict(
+        {
+            "model": "m",
+            "prompts": "p",
+            "sampling": {"top_k": -1, "temperature": 0.0},
+            "engine": {"logprobs_mode": "processed"},
+        }
+    ).validate()
     assert spec.sampling.top_k == 0
     assert spec.engine.logprobs_mode == "raw"
 
@@ -93,8 +99,10 @@ def test_top_k_minus_one_means_disabled_and_greedy_forces_raw():
 def test_engine_logprobs_default_to_what_each_engine_returns():
     """Unset, logprobs_mode is the engine's own default: SGLang's sampler returns log_softmax(logits / T),
     vLLM and hf raw log-probs. An explicit choice is kept."""
-    resolved = {name: spec_from_dict({"model": "m", "prompts": "p", "engine": {"name": name}}).validate().engine.logprobs_mode
-                for name in ("hf", "vllm", "sglang")}
+    resolved = {
+        name: spec_from_dict({"model": "m", "prompts": "p", "engine": {"name": name}}).validate().engine.logprobs_mode
+        for name in ("hf", "vllm", "sglang")
+    }
     assert resolved == {"hf": "raw", "vllm": "raw", "sglang": "processed"}
     spec = spec_from_dict({"model": "m", "prompts": "p", "engine": {"name": "sglang", "logprobs_mode": "raw"}})
     assert spec.validate().engine.logprobs_mode == "raw"
@@ -108,8 +116,9 @@ def test_fingerprint_ignores_output_location():
     assert a.fingerprint() != b.fingerprint()
 
 
-@pytest.mark.parametrize("name", ["demo.toml", "demo-hf.toml", "demo-multi-turn.toml", "parallelism-tp2.toml",
-                                  "demo-sglang.toml"])
+@pytest.mark.parametrize(
+    "name", ["demo.toml", "demo-hf.toml", "demo-multi-turn.toml", "parallelism-tp2.toml", "demo-sglang.toml"]
+)
 def test_demo_specs_are_valid(name):
     from mismatch_probe.engines import get_entry
 
@@ -126,8 +135,10 @@ def test_engine_python_and_extra_args_from_a_spec_file(tmp_path):
     (tmp_path / "venv" / "bin").mkdir(parents=True)
     (tmp_path / "venv" / "bin" / "python").write_text("")
     f = tmp_path / "p.toml"
-    f.write_text('model = "m"\nprompts = "p"\n[engine]\nname = "vllm"\npython = "venv/bin/python"\n'
-                 '[engine.extra_args]\nmax_logprobs = 5\n')
+    f.write_text(
+        'model = "m"\nprompts = "p"\n[engine]\nname = "vllm"\npython = "venv/bin/python"\n'
+        "[engine.extra_args]\nmax_logprobs = 5\n"
+    )
     spec = load_spec_file(f).validate()
     assert spec.engine.python == str(tmp_path / "venv" / "bin" / "python")
     assert spec.engine.extra_args == {"max_logprobs": 5}
@@ -179,23 +190,31 @@ def test_variants_expand_to_one_spec_each_on_the_same_rollouts(tmp_path):
     assert sp2.rollout_fingerprint() != tp2.rollout_fingerprint()
 
 
-@pytest.mark.parametrize("variants, match", [
-    ('[[variants]]\nreference.dtype = "fp32"\n[[variants]]\nname = "b"', "needs a name"),
-    ('[[variants]]\nname = "a/b"\n[[variants]]\nname = "c"', "needs a name"),
-    ('[[variants]]\nname = "a"\n[[variants]]\nname = "a"', "used twice"),
-    ('[[variants]]\nname = "a"\nsampling.top_p = 0.5\n[[variants]]\nname = "b"', "'sampling' cannot vary"),
-    ('[[variants]]\nname = "a"\nreference.tp = 2\n[[variants]]\nname = "b"', "unknown key 'tp'"),
-    ('[[variants]]\nname = "a"\nreference.tensor_parallel_size = "2"\n[[variants]]\nname = "b"', "must be an integer"),
-    ('[[variants]]\nname = "a"', "one variant compares nothing"),
-    ('variants = 3', "array of tables"),
-])
+@pytest.mark.parametrize(
+    "variants, match",
+    [
+        ('[[variants]]\nreference.dtype = "fp32"\n[[variants]]\nname = "b"', "needs a name"),
+        ('[[variants]]\nname = "a/b"\n[[variants]]\nname = "c"', "needs a name"),
+        ('[[variants]]\nname = "a"\n[[variants]]\nname = "a"', "used twice"),
+        ('[[variants]]\nname = "a"\nsampling.top_p = 0.5\n[[variants]]\nname = "b"', "'sampling' cannot vary"),
+        ('[[variants]]\nname = "a"\nreference.tp = 2\n[[variants]]\nname = "b"', "unknown key 'tp'"),
+        (
+            '[[variants]]\nname = "a"\nreference.tensor_parallel_size = "2"\n[[variants]]\nname = "b"',
+            "must be an integer",
+        ),
+        ('[[variants]]\nname = "a"', "one variant compares nothing"),
+        ("variants = 3", "array of tables"),
+    ],
+)
 def test_bad_variants_name_the_problem(tmp_path, variants, match):
     with pytest.raises(ConfigError, match=match):
         load_spec_file(write(tmp_path, f'model = "m"\nprompts = "p"\n{variants}\n'))
 
 
 def test_a_variant_that_cannot_run_is_named(tmp_path):
-    text = 'model = "m"\nprompts = "p"\n[[variants]]\nname = "a"\n[[variants]]\nname = "padded-sp"\n' \
-           '[variants.reference]\nsequence_parallel_size = 2\npacking = false\n'
+    text = (
+        'model = "m"\nprompts = "p"\n[[variants]]\nname = "a"\n[[variants]]\nname = "padded-sp"\n'
+        "[variants.reference]\nsequence_parallel_size = 2\npacking = false\n"
+    )
     with pytest.raises(ConfigError, match="variant 'padded-sp': Ulysses"):
         load_spec_file(write(tmp_path, text)).validate()

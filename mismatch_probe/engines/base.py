@@ -78,16 +78,21 @@ class PrefillScorer(Protocol):
         ...
 
 
-def check_extra_args(extra_args: Mapping, known: Collection[str], set_here: Collection[str], engine: str,
-                     args_class: str) -> None:
+def check_extra_args(
+    extra_args: Mapping, known: Collection[str], set_here: Collection[str], engine: str, args_class: str
+) -> None:
     """``[engine.extra_args]`` go to the engine's own constructor, so each must be an argument the
     installed engine has (a typo would otherwise fail deep inside it, or be silently ignored) and
     not one mismatch-probe already sets from a dedicated setting (which would be recorded wrong)."""
     for key in extra_args:
         if key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=1)
-            raise ConfigError(f"engine.extra_args: {engine} has no argument {key!r} ({args_class})",
-                              hint=f"did you mean {close[0]!r}?" if close else f"see {args_class}")
+            raise ConfigError(
+                f"engine.extra_args: {engine} has no argument {key!r} ({args_class})",
+                hint=f"did you mean {close[0]!r}?" if close else f"see {args_class}",
+            )
         if key in set_here:
-            raise ConfigError(f"engine.extra_args sets {key!r}, which mismatch-probe sets itself",
-                              hint="use the dedicated engine setting (see mismatch-probe compare --help)")
+            raise ConfigError(
+                f"engine.extra_args sets {key!r}, which mismatch-probe sets itself",
+                hint="use the dedicated engine setting (see mismatch-probe compare --help)",
+            )

@@ -45,7 +45,9 @@ class HFEngine:
         self.device = resolve_device(spec.device)
         self.dtype = resolve_dtype(spec.dtype, self.model_path)
         self.batch_size = spec.batch_size or DEFAULT_BATCH_SIZE
-        self.attention = choose_attention(self.model_path, spec.attn_implementation, trust_remote_code=trust_remote_code)
+        self.attention = choose_attention(
+            self.model_path, spec.attn_implementation, trust_remote_code=trust_remote_code
+        )
         self.model = load_causal_lm(
             self.model_path,
             dtype=self.dtype,

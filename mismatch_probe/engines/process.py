@@ -57,9 +57,19 @@ class EngineProcess:
             log.flush()
             try:
                 self.proc = subprocess.Popen(
-                    [self.python, "-m", "mismatch_probe.engines.worker",
-                     "--requests-fd", str(requests_r), "--replies-fd", str(replies_w)],
-                    stdin=subprocess.DEVNULL, stdout=log, stderr=log, pass_fds=(requests_r, replies_w),
+                    [
+                        self.python,
+                        "-m",
+                        "mismatch_probe.engines.worker",
+                        "--requests-fd",
+                        str(requests_r),
+                        "--replies-fd",
+                        str(replies_w),
+                    ],
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=log,
+                    pass_fds=(requests_r, replies_w),
                     start_new_session=True,  # its own process group: close() can reap the engine's children too
                 )
             except OSError as exc:
@@ -87,10 +97,16 @@ class EngineProcess:
                 hint=f"install the same mismatch-probe there: {self.python} -m pip install -e <this checkout>",
             )
         self.worker = {"python": hello.header["python"], "pid": hello.header["pid"], "version": hello.header["version"]}
-        started = self._call("start", {
-            "target": entry.target, "model": str(model_path), "spec": dataclasses.asdict(spec),
-            "trust_remote_code": trust_remote_code,
-        }, expect="started")
+        started = self._call(
+            "start",
+            {
+                "target": entry.target,
+                "model": str(model_path),
+                "spec": dataclasses.asdict(spec),
+                "trust_remote_code": trust_remote_code,
+            },
+            expect="started",
+        )
         self.supports_prefill = bool(started.header.get("prefill"))
 
     # ---- Engine protocol -----------------------------------------------------------------
@@ -112,7 +128,11 @@ class EngineProcess:
     ) -> list[Completion]:
         reply = self._call(
             "generate",
-            {"sampling": dataclasses.asdict(sampling), "stop_token_ids": [int(t) for t in stop_token_ids], "seed": seed},
+            {
+                "sampling": dataclasses.asdict(sampling),
+                "stop_token_ids": [int(t) for t in stop_token_ids],
+                "seed": seed,
+            },
             wire.requests_to_table(list(requests)),
             expect="generated",
             on_progress=on_progress,
@@ -122,8 +142,9 @@ class EngineProcess:
     def prefill_logprobs(
         self, requests: Sequence[ScoreRequest], on_progress: Callable[[int], None] | None = None
     ) -> list[np.ndarray]:
-        reply = self._call("prefill", {}, wire.score_requests_to_table(list(requests)), expect="prefilled",
-                           on_progress=on_progress)
+        reply = self._call(
+            "prefill", {}, wire.score_requests_to_table(list(requests)), expect="prefilled", on_progress=on_progress
+        )
         return wire.table_to_logprobs(reply.table)
 
     def close(self) -> None:
@@ -143,8 +164,13 @@ class EngineProcess:
     def describe(self) -> dict:
         # paths that travel with the record: the interpreter as seen from here, the log by its name
         # (it sits in the run directory)
-        return {**self.worker, "python": portable_path(self.worker["python"]), "exit_code": self.exit_code,
-                "peak_rss_mib": self.peak_rss_mib, "log": self.log_path.name}
+        return {
+            **self.worker,
+            "python": portable_path(self.worker["python"]),
+            "exit_code": self.exit_code,
+            "peak_rss_mib": self.peak_rss_mib,
+            "log": self.log_path.name,
+        }
 
     # ---- plumbing ------------------------------------------------------------------------
     def _call(self, op: str, header: dict, table=None, *, expect: str, on_progress=None) -> wire.Message:
@@ -179,8 +205,11 @@ class EngineProcess:
         cause = log_errors(self.log_path, exclude=err["message"])
         if cause:
             message += "\nengine log:\n  " + "\n  ".join(cause)
-        if self.memory_hint and err.get("during") == "start" and any(
-                is_memory_refusal(m) for m in [err["message"], *cause]):
+        if (
+            self.memory_hint
+            and err.get("during") == "start"
+            and any(is_memory_refusal(m) for m in [err["message"], *cause])
+        ):
             # the engine's message names its own flags; these are the ones that reach it through us
             return ConfigError(message, hint=f"{self.memory_hint}; full engine log: {self.log_path}")
         return EngineError(message, hint=f"full engine log: {self.log_path}")
@@ -245,7 +274,8 @@ def is_memory_refusal(message: str) -> bool:
     memory for the cache blocks. Try increasing ...", "... larger than the available KV cache memory")."""
     m = message.lower()
     return ("memory" in m or "kv cache" in m) and any(
-        k in m for k in ("less than", "insufficient", "not enough", "too large", "larger than", "increas", "decreas"))
+        k in m for k in ("less than", "insufficient", "not enough", "too large", "larger than", "increas", "decreas")
+    )
 
 
 _LOG_PREFIX = re.compile(r"^(\([^)]*\)\s*)?([A-Z]+ \d\d-\d\d [\d:.]+ \[[^\]]*\]\s*)?")

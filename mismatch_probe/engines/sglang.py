@@ -53,15 +53,40 @@ SETTINGS = {
 }
 # Read back from get_server_info() into run.json (beside the mapped settings above).
 RECORDED = (
-    "dtype", "tp_size", "device", "attention_backend", "prefill_attention_backend", "decode_attention_backend",
-    "sampling_backend", "disable_cuda_graph", "enable_torch_compile", "disable_radix_cache", "chunked_prefill_size",
-    "enable_deterministic_inference", "rl_on_policy_target", "enable_fp32_lm_head", "mem_fraction_static",
-    "max_total_tokens", "max_total_num_tokens", "max_running_requests", "max_prefill_tokens", "context_length",
-    "kv_cache_dtype", "quantization", "page_size", "disable_overlap_schedule", "random_seed", "schedule_policy",
+    "dtype",
+    "tp_size",
+    "device",
+    "attention_backend",
+    "prefill_attention_backend",
+    "decode_attention_backend",
+    "sampling_backend",
+    "disable_cuda_graph",
+    "enable_torch_compile",
+    "disable_radix_cache",
+    "chunked_prefill_size",
+    "enable_deterministic_inference",
+    "rl_on_policy_target",
+    "enable_fp32_lm_head",
+    "mem_fraction_static",
+    "max_total_tokens",
+    "max_total_num_tokens",
+    "max_running_requests",
+    "max_prefill_tokens",
+    "context_length",
+    "kv_cache_dtype",
+    "quantization",
+    "page_size",
+    "disable_overlap_schedule",
+    "random_seed",
+    "schedule_policy",
 )
 ENV_RECORDED = (
-    "SGLANG_USE_CPU_ENGINE", "SGLANG_CPU_OMP_THREADS_BIND", "SGLANG_RETURN_ORIGINAL_LOGPROB", "SGLANG_ENABLE_DETERMINISTIC_INFERENCE",
-    "SGLANG_ATTENTION_BACKEND", "CUDA_VISIBLE_DEVICES",
+    "SGLANG_USE_CPU_ENGINE",
+    "SGLANG_CPU_OMP_THREADS_BIND",
+    "SGLANG_RETURN_ORIGINAL_LOGPROB",
+    "SGLANG_ENABLE_DETERMINISTIC_INFERENCE",
+    "SGLANG_ATTENTION_BACKEND",
+    "CUDA_VISIBLE_DEVICES",
 )
 # On CPU, without a cap, SGLang sizes the KV cache from free system memory (15.6 GB on a 24 GB
 # machine): mismatch-probe caps it unless the spec sets max_total_tokens or gpu_memory_utilization.
@@ -81,15 +106,18 @@ class SGLangEngine:
         self.model_path = Path(model_path)
         self.device = spec.device if spec.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         if self.device == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("engine.device is cuda, but this torch sees no CUDA device",
-                              hint="drop engine.device (auto), or run on a GPU machine")
+            raise ConfigError(
+                "engine.device is cuda, but this torch sees no CUDA device",
+                hint="drop engine.device (auto), or run on a GPU machine",
+            )
         # Read when SGLang is first imported, here and in its scheduler processes (they inherit the
         # environment), so they are set before the import (this worker has never imported SGLang).
         if self.device == "cpu":
             os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
             if spec.tensor_parallel_size > 1 and not os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"):
                 os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(
-                    spec.tensor_parallel_size, "SGLANG_CPU_OMP_THREADS_BIND")
+                    spec.tensor_parallel_size, "SGLANG_CPU_OMP_THREADS_BIND"
+                )
         os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1" if spec.logprobs_mode == "raw" else "0"
         import sglang
 
@@ -100,9 +128,11 @@ class SGLangEngine:
         except (ValueError, TypeError) as exc:  # SGLang validates its arguments with these
             # SGLang's message may blame a value the user never gave (a CPU default set here)
             set_here = ", ".join(f"{k}={v!r}" for k, v in self.defaults_applied.items())
-            raise ConfigError(f"SGLang {self.version} refused the engine settings: {exc}",
-                              hint=(f"mismatch-probe itself set {set_here} (on {self.device}); " if set_here else "")
-                              + "see engine.log in the run directory for SGLang's own log") from None
+            raise ConfigError(
+                f"SGLang {self.version} refused the engine settings: {exc}",
+                hint=(f"mismatch-probe itself set {set_here} (on {self.device}); " if set_here else "")
+                + "see engine.log in the run directory for SGLang's own log",
+            ) from None
         self.server_info = self.engine.get_server_info()
         self.effective = {k: self.server_info.get(k) for k in RECORDED}
         self._check_effective()
@@ -159,9 +189,14 @@ class SGLangEngine:
                     f"SGLang {self.version} on {self.device} runs with {key}={got!r}, not the requested {value!r}",
                     hint="this build or platform overrides the setting; remove it to measure SGLang's default",
                 )
-        if self.requested.get("chunked_prefill_size") == -1 and self.server_info.get("chunked_prefill_size") not in (-1, None):
-            raise ConfigError(f"SGLang {self.version} kept chunked prefill on "
-                              f"(chunked_prefill_size={self.server_info.get('chunked_prefill_size')})")
+        if self.requested.get("chunked_prefill_size") == -1 and self.server_info.get("chunked_prefill_size") not in (
+            -1,
+            None,
+        ):
+            raise ConfigError(
+                f"SGLang {self.version} kept chunked prefill on "
+                f"(chunked_prefill_size={self.server_info.get('chunked_prefill_size')})"
+            )
 
     # ---- Engine protocol -----------------------------------------------------------------
     def semantics(self, sampling: SamplingSpec) -> LogprobSemantics:
@@ -191,9 +226,16 @@ class SGLangEngine:
             **self.effective,
             "logprobs_mode": self.spec.logprobs_mode,
             "per_request_seeds": deterministic,
-            **({} if deterministic else {"per_request_seeds_off_because": (
-                "SGLang honors a request's sampling_seed only with enable_deterministic_inference "
-                "(--batch-invariant); sampling draws from the engine's random_seed")}),
+            **(
+                {}
+                if deterministic
+                else {
+                    "per_request_seeds_off_because": (
+                        "SGLang honors a request's sampling_seed only with enable_deterministic_inference "
+                        "(--batch-invariant); sampling draws from the engine's random_seed"
+                    )
+                }
+            ),
             "env": {k: os.environ[k] for k in ENV_RECORDED if k in os.environ},
             "routing": None,
             "routing_unavailable": "expert ids from SGLang (return_routed_experts) are not recorded yet",
@@ -226,17 +268,21 @@ class SGLangEngine:
             for i, r in enumerate(requests)
         ]
         outputs = self.engine.generate(
-            input_ids=[r.prompt_token_ids.tolist() for r in requests], sampling_params=params, return_logprob=True,
+            input_ids=[r.prompt_token_ids.tolist() for r in requests],
+            sampling_params=params,
+            return_logprob=True,
         )
         completions = []
         for i, out in enumerate(outputs):
             tokens = np.asarray(out["output_ids"], dtype=np.int32)
             meta = out["meta_info"]
-            completions.append(Completion(
-                token_ids=tokens,
-                logprobs=sampled_logprobs(meta.get("output_token_logprobs"), tokens),
-                finish_reason=finish_reason(meta, f"sampling request {i}"),
-            ))
+            completions.append(
+                Completion(
+                    token_ids=tokens,
+                    logprobs=sampled_logprobs(meta.get("output_token_logprobs"), tokens),
+                    finish_reason=finish_reason(meta, f"sampling request {i}"),
+                )
+            )
         if on_progress:
             on_progress(len(requests))
         return completions
@@ -261,7 +307,7 @@ class SGLangEngine:
                 r = requests[i]
                 finish_reason(out["meta_info"], f"prefill request {i}")
                 entries = out["meta_info"].get("input_token_logprobs")
-                result[i] = sampled_logprobs(entries[1:] if entries else entries, r.token_ids[r.start:])
+                result[i] = sampled_logprobs(entries[1:] if entries else entries, r.token_ids[r.start :])
         if on_progress:
             on_progress(len(requests))
         return result
@@ -273,15 +319,17 @@ class SGLangEngine:
 
 
 def finish_reason(meta: dict, what: str) -> str:
-    """"stop" or "length" from SGLang's ``meta_info``. An aborted request (prompt over the context
+    """ "stop" or "length" from SGLang's ``meta_info``. An aborted request (prompt over the context
     length, KV cache too small for it, ...) is not a sample to score: its tokens stop wherever the
     abort hit, so it raises with SGLang's own message instead of passing for a normal stop."""
     finish = meta.get("finish_reason") or {}
     kind = finish.get("type")
     if kind == "abort":
-        raise RuntimeError(f"SGLang aborted {what}: {finish.get('message') or 'no message'} (status "
-                           f"{finish.get('status_code')}); if it names the KV cache or the context length, raise "
-                           "--max-total-tokens / --max-model-len or lower --max-tokens")
+        raise RuntimeError(
+            f"SGLang aborted {what}: {finish.get('message') or 'no message'} (status "
+            f"{finish.get('status_code')}); if it names the KV cache or the context length, raise "
+            "--max-total-tokens / --max-model-len or lower --max-tokens"
+        )
     return "length" if kind in (None, "length") else "stop"
 
 
@@ -299,7 +347,9 @@ def sampled_logprobs(entries, token_ids: np.ndarray) -> np.ndarray:
     wrong = np.flatnonzero(ids != np.asarray(token_ids, dtype=np.int64))
     if wrong.size:
         k = int(wrong[0])
-        raise RuntimeError(f"SGLang's log-prob entry {k} is for token {int(ids[k])}, but the token there is {int(token_ids[k])}")
+        raise RuntimeError(
+            f"SGLang's log-prob entry {k} is for token {int(ids[k])}, but the token there is {int(token_ids[k])}"
+        )
     if np.isnan(values).any():
         k = int(np.flatnonzero(np.isnan(values))[0])
         raise RuntimeError(f"SGLang returned no log-prob for token {int(token_ids[k])} at position {k}")

@@ -50,8 +50,13 @@ SETTINGS = {
 CPU_KV_CACHE_SHARE = 0.5
 KV_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
 ENV_RECORDED = (
-    "VLLM_BATCH_INVARIANT", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "VLLM_ATTENTION_BACKEND",
-    "VLLM_USE_V2_MODEL_RUNNER", "VLLM_ENABLE_V1_MULTIPROCESSING", "CUDA_VISIBLE_DEVICES",
+    "VLLM_BATCH_INVARIANT",
+    "VLLM_CPU_OMP_THREADS_BIND",
+    "VLLM_CPU_KVCACHE_SPACE",
+    "VLLM_ATTENTION_BACKEND",
+    "VLLM_USE_V2_MODEL_RUNNER",
+    "VLLM_ENABLE_V1_MULTIPROCESSING",
+    "CUDA_VISIBLE_DEVICES",
 )
 
 
@@ -90,7 +95,9 @@ class VLLMEngine:
                 hint="drop --batch-invariant on CPU; on a GPU machine install mismatch-probe[vllm]",
             )
         if on_cpu and spec.tensor_parallel_size > 1 and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(spec.tensor_parallel_size, "VLLM_CPU_OMP_THREADS_BIND")
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(
+                spec.tensor_parallel_size, "VLLM_CPU_OMP_THREADS_BIND"
+            )
 
         self.kv_cache_sizing = self._default_kv_cache(spec) if on_cpu else None
         self.requested = self._engine_args(spec, trust_remote_code)
@@ -138,9 +145,12 @@ class VLLMEngine:
         memory and refuses to start when that much is not free, as on most shared machines. Unless
         the user sized it (--kv-cache-memory-bytes, --gpu-memory-utilization, VLLM_CPU_KVCACHE_SPACE),
         give it what the run can use, capped by what the node has free; recorded in run.json."""
-        if (spec.kv_cache_memory_bytes is not None or spec.gpu_memory_utilization is not None
-                or {"kv_cache_memory_bytes", "gpu_memory_utilization"} & set(spec.extra_args)
-                or os.environ.get("VLLM_CPU_KVCACHE_SPACE")):
+        if (
+            spec.kv_cache_memory_bytes is not None
+            or spec.gpu_memory_utilization is not None
+            or {"kv_cache_memory_bytes", "gpu_memory_utilization"} & set(spec.extra_args)
+            or os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+        ):
             return None
         from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
 
@@ -148,8 +158,11 @@ class VLLMEngine:
 
         nodes = sorted({c.numa_node for c in get_allowed_cpu_list()}) or [0]
         available = min(get_memory_node_info(n).available_memory for n in nodes)
-        dtype = spec.kv_cache_dtype if spec.kv_cache_dtype not in (None, "auto") else resolve_dtype(spec.dtype,
-                                                                                                     self.model_path)
+        dtype = (
+            spec.kv_cache_dtype
+            if spec.kv_cache_dtype not in (None, "auto")
+            else resolve_dtype(spec.dtype, self.model_path)
+        )
         return cpu_kv_cache_budget(
             read_config(self.model_path),
             dtype_bytes=1 if str(dtype).startswith("fp8") else KV_DTYPE_BYTES.get(str(dtype), 2),
@@ -178,9 +191,7 @@ class VLLMEngine:
 
     def _check_effective(self, spec: EngineSpec) -> None:
         """A setting vLLM silently changed on this platform is an error, not a footnote."""
-        for field_name, value in (
-            (f, getattr(spec, f)) for f in SETTINGS if getattr(spec, f) is not None
-        ):
+        for field_name, value in ((f, getattr(spec, f)) for f in SETTINGS if getattr(spec, f) is not None):
             if field_name == "dtype" and value == "auto":
                 continue
             got = self.effective.get(field_name)
@@ -205,9 +216,16 @@ class VLLMEngine:
             **self.effective,
             "batch_invariant": os.environ.get("VLLM_BATCH_INVARIANT") == "1",
             "per_request_seeds": self.per_request_seeds,
-            **({} if self.per_request_seeds else {"per_request_seeds_off_because": (
-                "vLLM's CPU runner cannot rewind a seeded generator after a chunked-prefill discard "
-                "('CPU Generator does not use offset'); sampling uses the engine seed")}),
+            **(
+                {}
+                if self.per_request_seeds
+                else {
+                    "per_request_seeds_off_because": (
+                        "vLLM's CPU runner cannot rewind a seeded generator after a chunked-prefill discard "
+                        "('CPU Generator does not use offset'); sampling uses the engine seed"
+                    )
+                }
+            ),
             "env": {k: os.environ[k] for k in ENV_RECORDED if k in os.environ},
             **({"kv_cache_sizing": self.kv_cache_sizing} if self.kv_cache_sizing else {}),
             "routing": None,
@@ -250,12 +268,14 @@ class VLLMEngine:
         for r, out in zip(requests, outputs):
             c = out.outputs[0]
             tokens = np.asarray(c.token_ids, dtype=np.int32)
-            completions.append(Completion(
-                token_ids=tokens,
-                logprobs=sampled_logprobs(c.logprobs, tokens),
-                finish_reason=c.finish_reason or "length",
-                prompt_token_ids=np.asarray(out.prompt_token_ids, dtype=np.int32),
-            ))
+            completions.append(
+                Completion(
+                    token_ids=tokens,
+                    logprobs=sampled_logprobs(c.logprobs, tokens),
+                    finish_reason=c.finish_reason or "length",
+                    prompt_token_ids=np.asarray(out.prompt_token_ids, dtype=np.int32),
+                )
+            )
         return completions
 
     def prefill_logprobs(
@@ -267,7 +287,8 @@ class VLLMEngine:
         todo = [i for i, r in enumerate(requests) if not limit or len(r.token_ids) < limit]
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False, flat_logprobs=True)
         outputs = self.llm.generate(
-            [{"prompt_token_ids": requests[i].token_ids.tolist()} for i in todo], params,
+            [{"prompt_token_ids": requests[i].token_ids.tolist()} for i in todo],
+            params,
             use_tqdm=_progress_bar(on_progress),
         )
         # a sequence the engine cannot prefill (already max_model_len long) stays NaN
@@ -305,8 +326,16 @@ def kv_bytes_per_token(config: dict, dtype_bytes: int, tp: int = 1) -> int | Non
     return 2 * layers * max(1, kv_heads // tp) * head_dim * dtype_bytes
 
 
-def cpu_kv_cache_budget(config: dict, *, dtype_bytes: int, tp: int, max_num_seqs: int, max_model_len: int | None,
-                        available_bytes: int, weights_bytes: int) -> dict:
+def cpu_kv_cache_budget(
+    config: dict,
+    *,
+    dtype_bytes: int,
+    tp: int,
+    max_num_seqs: int,
+    max_model_len: int | None,
+    available_bytes: int,
+    weights_bytes: int,
+) -> dict:
     """The KV cache a run needs (every sequence slot at the full context length) capped by
     :data:`CPU_KV_CACHE_SHARE` of what the node has free once the weights are loaded, per TP rank."""
     c = config.get("text_config") or config
@@ -324,7 +353,7 @@ def cpu_kv_cache_budget(config: dict, *, dtype_bytes: int, tp: int, max_num_seqs
         "cap_bytes": cap,
         "node_available_bytes": available_bytes,
         "rule": f"min(max_num_seqs {max_num_seqs} x max_model_len {length} tokens, "
-                f"{CPU_KV_CACHE_SHARE:g} x (available - weights) / tp {tp})",
+        f"{CPU_KV_CACHE_SHARE:g} x (available - weights) / tp {tp})",
     }
 
 
@@ -354,10 +383,12 @@ def sampled_logprobs(entries, token_ids: np.ndarray, first: int = 0) -> np.ndarr
         # the sampled token's entry comes first; reversed assignment keeps the first match
         out[owner[match][::-1]] = values[entry[match]][::-1]
     else:
-        out = np.array([
-            d[int(t)].logprob if d is not None and int(t) in d else np.nan
-            for d, t in zip(entries[first:], token_ids[first:])
-        ])
+        out = np.array(
+            [
+                d[int(t)].logprob if d is not None and int(t) in d else np.nan
+                for d, t in zip(entries[first:], token_ids[first:])
+            ]
+        )
     if np.isnan(out).any():
         missing = int(np.flatnonzero(np.isnan(out))[0]) + first
         raise RuntimeError(f"vLLM returned no log-prob for token {int(token_ids[missing])} at position {missing}")
@@ -372,7 +403,7 @@ def _progress_bar(on_progress: Callable[[int], None] | None):
 
     class _Forward(tqdm):
         def __init__(self, *args, **kwargs):
-            kwargs["file"] = open(os.devnull, "w")  # noqa: SIM115 (closed in close())
+            kwargs["file"] = open(os.devnull, "w")  # closed in close()
             super().__init__(*args, **kwargs)
 
         def update(self, n=1):

@@ -79,10 +79,12 @@ def _unlist(column: pa.ChunkedArray, dtype) -> list[np.ndarray]:
 
 
 def requests_to_table(requests: list[GenerationRequest]) -> pa.Table:
-    return pa.table({
-        "prompt_token_ids": _lists([r.prompt_token_ids for r in requests], np.int32),
-        "max_tokens": pa.array([r.max_tokens for r in requests], pa.int32()),
-    })
+    return pa.table(
+        {
+            "prompt_token_ids": _lists([r.prompt_token_ids for r in requests], np.int32),
+            "max_tokens": pa.array([r.max_tokens for r in requests], pa.int32()),
+        }
+    )
 
 
 def table_to_requests(table: pa.Table) -> list[GenerationRequest]:
@@ -93,41 +95,53 @@ def table_to_requests(table: pa.Table) -> list[GenerationRequest]:
 def completions_to_table(completions: list[Completion]) -> pa.Table:
     echoed = [c.prompt_token_ids for c in completions]
     experts = [c.experts for c in completions]
-    return pa.table({
-        "token_ids": _lists([c.token_ids for c in completions], np.int32),
-        "logprobs": _lists([c.logprobs for c in completions], np.float32),
-        "finish_reason": pa.array([c.finish_reason for c in completions], pa.string()),
-        "prompt_token_ids": pa.array(
-            [None if e is None else e.astype(np.int32) for e in echoed], pa.list_(pa.int32())
-        ),
-        "experts": pa.array([None if e is None else e.astype("<i2").tobytes() for e in experts], pa.binary()),
-        "experts_shape": pa.array([None if e is None else list(e.shape[1:]) for e in experts], pa.list_(pa.int32())),
-    })
+    return pa.table(
+        {
+            "token_ids": _lists([c.token_ids for c in completions], np.int32),
+            "logprobs": _lists([c.logprobs for c in completions], np.float32),
+            "finish_reason": pa.array([c.finish_reason for c in completions], pa.string()),
+            "prompt_token_ids": pa.array(
+                [None if e is None else e.astype(np.int32) for e in echoed], pa.list_(pa.int32())
+            ),
+            "experts": pa.array([None if e is None else e.astype("<i2").tobytes() for e in experts], pa.binary()),
+            "experts_shape": pa.array(
+                [None if e is None else list(e.shape[1:]) for e in experts], pa.list_(pa.int32())
+            ),
+        }
+    )
 
 
 def table_to_completions(table: pa.Table) -> list[Completion]:
     tokens = _unlist(table.column("token_ids"), np.int32)
     logprobs = _unlist(table.column("logprobs"), np.float32)
     out = []
-    for i, (reason, echoed, experts, shape) in enumerate(zip(
-        table.column("finish_reason").to_pylist(), table.column("prompt_token_ids").to_pylist(),
-        table.column("experts").to_pylist(), table.column("experts_shape").to_pylist(),
-    )):
-        out.append(Completion(
-            token_ids=tokens[i],
-            logprobs=logprobs[i],
-            finish_reason=reason,
-            prompt_token_ids=None if echoed is None else np.asarray(echoed, np.int32),
-            experts=None if experts is None else np.frombuffer(experts, "<i2").reshape(-1, *shape),
-        ))
+    for i, (reason, echoed, experts, shape) in enumerate(
+        zip(
+            table.column("finish_reason").to_pylist(),
+            table.column("prompt_token_ids").to_pylist(),
+            table.column("experts").to_pylist(),
+            table.column("experts_shape").to_pylist(),
+        )
+    ):
+        out.append(
+            Completion(
+                token_ids=tokens[i],
+                logprobs=logprobs[i],
+                finish_reason=reason,
+                prompt_token_ids=None if echoed is None else np.asarray(echoed, np.int32),
+                experts=None if experts is None else np.frombuffer(experts, "<i2").reshape(-1, *shape),
+            )
+        )
     return out
 
 
 def score_requests_to_table(requests: list[ScoreRequest]) -> pa.Table:
-    return pa.table({
-        "token_ids": _lists([r.token_ids for r in requests], np.int32),
-        "start": pa.array([r.start for r in requests], pa.int32()),
-    })
+    return pa.table(
+        {
+            "token_ids": _lists([r.token_ids for r in requests], np.int32),
+            "start": pa.array([r.start for r in requests], pa.int32()),
+        }
+    )
 
 
 def table_to_score_requests(table: pa.Table) -> list[ScoreRequest]:

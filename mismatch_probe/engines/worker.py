@@ -36,10 +36,16 @@ def _peak_rss_mib() -> float:
 
 def serve(requests, replies) -> bool:
     """Answer requests until the parent closes the engine (True) or goes away (False)."""
-    wire.send(replies, {
-        "op": "hello", "protocol": wire.PROTOCOL_VERSION, "version": __version__,
-        "python": sys.executable, "pid": os.getpid(),
-    })
+    wire.send(
+        replies,
+        {
+            "op": "hello",
+            "protocol": wire.PROTOCOL_VERSION,
+            "version": __version__,
+            "python": sys.executable,
+            "pid": os.getpid(),
+        },
+    )
     engine = None
     while True:
         msg = wire.receive(requests)
@@ -80,17 +86,20 @@ def serve(requests, replies) -> bool:
                 return True
             else:
                 raise ValueError(f"unknown request {op!r}")
-        except BaseException as exc:  # noqa: BLE001 (every failure is reported to the parent)
+        except BaseException as exc:  # every failure is reported to the parent
             traceback.print_exc()  # the full story goes to engine.log
-            wire.send(replies, {
-                "op": "error",
-                "during": op,
-                "type": type(exc).__name__,
-                "message": str(getattr(exc, "message", exc))[:4000],
-                "probe_error": isinstance(exc, ProbeError),
-                "exit_code": getattr(exc, "exit_code", None),
-                "hint": getattr(exc, "hint", None),
-            })
+            wire.send(
+                replies,
+                {
+                    "op": "error",
+                    "during": op,
+                    "type": type(exc).__name__,
+                    "message": str(getattr(exc, "message", exc))[:4000],
+                    "probe_error": isinstance(exc, ProbeError),
+                    "exit_code": getattr(exc, "exit_code", None),
+                    "hint": getattr(exc, "hint", None),
+                },
+            )
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 break
     return False
