@@ -24,13 +24,13 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mismatch_probe.table import TOKEN_SCHEMA, TOKENS_DIR, shard_name, write_table_atomic
+from mismatch_probe.table.tokens import TOKEN_SCHEMA, TOKENS_DIR, shard_name, write_table_atomic
 
 CHILD = """
 import json, resource, sys, time
 sys.path.insert(0, {root!r})
-from mismatch_probe.analysis import analyze
-from mismatch_probe.table import iter_model_tokens
+from mismatch_probe.analysis.analyze import analyze
+from mismatch_probe.table.tokens import iter_model_tokens
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 t0 = time.perf_counter()
 n = 0
@@ -49,7 +49,7 @@ def _experts(model, layers: int, k: int, flip: float, rng) -> tuple:
     """Sorted top-k ids per layer for model tokens; the reference differs on a ``flip`` share of rows."""
     import pyarrow as pa
 
-    from mismatch_probe.table import _experts_column
+    from mismatch_probe.table.tokens import _experts_column
 
     if not layers:
         return pa.nulls(len(model), pa.binary()), pa.nulls(len(model), pa.binary())

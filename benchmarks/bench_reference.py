@@ -22,12 +22,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mismatch_probe.hf_models import load_tokenizer
-from mismatch_probe.prompts import tokenize_prompts
-from mismatch_probe.reference import ReferenceScorer
-from mismatch_probe.sampling import LogprobSemantics
-from mismatch_probe.spec import ReferenceSpec
-from mismatch_probe.table import Rollout
+from mismatch_probe.config.spec import ReferenceSpec
+from mismatch_probe.modeling.loading import load_tokenizer
+from mismatch_probe.modeling.logprobs import LogprobSemantics
+from mismatch_probe.reference.scorer import ReferenceScorer
+from mismatch_probe.rollout.prompts import tokenize_prompts
+from mismatch_probe.table.tokens import Rollout
 
 MODEL = ROOT / "fixtures" / "models" / "tiny-qwen2"
 PROMPTS = ROOT / "fixtures" / "prompts" / "single_turn.jsonl"

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
+from mismatch_probe.config.spec import EngineSpec, SamplingSpec
 from mismatch_probe.engines import Completion, GenerationRequest, get_entry, wire
 from mismatch_probe.engines.hf import HFEngine
 from mismatch_probe.engines.process import EngineProcess
-from mismatch_probe.spec import EngineSpec, SamplingSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 DENSE = ROOT / "fixtures/models/tiny-qwen2"

@@ -1,3 +1,3 @@
-from .cli import app
+from mismatch_probe.cli import app
 
 app()

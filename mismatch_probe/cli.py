@@ -17,8 +17,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from .errors import ProbeError
-from .files import portable_path
+from mismatch_probe.errors import ProbeError
+from mismatch_probe.files import portable_path
 
 app = typer.Typer(
     name="mismatch-probe",
@@ -254,17 +254,17 @@ def compare(
     as_json: Annotated[bool, typer.Option("--json", help="Print the run record (run.json) to stdout.")] = False,
 ) -> None:
     """Sample with an engine, score the same tokens with a training-style forward, report the mismatch."""
-    from .pipeline import run_compare
-    from .spec import ProbeSpec, apply_overrides, load_spec_file
-    from .summary import corrections_table, metrics_table, notes, routing_line, timing_line
+    from mismatch_probe.config.spec import ProbeSpec, apply_overrides, load_spec_file
+    from mismatch_probe.pipeline import run_compare
+    from mismatch_probe.report.summary import corrections_table, metrics_table, notes, routing_line, timing_line
 
     gate = None
     if gate_file is not None:  # a bad thresholds file fails now, not after the run
-        from .gate import load_gate
+        from mismatch_probe.gate.checks import load_gate
 
         gate = load_gate(gate_file)
         if gate.needs_baseline:
-            from .errors import ConfigError
+            from mismatch_probe.errors import ConfigError
 
             raise ConfigError(
                 f"{gate_file} has baseline-relative checks, and compare --gate takes no baseline",
@@ -344,8 +344,8 @@ def compare(
 
 
 def _compare_variants(spec, overwrite, rollouts_from, gate_file, gate, as_json) -> None:
-    from .pipeline import run_variants
-    from .summary import variants_table
+    from mismatch_probe.pipeline import run_variants
+    from mismatch_probe.report.summary import variants_table
 
     with RichProgress(err) as progress:
         result = run_variants(spec, progress=progress, overwrite=overwrite, rollouts_from=rollouts_from)
@@ -359,7 +359,7 @@ def _compare_variants(spec, overwrite, rollouts_from, gate_file, gate, as_json) 
         for name, r in result.runs.items():
             out.print(f"{name}: {escape(portable_path(r.run_dir / 'report.html'))}")
         out.print(f"comparison: {escape(portable_path(result.comparison))}")
-        from .gate_report import rich_table
+        from mismatch_probe.gate.junit import rich_table
 
         for name, g in gated.items():
             out.print(f"gate on {name}:")
@@ -370,9 +370,9 @@ def _compare_variants(spec, overwrite, rollouts_from, gate_file, gate, as_json) 
 
 
 def _gate(run_dir, thresholds, baseline, gate=None, *, quiet=False, junit=None, markdown=None):
-    from .gate import run_gate
-    from .gate_report import junit_xml, rich_table
-    from .gate_report import markdown as render_markdown
+    from mismatch_probe.gate.checks import run_gate
+    from mismatch_probe.gate.junit import junit_xml, rich_table
+    from mismatch_probe.gate.junit import markdown as render_markdown
 
     result = run_gate(run_dir, thresholds, baseline, gate)
     if junit is not None:
@@ -430,7 +430,7 @@ def report(
     ] = None,
 ) -> None:
     """Render the HTML report of a run, or compare runs (grouped by GPU type); needs no engine and no GPU."""
-    from .report_html import write_report
+    from mismatch_probe.report.html import write_report
 
     written = write_report(run_dirs, out_file)
     what = f"comparison of {written.n_runs} runs" if written.n_runs > 1 else "report"
@@ -445,7 +445,7 @@ def engines() -> None:
     """List the engines and whether each can run here."""
     from rich.table import Table
 
-    from .engines import registered_engines
+    from mismatch_probe.engines import registered_engines
 
     table = Table(title="engines")
     for col in ("name", "available", "description"):

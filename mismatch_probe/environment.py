@@ -12,7 +12,7 @@ import subprocess
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from . import __version__
+from mismatch_probe import __version__
 
 PACKAGES = (
     "torch",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .errors import ConfigError
+from mismatch_probe.errors import ConfigError
 
 
 def not_utf8(path: str | Path, exc: UnicodeDecodeError, data: bytes, *, line: int | None = None) -> ConfigError:

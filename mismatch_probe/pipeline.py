@@ -27,17 +27,17 @@ from pathlib import Path
 
 import numpy as np
 
-from . import __version__
-from .analysis import analyze, json_safe, with_numbers
-from .distributions import DISTRIBUTIONS_JSON, DistributionAccumulator, worst_sequences
-from .distributions import save as save_distributions
-from .engines.base import Engine
-from .errors import ConfigError, DataError, ProbeError
-from .files import portable_path, relative_to_dir, resolve_from_dir
-from .report_md import render_markdown
-from .sampling import LogprobSemantics, reference_semantics
-from .spec import ProbeSpec
-from .table import (
+from mismatch_probe import __version__
+from mismatch_probe.analysis.analyze import analyze, json_safe, with_numbers
+from mismatch_probe.analysis.distributions import DISTRIBUTIONS_JSON, DistributionAccumulator, worst_sequences
+from mismatch_probe.analysis.distributions import save as save_distributions
+from mismatch_probe.config.spec import ProbeSpec
+from mismatch_probe.engines.base import Engine
+from mismatch_probe.errors import ConfigError, DataError, ProbeError
+from mismatch_probe.files import portable_path, relative_to_dir, resolve_from_dir
+from mismatch_probe.modeling.logprobs import LogprobSemantics, reference_semantics
+from mismatch_probe.report.markdown import render_markdown
+from mismatch_probe.table.tokens import (
     ROLLOUTS_DIR,
     RUN_JSON,
     SCHEMA_VERSION,
@@ -145,10 +145,10 @@ def run_compare(
     ``rollouts_from`` (a run with the same model, prompts, engine and sampling settings) skips
     the engine: its rollouts are scored as they are, so reference settings compare on the same tokens.
     """
-    from .engines import get_entry
-    from .environment import fingerprint
-    from .hf_models import check_model_dir, load_tokenizer, max_model_len, stop_token_ids
-    from .prompts import tokenize_prompts
+    from mismatch_probe.engines import get_entry
+    from mismatch_probe.environment import fingerprint
+    from mismatch_probe.modeling.loading import check_model_dir, load_tokenizer, max_model_len, stop_token_ids
+    from mismatch_probe.rollout.prompts import tokenize_prompts
 
     t_start = time.perf_counter()
     progress = progress or Progress()
@@ -163,7 +163,7 @@ def run_compare(
             hint=entry.install_hint,
         )
     if spec.reference.sequence_parallel_size * spec.reference.tensor_parallel_size > 1:
-        from .distributed_reference import check_reference_layout
+        from mismatch_probe.reference.distributed import check_reference_layout
 
         check_reference_layout(model_path, spec.reference, trust_remote_code=spec.trust_remote_code)
     tokenizer = load_tokenizer(model_path, trust_remote_code=spec.trust_remote_code)
@@ -231,7 +231,7 @@ def run_compare(
         owned = engine is None
         try:
             if owned:
-                from .engines.process import EngineProcess
+                from mismatch_probe.engines.process import EngineProcess
 
                 progress.log(f"starting engine {entry.name} (log: {portable_path(out / ENGINE_LOG)})")
                 with _timed(timings, "engine_start_s"):
@@ -272,7 +272,7 @@ def run_compare(
     # ---- 2. reference ---------------------------------------------------------------------
     missing = [i for i in range(len(shards)) if not (token_dir / shard_name(i)).is_file()]
     if missing:
-        from .reference import open_reference_scorer
+        from mismatch_probe.reference.scorer import open_reference_scorer
 
         if not (record.get("logprob_semantics") or {}).get("reference"):
             raise ConfigError(
@@ -324,7 +324,7 @@ def run_compare(
     _write_record(out, record)
 
     # ---- 4. reports, rendered from what is on disk, as `mismatch-probe report` would ---------
-    from .plots import run_figures
+    from mismatch_probe.report.plots import run_figures
 
     try:
         with _timed(timings, "figures_s"):
@@ -361,7 +361,7 @@ def _write_figure_files(run_dir: Path, figures: list[dict]) -> list[dict]:
 
 
 def _write_reports(run_dir: Path, dist: dict, figures: list[dict]) -> dict:
-    from .report_html import REPORT_HTML, RunData, render_run
+    from mismatch_probe.report.html import REPORT_HTML, RunData, render_run
 
     record = json.loads((run_dir / RUN_JSON).read_text())
     (run_dir / REPORT_MD).write_text(render_markdown(record))
@@ -376,8 +376,8 @@ def _rollouts(
     spec, engine, record, prompts, shards, missing, stops, rollout_dir, timings, progress, tokenizer, model_len
 ) -> None:
     """Sample the missing rollout shards (and re-score them with the engine's prefill)."""
-    from .engines import ScoreRequest
-    from .multiturn import RetokenizationCheck, ToolTurnTemplate, roll_out
+    from mismatch_probe.engines import ScoreRequest
+    from mismatch_probe.rollout.multiturn import RetokenizationCheck, ToolTurnTemplate, roll_out
 
     semantics = engine.semantics(spec.sampling)
     s = spec.sampling
@@ -450,8 +450,8 @@ ADOPTED_FIELDS = ("engine", "engine_process", "decode_vs_prefill", "tokenization
 def _adopt_rollouts(spec: ProbeSpec, source: Path, record: dict, n_shards: int, rollout_dir: Path) -> None:
     """Take ``source``'s rollout shards (hard links where the file system allows) and what it
     recorded about its engine, after checking they were sampled exactly as ``spec`` would."""
-    from .spec import rollout_fingerprint
-    from .table import read_run_record
+    from mismatch_probe.config.spec import rollout_fingerprint
+    from mismatch_probe.table.tokens import read_run_record
 
     theirs = read_run_record(source, "--rollouts-from", require_complete=False)
     # computed from absolute paths when that run started (older records: from their spec, which held them)
@@ -514,7 +514,7 @@ def run_variants(
     with ``rollouts_from``); every variant scores those same rollouts with its own reference
     settings (a run directory each, under the spec's ``out``); ``compare.html`` beside them puts
     the runs side by side."""
-    from .report_html import write_report
+    from mismatch_probe.report.html import write_report
 
     progress = progress or Progress()
     spec.validate()
@@ -560,7 +560,7 @@ def _rollout(sample: _Sample, prompt, conversation) -> Rollout:
 def _sample_summary(run_dir: Path) -> dict:
     import pyarrow.parquet as pq
 
-    from .table import list_values, shard_paths
+    from mismatch_probe.table.tokens import list_values, shard_paths
 
     finish: dict[str, int] = {}
     counts = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from mismatch_probe.engines import Completion
-from mismatch_probe.sampling import LogprobSemantics
+from mismatch_probe.modeling.logprobs import LogprobSemantics
 
 
 class FakeEngine:

@@ -9,7 +9,7 @@ import numpy as np
 
 from mismatch_probe.engines import Completion
 from mismatch_probe.errors import ConfigError
-from mismatch_probe.sampling import LogprobSemantics
+from mismatch_probe.modeling.logprobs import LogprobSemantics
 
 CALLS_FILE = "MISMATCH_PROBE_TEST_CALLS"  # env: a file counting generate() calls across worker processes
 

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import DENSE, MOE, ROOT, SINGLE_TURN, cli
 
-from mismatch_probe.metrics import CANONICAL_KEYS, CORRECTION_KEYS
+from mismatch_probe.analysis.metrics import CANONICAL_KEYS, CORRECTION_KEYS
 
 pytestmark = pytest.mark.slow
 
@@ -252,7 +252,7 @@ def test_engines_lists_hf():
 def test_import_is_light():
     code = (
         "import sys, mismatch_probe, mismatch_probe.cli, mismatch_probe.engines, mismatch_probe.pipeline, "
-        "mismatch_probe.analysis; print(sorted(m for m in ('torch', 'vllm', 'sglang', 'transformers') "
+        "mismatch_probe.analysis.analyze; print(sorted(m for m in ('torch', 'vllm', 'sglang', 'transformers') "
         "if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)

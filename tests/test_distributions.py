@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from mismatch_probe.distributions import (
+from mismatch_probe.analysis.distributions import (
     LENGTH_EDGES,
     LOG_RATIO_EDGES,
     MISMATCH_LOG_EDGES,
@@ -21,8 +21,8 @@ from mismatch_probe.distributions import (
     save,
     worst_sequences,
 )
-from mismatch_probe.metrics import MetricsAccumulator, segment_starts
-from mismatch_probe.table import TOKEN_SCHEMA, TOKENS_DIR, shard_name, write_table_atomic
+from mismatch_probe.analysis.metrics import MetricsAccumulator, segment_starts
+from mismatch_probe.table.tokens import TOKEN_SCHEMA, TOKENS_DIR, shard_name, write_table_atomic
 
 
 def synthetic(seed=0, n_seq=60):
@@ -151,7 +151,7 @@ def test_worst_sequences_show_the_head_and_a_window_around_the_worst_token(tmp_p
     assert long["log_ratio"] == pytest.approx(math.log(0.3 / 0.9), rel=1e-6)
     assert short["tokens"]["position"] == list(range(30))  # short: everything
 
-    from mismatch_probe.report_html import token_view
+    from mismatch_probe.report.html import token_view
 
     spans = token_view(long)
     gaps = [s["gap"] for s in spans if "gap" in s]

@@ -13,11 +13,11 @@ import pytest
 from conftest import DENSE, SINGLE_TURN, cli
 
 from mismatch_probe import engines
+from mismatch_probe.config.spec import EngineSpec, ProbeSpec, SamplingSpec
 from mismatch_probe.engines import GenerationRequest, ScoreRequest, get_entry
 from mismatch_probe.engines.process import EngineProcess
 from mismatch_probe.errors import ConfigError, EngineError
 from mismatch_probe.pipeline import run_compare
-from mismatch_probe.spec import EngineSpec, ProbeSpec, SamplingSpec
 
 TESTS = os.path.dirname(__file__)
 

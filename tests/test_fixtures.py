@@ -10,7 +10,7 @@ import sys
 import pytest
 from conftest import DENSE, FIXTURES, MOE, MULTI_TURN, SINGLE_TURN
 
-from mismatch_probe.hf_models import load_tokenizer
+from mismatch_probe.modeling.loading import load_tokenizer
 
 
 def test_fixture_sizes_and_architectures():

@@ -12,7 +12,7 @@ import pytest
 from conftest import DENSE, ROOT, SINGLE_TURN, cli
 
 from mismatch_probe.errors import ConfigError
-from mismatch_probe.gate import load_gate, sequence_statistic
+from mismatch_probe.gate.checks import load_gate, sequence_statistic
 
 pytestmark = pytest.mark.slow
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 from conftest import DENSE, MOE, SINGLE_TURN
 
+from mismatch_probe.config.spec import EngineSpec, SamplingSpec
 from mismatch_probe.engines import GenerationRequest, load_engine
-from mismatch_probe.hf_models import load_tokenizer, stop_token_ids
-from mismatch_probe.prompts import tokenize_prompts
-from mismatch_probe.spec import EngineSpec, SamplingSpec
+from mismatch_probe.modeling.loading import load_tokenizer, stop_token_ids
+from mismatch_probe.rollout.prompts import tokenize_prompts
 
 pytestmark = pytest.mark.slow
 

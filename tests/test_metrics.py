@@ -10,8 +10,7 @@ import random
 import numpy as np
 import pytest
 
-from mismatch_probe.errors import DataError
-from mismatch_probe.metrics import (
+from mismatch_probe.analysis.metrics import (
     CANONICAL_KEYS,
     CORRECTION_KEYS,
     P_INFER_BUCKET_EDGES,
@@ -20,6 +19,7 @@ from mismatch_probe.metrics import (
     compute_metrics,
     segment_starts,
 )
+from mismatch_probe.errors import DataError
 
 
 def reference_metrics(seqs: list[tuple[list[float], list[float]]], th: CorrectionThresholds) -> tuple[dict, dict]:
@@ -301,7 +301,7 @@ def test_thresholds_validate():
 
 
 def test_pearson_of_sequence_log_ppl_matches_numpy():
-    from mismatch_probe.metrics import compute_metrics, pearson
+    from mismatch_probe.analysis.metrics import compute_metrics, pearson
 
     rng = np.random.default_rng(5)
     lt = np.log(rng.uniform(0.05, 1, 40))

@@ -15,8 +15,8 @@ from conftest import SINGLE_TURN, cli
 from test_reference import RAW, independent, make_rollouts
 from tiny_models import build
 
-from mismatch_probe.reference import ReferenceScorer
-from mismatch_probe.spec import ReferenceSpec
+from mismatch_probe.config.spec import ReferenceSpec
+from mismatch_probe.reference.scorer import ReferenceScorer
 
 pytestmark = pytest.mark.slow
 

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from conftest import DENSE, MULTI_TURN
 
+from mismatch_probe.config.spec import ProbeSpec
 from mismatch_probe.engines import Completion
-from mismatch_probe.multiturn import ToolTurnTemplate
+from mismatch_probe.modeling.logprobs import LogprobSemantics
 from mismatch_probe.pipeline import run_compare
-from mismatch_probe.sampling import LogprobSemantics
-from mismatch_probe.spec import ProbeSpec
+from mismatch_probe.rollout.multiturn import ToolTurnTemplate
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +116,7 @@ def test_every_token_has_its_turn_and_mask(tmp_path, tokenizer):
     assert [by_index[k]["n_model_tokens"] for k in by_index] == [len(enc(t)) for t in turns]
     assert all(by_index[k]["n_sequences"] == 1 for k in by_index)
     assert "## By assistant turn" in (result.run_dir / "report.md").read_text()
-    from mismatch_probe.distributions import load
+    from mismatch_probe.analysis.distributions import load
 
     dist = load(result.run_dir)  # what the first-vs-later figure draws: one point per sample-turn
     assert len(dist["groups"]["first"]["log_ppl_infer"]) == 1 and len(dist["groups"]["later"]["log_ppl_infer"]) == 2
@@ -195,7 +195,7 @@ def test_a_recorded_conversation_is_replayed_with_fresh_assistant_turns(tmp_path
 
 def test_recorded_messages_are_split_at_assistant_turns():
     from mismatch_probe.errors import ConfigError
-    from mismatch_probe.prompts import split_recorded
+    from mismatch_probe.rollout.prompts import split_recorded
 
     u, a, t = {"role": "user", "content": "q"}, {"role": "assistant", "content": "x"}, {"role": "tool", "content": "1"}
     assert split_recorded([u]) == ([u], [])

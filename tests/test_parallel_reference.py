@@ -15,11 +15,11 @@ import pytest
 from conftest import DENSE, MOE
 from test_reference import RAW, independent, make_rollouts
 
-from mismatch_probe.distributed_reference import ReferenceRankError
+from mismatch_probe.config.spec import ProbeSpec, ReferenceSpec
 from mismatch_probe.errors import ConfigError, DataError
 from mismatch_probe.files import resolve_from_dir
-from mismatch_probe.reference import ReferenceScorer, open_reference_scorer
-from mismatch_probe.spec import ProbeSpec, ReferenceSpec
+from mismatch_probe.reference.distributed import ReferenceRankError
+from mismatch_probe.reference.scorer import ReferenceScorer, open_reference_scorer
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 ROLLOUTS = make_rollouts(12, seed=3)

@@ -11,9 +11,9 @@ from conftest import DENSE, SINGLE_TURN, cli, token_rows
 from fake_engine import FakeEngine
 
 from mismatch_probe import engines
+from mismatch_probe.config.spec import ProbeSpec
 from mismatch_probe.errors import DataError
 from mismatch_probe.pipeline import run_compare
-from mismatch_probe.spec import ProbeSpec
 
 
 @pytest.fixture(autouse=True)
@@ -80,8 +80,8 @@ def test_overwrite_refuses_a_directory_that_is_not_a_run(tmp_path):
 
 
 def test_a_report_that_fails_to_render_keeps_the_complete_run(tmp_path, monkeypatch):
-    from mismatch_probe import plots
     from mismatch_probe.errors import ProbeError
+    from mismatch_probe.report import plots
 
     def broken(record, dist):
         raise ValueError("no backend")

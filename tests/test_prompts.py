@@ -9,8 +9,8 @@ import pytest
 from conftest import DENSE, MULTI_TURN, SINGLE_TURN
 
 from mismatch_probe.errors import ConfigError
-from mismatch_probe.hf_models import load_tokenizer
-from mismatch_probe.prompts import tokenize_prompts
+from mismatch_probe.modeling.loading import load_tokenizer
+from mismatch_probe.rollout.prompts import tokenize_prompts
 
 
 @pytest.fixture(scope="module")

@@ -7,12 +7,12 @@ import pytest
 import torch
 from conftest import DENSE, MOE
 
+from mismatch_probe.config.spec import ReferenceSpec
 from mismatch_probe.engines import ScoreRequest
 from mismatch_probe.errors import DataError
-from mismatch_probe.reference import ReferenceScorer
-from mismatch_probe.sampling import LogprobSemantics
-from mismatch_probe.spec import ReferenceSpec
-from mismatch_probe.table import Rollout
+from mismatch_probe.modeling.logprobs import LogprobSemantics
+from mismatch_probe.reference.scorer import ReferenceScorer
+from mismatch_probe.table.tokens import Rollout
 
 pytestmark = pytest.mark.slow
 RAW = LogprobSemantics("raw")

@@ -13,9 +13,9 @@ from html.parser import HTMLParser
 import pytest
 from conftest import cli
 
-from mismatch_probe.distributions import load
-from mismatch_probe.metric_docs import METRIC_DOC, k3_context, rank
-from mismatch_probe.report_html import RunData, load_run, render_comparison, render_run
+from mismatch_probe.analysis.distributions import load
+from mismatch_probe.analysis.metric_docs import METRIC_DOC, k3_context, rank
+from mismatch_probe.report.html import RunData, load_run, render_comparison, render_run
 
 PAYLOAD = "<script>alert(1)</script>"
 ATTR_PAYLOAD = '"><img src=x onerror=alert(2)>'
@@ -201,7 +201,7 @@ def test_report_command_errors_say_what_to_do(bf16_run, tmp_path):
 
 
 def test_gpu_type_names_the_hardware_that_ran_the_probe():
-    from mismatch_probe.report_html import gpu_type
+    from mismatch_probe.report.html import gpu_type
 
     env = {"gpus": [{"name": "NVIDIA H20"}, {"name": "NVIDIA H20"}], "cpu_model": "Xeon"}
     assert (
@@ -214,8 +214,8 @@ def test_gpu_type_names_the_hardware_that_ran_the_probe():
 
 def test_a_run_with_no_model_tokens_renders(tmp_path):
     """Every response empty: nothing to plot, nothing to rank, and the page still says so."""
-    from mismatch_probe.distributions import DistributionAccumulator
-    from mismatch_probe.metrics import MetricsAccumulator
+    from mismatch_probe.analysis.distributions import DistributionAccumulator
+    from mismatch_probe.analysis.metrics import MetricsAccumulator
 
     empty = MetricsAccumulator()
     dist = DistributionAccumulator().finish(empty, {"first": empty, "later": empty})

@@ -10,15 +10,15 @@ import pytest
 import torch
 from conftest import DENSE, MOE, SINGLE_TURN
 
+from mismatch_probe.analysis.metrics import RoutingAccumulator, compare_routing
+from mismatch_probe.config.spec import EngineSpec, ReferenceSpec, SamplingSpec
 from mismatch_probe.engines import GenerationRequest, load_engine
-from mismatch_probe.hf_models import load_tokenizer, stop_token_ids
-from mismatch_probe.metrics import RoutingAccumulator, compare_routing
-from mismatch_probe.prompts import tokenize_prompts
-from mismatch_probe.reference import ReferenceScorer
-from mismatch_probe.routing import RouterRecorder
-from mismatch_probe.sampling import LogprobSemantics
-from mismatch_probe.spec import EngineSpec, ReferenceSpec, SamplingSpec
-from mismatch_probe.table import Rollout
+from mismatch_probe.modeling.loading import load_tokenizer, stop_token_ids
+from mismatch_probe.modeling.logprobs import LogprobSemantics
+from mismatch_probe.modeling.routing import RouterRecorder
+from mismatch_probe.reference.scorer import ReferenceScorer
+from mismatch_probe.rollout.prompts import tokenize_prompts
+from mismatch_probe.table.tokens import Rollout
 
 
 def test_routing_agreement_by_hand():
@@ -105,7 +105,7 @@ def test_engine_routing_matches_router_logits():
 
 
 def test_shared_experts_against_python_sets():
-    from mismatch_probe.metrics import shared_experts
+    from mismatch_probe.analysis.metrics import shared_experts
 
     rng = np.random.default_rng(1)
     a = np.sort(np.stack([rng.choice(200, 8, replace=False) for _ in range(300)]), -1).reshape(50, 6, 8)

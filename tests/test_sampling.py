@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from mismatch_probe.sampling import LogprobSemantics, entropy_from_logprobs, logprobs_under, processed_logits
+from mismatch_probe.modeling.logprobs import LogprobSemantics, entropy_from_logprobs, logprobs_under, processed_logits
 
 
 def probs_logits(*p):

@@ -17,11 +17,11 @@ import torch
 from conftest import DENSE, MULTI_TURN, ROOT, SGLANG_PYTHON, SINGLE_TURN, check_first_and_later_turns, cli
 from test_reference import check_engine_prefill_against_independent
 
+from mismatch_probe.config.spec import EngineSpec, ProbeSpec, SamplingSpec
 from mismatch_probe.engines import GenerationRequest, get_entry
 from mismatch_probe.engines.process import EngineProcess
 from mismatch_probe.errors import ConfigError
 from mismatch_probe.pipeline import run_compare
-from mismatch_probe.spec import EngineSpec, ProbeSpec, SamplingSpec
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 

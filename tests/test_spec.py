@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from mismatch_probe.config.spec import EngineSpec, ProbeSpec, apply_overrides, load_spec_file, spec_from_dict
 from mismatch_probe.errors import ConfigError
-from mismatch_probe.spec import EngineSpec, ProbeSpec, apply_overrides, load_spec_file, spec_from_dict
 
 
 def write(tmp_path: Path, text: str) -> Path:

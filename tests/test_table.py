@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow.parquet as pq
 
-from mismatch_probe.table import (
+from mismatch_probe.table.tokens import (
     TOKEN_SCHEMA,
     Rollout,
     read_rollout_shard,

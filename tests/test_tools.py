@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mismatch_probe.tools import ToolCall, calculate, parse_tool_calls, run_tool
+from mismatch_probe.rollout.tools import ToolCall, calculate, parse_tool_calls, run_tool
 
 
 @pytest.mark.parametrize(

@@ -14,9 +14,9 @@ import importlib.util
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 
-from ..errors import ConfigError
-from ..spec import EngineSpec
-from .base import Completion, Engine, GenerationRequest, PrefillScorer, ScoreRequest
+from mismatch_probe.config.spec import EngineSpec
+from mismatch_probe.engines.base import Completion, Engine, GenerationRequest, PrefillScorer, ScoreRequest
+from mismatch_probe.errors import ConfigError
 
 ENTRY_POINT_GROUP = "mismatch_probe.engines"
 

@@ -9,9 +9,9 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from ..errors import ConfigError
-from ..sampling import LogprobSemantics
-from ..spec import SamplingSpec
+from mismatch_probe.config.spec import SamplingSpec
+from mismatch_probe.errors import ConfigError
+from mismatch_probe.modeling.logprobs import LogprobSemantics
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from ..errors import ConfigError
+from mismatch_probe.errors import ConfigError
 
 
 def cpu_thread_binding(tensor_parallel_size: int, variable: str) -> str:

@@ -2,7 +2,7 @@
 
 The decode loop is written out rather than delegated to ``model.generate`` so that the sampled
 distribution and the log-prob returned for each token are exactly the ones documented in
-:mod:`mismatch_probe.sampling` (raw: log_softmax of the fp32-cast logits; processed: of the
+:mod:`mismatch_probe.modeling.logprobs` (raw: log_softmax of the fp32-cast logits; processed: of the
 temperature/top-k/top-p transformed logits), with O(batch x vocab) memory instead of
 ``output_scores``' O(steps x batch x vocab). Numerically it is the same path ``generate`` takes:
 left-padded prefill with the model's own dtype and attention implementation, then one-token
@@ -19,11 +19,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..hf_models import choose_attention, free_accelerator_memory, load_causal_lm, resolve_device, resolve_dtype
-from ..routing import RouterRecorder
-from ..sampling import LogprobSemantics, engine_semantics, processed_logits
-from ..spec import EngineSpec, SamplingSpec
-from .base import Completion, GenerationRequest, ScoreRequest
+from mismatch_probe.config.spec import EngineSpec, SamplingSpec
+from mismatch_probe.engines.base import Completion, GenerationRequest, ScoreRequest
+from mismatch_probe.modeling.loading import (
+    choose_attention,
+    free_accelerator_memory,
+    load_causal_lm,
+    resolve_device,
+    resolve_dtype,
+)
+from mismatch_probe.modeling.logprobs import LogprobSemantics, engine_semantics, processed_logits
+from mismatch_probe.modeling.routing import RouterRecorder
 
 DEFAULT_BATCH_SIZE = 32
 

@@ -20,13 +20,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import __version__
-from ..errors import ConfigError, EngineError, ProbeError
-from ..files import portable_path
-from ..sampling import LogprobSemantics
-from ..spec import EngineSpec, SamplingSpec
-from . import wire
-from .base import Completion, GenerationRequest, ScoreRequest
+from mismatch_probe import __version__
+from mismatch_probe.config.spec import EngineSpec, SamplingSpec
+from mismatch_probe.engines import wire
+from mismatch_probe.engines.base import Completion, GenerationRequest, ScoreRequest
+from mismatch_probe.errors import ConfigError, EngineError, ProbeError
+from mismatch_probe.files import portable_path
+from mismatch_probe.modeling.logprobs import LogprobSemantics
 
 CLOSE_TIMEOUT_S = 120
 

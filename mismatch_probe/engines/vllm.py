@@ -1,7 +1,7 @@
 """The ``vllm`` engine: vLLM's offline API (``vllm.LLM`` + ``SamplingParams``, token-id prompts).
 
 Runs inside the engine worker process (never in the CLI's own process). Every setting in
-:class:`~mismatch_probe.spec.EngineSpec` maps to the ``EngineArgs`` field of the same meaning;
+:class:`~mismatch_probe.config.spec.EngineSpec` maps to the ``EngineArgs`` field of the same meaning;
 after start-up the configuration vLLM actually built is read back and compared with what was
 asked for, so a setting the installed build ignores or overrides on this platform is an error
 rather than a silent no-op.
@@ -21,12 +21,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import ConfigError
-from ..sampling import LogprobSemantics, engine_semantics
-from ..spec import EngineSpec, SamplingSpec
-from .base import Completion, GenerationRequest, ScoreRequest, check_extra_args
-from .cpu_threads import cpu_thread_binding
-from .hf import batch_seed
+from mismatch_probe.config.spec import EngineSpec, SamplingSpec
+from mismatch_probe.engines.base import Completion, GenerationRequest, ScoreRequest, check_extra_args
+from mismatch_probe.engines.cpu_threads import cpu_thread_binding
+from mismatch_probe.engines.hf import batch_seed
+from mismatch_probe.errors import ConfigError
+from mismatch_probe.modeling.logprobs import LogprobSemantics, engine_semantics
 
 LOGPROBS_MODE = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
 
@@ -154,7 +154,7 @@ class VLLMEngine:
             return None
         from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
 
-        from ..hf_models import read_config, resolve_dtype
+        from mismatch_probe.modeling.loading import read_config, resolve_dtype
 
         nodes = sorted({c.numa_node for c in get_allowed_cpu_list()}) or [0]
         available = min(get_memory_node_info(n).available_memory for n in nodes)

@@ -15,7 +15,7 @@ from typing import BinaryIO
 import numpy as np
 import pyarrow as pa
 
-from .base import Completion, GenerationRequest, ScoreRequest
+from mismatch_probe.engines.base import Completion, GenerationRequest, ScoreRequest
 
 PROTOCOL_VERSION = 1
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .errors import ConfigError
+from mismatch_probe.errors import ConfigError
 
 ULYSSES_ATTENTION = "mismatch_probe_ulysses"
 

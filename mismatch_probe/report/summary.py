@@ -7,7 +7,7 @@ import re
 
 from rich.table import Table
 
-from .metric_docs import negative_chi2_note
+from mismatch_probe.analysis.metric_docs import negative_chi2_note
 
 SUMMARY_ROWS = (
     ("k3_kl", "K3 KL (mean, 'vllm-kl')"),

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .engines.base import Engine, GenerationRequest
-from .errors import ConfigError, DataError
-from .spec import SamplingSpec
-from .tools import parse_tool_calls, run_tool
+from mismatch_probe.config.spec import SamplingSpec
+from mismatch_probe.engines.base import Engine, GenerationRequest
+from mismatch_probe.errors import ConfigError, DataError
+from mismatch_probe.rollout.tools import parse_tool_calls, run_tool
 
 _MARK = "\u2063TOOL-RESULT\u2063"
 

@@ -1,6 +1,6 @@
 """The reference forward over several ranks: processes started with torch.multiprocessing.
 
-:class:`DistributedReferenceScorer` has :class:`~mismatch_probe.reference.ReferenceScorer`'s
+:class:`DistributedReferenceScorer` has :class:`~mismatch_probe.reference.scorer.ReferenceScorer`'s
 interface (``info``, ``score``, ``close``), so the pipeline does not care about the layout. It
 spawns ``sp * tp`` processes (``torch.multiprocessing.start_processes``, spawn start method);
 each joins one process group (gloo on CPU, NCCL with one GPU per rank) through a file store in a
@@ -24,11 +24,11 @@ import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from .errors import ConfigError, DataError, ProbeError
-from .hf_models import check_model_dir, choose_attention, read_config, resolve_device
-from .sampling import LogprobSemantics
-from .spec import SP_ATTN_IMPLEMENTATIONS, ReferenceSpec
-from .table import Rollout
+from mismatch_probe.config.spec import SP_ATTN_IMPLEMENTATIONS, ReferenceSpec
+from mismatch_probe.errors import ConfigError, DataError, ProbeError
+from mismatch_probe.modeling.loading import check_model_dir, choose_attention, read_config, resolve_device
+from mismatch_probe.modeling.logprobs import LogprobSemantics
+from mismatch_probe.table.tokens import Rollout
 
 STOP_TIMEOUT_S = 60
 _ERRORS = {"ConfigError": ConfigError, "DataError": DataError}
@@ -47,7 +47,7 @@ def check_reference_layout(model_path: Path, spec: ReferenceSpec, *, trust_remot
     the layout or there are too few GPUs; returns the device type the ranks will use."""
     import torch
 
-    from .parallel import check_layout
+    from mismatch_probe.reference.parallel import check_layout
 
     sp, tp = spec.sequence_parallel_size, spec.tensor_parallel_size
     check_layout(read_config(model_path), sp, tp)
@@ -247,8 +247,8 @@ def _rank_main(
     import torch
     import torch.distributed as dist
 
-    from .parallel import init_rank
-    from .reference import ReferenceScorer
+    from mismatch_probe.reference.parallel import init_rank
+    from mismatch_probe.reference.scorer import ReferenceScorer
 
     world = sp * tp
     if device_type == "cpu":  # the ranks share the cores; oversubscribing them slows every collective

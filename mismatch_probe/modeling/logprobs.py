@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from mismatch_probe.config.spec import LOGPROBS_MODES
+
 if TYPE_CHECKING:  # torch is imported where the tensors are, so spec/report/gate stay light
     import torch
-
-LOGPROBS_MODES = ("raw", "processed")
 
 
 @dataclass(frozen=True)

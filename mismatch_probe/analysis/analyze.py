@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .distributions import DistributionAccumulator
-from .metrics import (
+from mismatch_probe.analysis.distributions import DistributionAccumulator
+from mismatch_probe.analysis.metrics import (
     CorrectionThresholds,
     MetricsAccumulator,
     RoutingAccumulator,
@@ -21,7 +21,7 @@ from .metrics import (
     compare_routing,
     segment_starts,
 )
-from .table import iter_model_tokens
+from mismatch_probe.table.tokens import iter_model_tokens
 
 TURN_GROUPS = {"first": lambda turn: turn == 0, "later": lambda turn: turn >= 1}
 

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from .distributions import dense
+from mismatch_probe.analysis.distributions import dense
 
 DPI = 100
 FIRST, LATER = "#1f77b4", "#d62728"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .metrics import MetricsAccumulator, segment_starts
+from mismatch_probe.analysis.metrics import MetricsAccumulator, segment_starts
 
 DISTRIBUTIONS_JSON = "distributions.json"
 DISTRIBUTIONS_VERSION = 1
@@ -163,7 +163,7 @@ def worst_sequences(
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from .table import TOKENS_DIR, shard_paths
+    from mismatch_probe.table.tokens import TOKENS_DIR, shard_paths
 
     wanted = [w["sample_id"] for w in worst]
     if not wanted:
@@ -227,7 +227,7 @@ def worst_sequences(
 
 
 def save(run_dir: str | Path, distributions: dict) -> Path:
-    from .analysis import json_safe
+    from mismatch_probe.analysis.analyze import json_safe
 
     path = Path(run_dir) / DISTRIBUTIONS_JSON
     tmp = path.with_suffix(".json.tmp")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
-from .gate import GateResult, format_value
+from mismatch_probe.gate.checks import GateResult, format_value
 
 STATUS_STYLE = {"PASS": "green", "WARN": "yellow", "FAIL": "bold red", "ERROR": "bold magenta"}
 STATUS_ICON = {"PASS": "✅", "WARN": "⚠️", "FAIL": "❌", "ERROR": "⛔"}
@@ -62,7 +62,7 @@ def junit_xml(result: GateResult) -> str:
     for name, value in (("run", result.run), ("thresholds", result.thresholds), ("baseline", result.baseline or "")):
         ET.SubElement(props, "property", name=name, value=value)
     for r in result.results:
-        case = ET.SubElement(suite, "testcase", name=r.name, classname="mismatch_probe.gate")
+        case = ET.SubElement(suite, "testcase", name=r.name, classname="mismatch_probe.gate.checks")
         detail = f"{r.metric}: {r.message} (bound {r.bound})" + (f"\n{r.description}" if r.description else "")
         if r.status == "FAIL":
             ET.SubElement(case, "failure", message=r.message, type="threshold").text = detail

@@ -12,7 +12,7 @@ time a small self-check confirms this split reproduces the model's own ``forward
 architecture that post-processes logits in a way this module does not know fails loudly.
 
 With ``reference.sequence_parallel_size`` / ``tensor_parallel_size`` above 1 the same scorer runs
-as one rank of a training layout (Ulysses SP, DTensor TP; :mod:`mismatch_probe.parallel`), in
+as one rank of a training layout (Ulysses SP, DTensor TP; :mod:`mismatch_probe.reference.parallel`), in
 rank processes that :func:`open_reference_scorer` starts; the scores come back identical in shape.
 """
 
@@ -25,14 +25,26 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import ConfigError, DataError
-from .hf_models import choose_attention, free_accelerator_memory, load_causal_lm, read_config, resolve_device
-from .parallel import ParallelContext, UlyssesAttention, apply_tensor_parallel, check_layout, gather_rows
-from .routing import RouterRecorder
-from .sampling import LogprobSemantics, entropy_from_logprobs, logprobs_under
-from .spec import ReferenceSpec
-from .table import Rollout
-from .varlen_attention import register as register_varlen_sdpa
+from mismatch_probe.config.spec import ReferenceSpec
+from mismatch_probe.errors import ConfigError, DataError
+from mismatch_probe.modeling.loading import (
+    choose_attention,
+    free_accelerator_memory,
+    load_causal_lm,
+    read_config,
+    resolve_device,
+)
+from mismatch_probe.modeling.logprobs import LogprobSemantics, entropy_from_logprobs, logprobs_under
+from mismatch_probe.modeling.routing import RouterRecorder
+from mismatch_probe.modeling.varlen_attention import register as register_varlen_sdpa
+from mismatch_probe.reference.parallel import (
+    ParallelContext,
+    UlyssesAttention,
+    apply_tensor_parallel,
+    check_layout,
+    gather_rows,
+)
+from mismatch_probe.table.tokens import Rollout
 
 LM_HEAD_CHUNK_TOKENS = 2048
 PACKED_MASKS = {
@@ -63,7 +75,7 @@ class _Forward:
 
 class ReferenceScorer:
     """Scores rollouts in this process; with ``parallel``, as one rank of a training layout
-    (see :mod:`mismatch_probe.parallel`; :class:`DistributedReferenceScorer` starts the ranks)."""
+    (see :mod:`mismatch_probe.reference.parallel`; :class:`DistributedReferenceScorer` starts the ranks)."""
 
     def __init__(
         self,
@@ -393,6 +405,6 @@ def open_reference_scorer(
     """A scorer for ``spec``'s layout: in this process, or over ``sp * tp`` rank processes."""
     if spec.sequence_parallel_size * spec.tensor_parallel_size == 1:
         return ReferenceScorer(model_path, spec, trust_remote_code=trust_remote_code)
-    from .distributed_reference import DistributedReferenceScorer
+    from mismatch_probe.reference.distributed import DistributedReferenceScorer
 
     return DistributedReferenceScorer(model_path, spec, trust_remote_code=trust_remote_code, log_path=log_path)

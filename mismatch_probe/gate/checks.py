@@ -34,9 +34,9 @@ import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .errors import ConfigError
-from .files import read_text
-from .spec import unknown_key
+from mismatch_probe.config.spec import unknown_key
+from mismatch_probe.errors import ConfigError
+from mismatch_probe.files import read_text
 
 OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge, "==": operator.eq}
 SEVERITIES = ("fail", "warn")
@@ -73,7 +73,7 @@ STATUS_ORDER = ("PASS", "WARN", "FAIL", "ERROR")
 
 def metric_paths() -> set[str]:
     """Every dotted path into run.json that a check may name (a typo is an error, not a FAIL)."""
-    from .metrics import CORRECTION_KEYS, MetricsAccumulator
+    from mismatch_probe.analysis.metrics import CORRECTION_KEYS, MetricsAccumulator
 
     keys = set(MetricsAccumulator().metrics())
     paths = {f"metrics.{k}" for k in keys}
@@ -318,7 +318,7 @@ class GateResult:
         return {s: sum(r.status == s for r in self.results) for s in STATUS_ORDER}
 
     def to_dict(self) -> dict:
-        from .analysis import json_safe
+        from mismatch_probe.analysis.analyze import json_safe
 
         return json_safe(
             {
@@ -352,7 +352,7 @@ def format_value(v) -> str:
 def sequence_statistic(values, statistic: str, above: float | None) -> float | None:
     import numpy as np
 
-    from .metrics import quantiles
+    from mismatch_probe.analysis.metrics import quantiles
 
     values = np.asarray(values, dtype=np.float64)
     if not len(values):
@@ -370,9 +370,9 @@ def sequence_values(run_dir: str | Path) -> dict[str, dict]:
     """Per-sequence values of a run, per turn group, streamed from its per-token table."""
     import numpy as np
 
-    from .analysis import TURN_GROUPS
-    from .metrics import MetricsAccumulator, segment_starts
-    from .table import TOKENS_DIR, iter_model_tokens, shard_paths
+    from mismatch_probe.analysis.analyze import TURN_GROUPS
+    from mismatch_probe.analysis.metrics import MetricsAccumulator, segment_starts
+    from mismatch_probe.table.tokens import TOKENS_DIR, iter_model_tokens, shard_paths
 
     if not shard_paths(Path(run_dir), TOKENS_DIR):
         raise FileNotFoundError(f"{run_dir} has no per-token table ({TOKENS_DIR}/)")
@@ -406,7 +406,7 @@ def sequence_values(run_dir: str | Path) -> dict[str, dict]:
 def _value(check: Check, record: dict, run_dir: Path | None, cache: dict):
     """(value, None) or (None, error message) for a check on one run."""
     if check.metric:
-        from .analysis import lookup
+        from mismatch_probe.analysis.analyze import lookup
 
         return _number(lookup(record, check.metric)), None
     if run_dir is None:
@@ -524,8 +524,8 @@ def run_gate(
     run_dir: str | Path, thresholds: str | Path, baseline_dir: str | Path | None = None, gate: GateSpec | None = None
 ) -> GateResult:
     gate = gate or load_gate(thresholds)
-    from .analysis import with_numbers
-    from .table import read_run_record
+    from mismatch_probe.analysis.analyze import with_numbers
+    from mismatch_probe.table.tokens import read_run_record
 
     record = with_numbers(read_run_record(run_dir))
     baseline = with_numbers(read_run_record(baseline_dir, "baseline")) if baseline_dir is not None else None

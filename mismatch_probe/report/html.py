@@ -21,14 +21,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import __version__
-from .analysis import lookup, with_numbers
-from .errors import ConfigError
-from .files import portable_path, resolve_from_dir
-from .metric_docs import CORRECTION_DOCS, METRIC_DOC, METRIC_DOCS, k3_context, rank
-from .summary import fmt as summary_fmt
-from .summary import kv_cache_line, layout_label, plain_notes, short_dtype
-from .table import read_run_record
+from mismatch_probe import __version__
+from mismatch_probe.analysis.analyze import lookup, with_numbers
+from mismatch_probe.analysis.metric_docs import CORRECTION_DOCS, METRIC_DOC, METRIC_DOCS, k3_context, rank
+from mismatch_probe.errors import ConfigError
+from mismatch_probe.files import portable_path, resolve_from_dir
+from mismatch_probe.report.summary import fmt as summary_fmt
+from mismatch_probe.report.summary import kv_cache_line, layout_label, plain_notes, short_dtype
+from mismatch_probe.table.tokens import read_run_record
 
 REPORT_HTML = "report.html"
 # token colour classes by |p_train - p_infer|: upper bounds of g0 .. g4, g5 above
@@ -46,7 +46,7 @@ class RunData:
 
 def load_run(run_dir: str | Path) -> RunData:
     """A finished run's record and distributions (computed from its table if it predates them)."""
-    from . import distributions
+    from mismatch_probe.analysis import distributions
 
     run_dir = Path(run_dir)
     record = with_numbers(read_run_record(run_dir))
@@ -59,9 +59,9 @@ def load_run(run_dir: str | Path) -> RunData:
 def compute_distributions(run_dir: Path, record: dict, tokenizer=None) -> dict:
     """Distributions from the per-token table, with the worst sequences' text when a tokenizer is
     given or the run's model directory is still where run.json says."""
-    from .analysis import analyze
-    from .distributions import DistributionAccumulator, worst_sequences
-    from .metrics import CorrectionThresholds
+    from mismatch_probe.analysis.analyze import analyze
+    from mismatch_probe.analysis.distributions import DistributionAccumulator, worst_sequences
+    from mismatch_probe.analysis.metrics import CorrectionThresholds
 
     thresholds = CorrectionThresholds(**((record.get("spec") or {}).get("corrections") or {}))
     acc = DistributionAccumulator()
@@ -78,7 +78,7 @@ def _tokenizer_if_present(record: dict):
     if not model or not Path(model, "config.json").is_file():
         return None
     try:
-        from .hf_models import load_tokenizer
+        from mismatch_probe.modeling.loading import load_tokenizer
 
         return load_tokenizer(Path(model), trust_remote_code=bool((record.get("spec") or {}).get("trust_remote_code")))
     except Exception:  # token ids are shown instead of text
@@ -367,7 +367,7 @@ def _templates():
     from jinja2 import Environment, PackageLoader, StrictUndefined
 
     env = Environment(
-        loader=PackageLoader("mismatch_probe", "templates"),
+        loader=PackageLoader("mismatch_probe.report", "templates"),
         autoescape=True,
         undefined=StrictUndefined,
         trim_blocks=True,
@@ -380,7 +380,7 @@ def _templates():
 
 def render_run(run: RunData, figures: list[dict] | None = None) -> str:
     """The one-run report as an HTML string (figures drawn here unless given)."""
-    from .plots import run_figures
+    from mismatch_probe.report.plots import run_figures
 
     record, dist = run.record, run.dist
     if figures is None:
@@ -490,7 +490,7 @@ def _dotted(d: dict, prefix: str = "") -> dict:
 def render_comparison(runs: list[RunData]) -> str:
     """Several runs side by side, grouped by hardware type: settings that differ, every headline
     metric with the best and the worst run marked, and overlaid distributions."""
-    from .plots import RUN_COLORS, comparison_figures
+    from mismatch_probe.report.plots import RUN_COLORS, comparison_figures
 
     names = [run_label(r.record, r.path) for r in runs]
     for k, run in enumerate(runs):

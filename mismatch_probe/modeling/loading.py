@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ConfigError
+from mismatch_probe.errors import ConfigError
 
 TORCH_DTYPES = ("float32", "bfloat16", "float16")
 

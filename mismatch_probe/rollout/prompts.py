@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import ConfigError
-from .files import not_utf8
+from mismatch_probe.errors import ConfigError
+from mismatch_probe.files import not_utf8
 
 
 @dataclass

@@ -279,7 +279,7 @@ def read_run_record(run_dir: str | Path, what: str = "run", *, require_complete:
     directory is not a run, its record is not JSON, or (``require_complete``) the run did not complete."""
     import json
 
-    from .errors import ConfigError
+    from mismatch_probe.errors import ConfigError
 
     path = Path(run_dir) / RUN_JSON
     if not path.is_file():

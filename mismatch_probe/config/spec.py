@@ -20,10 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
-from .files import read_text
-from .metrics import CorrectionThresholds
-from .sampling import LOGPROBS_MODES
+from mismatch_probe.errors import ConfigError
+from mismatch_probe.files import read_text
 
 DTYPE_ALIASES = {
     "float32": "float32",
@@ -40,6 +38,49 @@ ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2", "flash_att
 DEVICES = ("auto", "cpu", "cuda")
 # attention that runs per packed sequence from cu_seq_lens, without a [T x T] mask
 SP_ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3")
+
+
+# What an engine's log-probs are taken from: the raw logits, or after temperature/top-k/top-p.
+LOGPROBS_MODES = ("raw", "processed")
+
+
+@dataclass(frozen=True)
+class CorrectionThresholds:
+    """Thresholds of the correction what-ifs; defaults follow verl's rollout correction.
+
+    verl: ``rollout_is_threshold`` 2.0, RS lower bound the reciprocal of the upper one, geometric
+    RS thresholds "typically 1.0002 - 1.001", token veto "typically 1e-4 to 1e-6".
+    """
+
+    token_tis: float = 2.0
+    token_mask_low: float = 0.5
+    token_mask_high: float = 2.0
+    seq_tis: float = 2.0
+    seq_mis: float = 2.0
+    geo_eps: float = 1e-3
+    worst_token_tau: float = 1e-4
+
+    def __post_init__(self) -> None:
+        for name in ("token_tis", "token_mask_high", "seq_tis", "seq_mis"):
+            if not getattr(self, name) > 1.0:
+                raise ValueError(f"correction threshold {name} must be > 1, got {getattr(self, name)}")
+        if not 0.0 < self.token_mask_low < 1.0:
+            raise ValueError(f"token_mask_low must be in (0, 1), got {self.token_mask_low}")
+        if not 0.0 < self.geo_eps < 1.0:
+            raise ValueError(f"geo_eps must be in (0, 1), got {self.geo_eps}")
+        if not 0.0 < self.worst_token_tau < 1.0:
+            raise ValueError(f"worst_token_tau must be in (0, 1), got {self.worst_token_tau}")
+
+    def as_record(self) -> dict:
+        """The thresholds as they appear in run.json, next to the share each one produces."""
+        return {
+            "token_tis_clipped_share": {"ratio_above": self.token_tis},
+            "token_mask_share": {"ratio_below": self.token_mask_low, "ratio_above": self.token_mask_high},
+            "seq_tis_clipped_share": {"seq_ratio_above": self.seq_tis},
+            "seq_mis_masked_share": {"seq_ratio_above": self.seq_mis},
+            "geo_rejected_share": {"geo_ratio_below": 1.0 - self.geo_eps, "geo_ratio_above": 1.0 + self.geo_eps},
+            "worst_token_rejected_share": {"min_token_ratio_below": self.worst_token_tau},
+        }
 
 
 def normalize_dtype(value: str, *, field_name: str, allow_auto: bool) -> str:
@@ -167,7 +208,7 @@ class ProbeSpec:
     def to_dict(self) -> dict:
         """The spec as run.json records it: paths as given (others relative to the working
         directory when under it), every other value as the run uses it."""
-        from .files import portable_path
+        from mismatch_probe.files import portable_path
 
         d = self._resolved_dict()
         for dotted in PATH_FIELDS + ("engine.python",):

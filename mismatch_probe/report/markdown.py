@@ -6,8 +6,8 @@ user (model paths, ids) is escaped for Markdown table cells.
 
 from __future__ import annotations
 
-from .metric_docs import METRIC_DOCS
-from .summary import fmt, kv_cache_line, plain_notes
+from mismatch_probe.analysis.metric_docs import METRIC_DOCS
+from mismatch_probe.report.summary import fmt, kv_cache_line, plain_notes
 
 
 def _cell(value) -> str:

@@ -31,7 +31,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .errors import DataError
+from mismatch_probe.config.spec import CorrectionThresholds
+from mismatch_probe.errors import DataError
 
 # The sequence log-ratio is clamped before exponentiating in chi2_seq, as verl's rollout
 # correction safety bound does ([exp(-20), exp(20)]).
@@ -70,45 +71,6 @@ CORRECTION_KEYS = (
     "geo_rejected_share",
     "worst_token_rejected_share",
 )
-
-
-@dataclass(frozen=True)
-class CorrectionThresholds:
-    """Thresholds of the correction what-ifs; defaults follow verl's rollout correction.
-
-    verl: ``rollout_is_threshold`` 2.0, RS lower bound the reciprocal of the upper one, geometric
-    RS thresholds "typically 1.0002 - 1.001", token veto "typically 1e-4 to 1e-6".
-    """
-
-    token_tis: float = 2.0
-    token_mask_low: float = 0.5
-    token_mask_high: float = 2.0
-    seq_tis: float = 2.0
-    seq_mis: float = 2.0
-    geo_eps: float = 1e-3
-    worst_token_tau: float = 1e-4
-
-    def __post_init__(self) -> None:
-        for name in ("token_tis", "token_mask_high", "seq_tis", "seq_mis"):
-            if not getattr(self, name) > 1.0:
-                raise ValueError(f"correction threshold {name} must be > 1, got {getattr(self, name)}")
-        if not 0.0 < self.token_mask_low < 1.0:
-            raise ValueError(f"token_mask_low must be in (0, 1), got {self.token_mask_low}")
-        if not 0.0 < self.geo_eps < 1.0:
-            raise ValueError(f"geo_eps must be in (0, 1), got {self.geo_eps}")
-        if not 0.0 < self.worst_token_tau < 1.0:
-            raise ValueError(f"worst_token_tau must be in (0, 1), got {self.worst_token_tau}")
-
-    def as_record(self) -> dict:
-        """The thresholds as they appear in run.json, next to the share each one produces."""
-        return {
-            "token_tis_clipped_share": {"ratio_above": self.token_tis},
-            "token_mask_share": {"ratio_below": self.token_mask_low, "ratio_above": self.token_mask_high},
-            "seq_tis_clipped_share": {"seq_ratio_above": self.seq_tis},
-            "seq_mis_masked_share": {"seq_ratio_above": self.seq_mis},
-            "geo_rejected_share": {"geo_ratio_below": 1.0 - self.geo_eps, "geo_ratio_above": 1.0 + self.geo_eps},
-            "worst_token_rejected_share": {"min_token_ratio_below": self.worst_token_tau},
-        }
 
 
 class TokenTerms(NamedTuple):
