@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 from conftest import SINGLE_TURN, cli
-from test_reference import RAW, independent, make_rollouts
+from reference_checks import RAW, independent, make_rollouts
 from tiny_models import build
 
 from mismatch_probe.config.spec import ReferenceSpec

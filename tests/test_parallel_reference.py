@@ -13,7 +13,7 @@ import functools
 import numpy as np
 import pytest
 from conftest import DENSE, MOE
-from test_reference import RAW, independent, make_rollouts
+from reference_checks import RAW, independent, make_rollouts
 
 from mismatch_probe.config.spec import ProbeSpec, ReferenceSpec
 from mismatch_probe.errors import ConfigError, DataError

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import DENSE, MULTI_TURN, ROOT, SGLANG_PYTHON, SINGLE_TURN, check_first_and_later_turns, cli
-from test_reference import check_engine_prefill_against_independent
+from reference_checks import check_engine_prefill_against_independent
 
 from mismatch_probe.config.spec import EngineSpec, ProbeSpec, SamplingSpec
 from mismatch_probe.engines import GenerationRequest, get_entry

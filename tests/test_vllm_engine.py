@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 from conftest import DENSE, MOE, SINGLE_TURN, cli
-from test_reference import check_engine_prefill_against_independent
+from reference_checks import check_engine_prefill_against_independent
 
 from mismatch_probe.config.spec import EngineSpec, ProbeSpec, SamplingSpec
 from mismatch_probe.engines import GenerationRequest, get_entry
