@@ -6,4 +6,13 @@ imported until a run needs it.
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = ["__version__", "load_run"]
+
+
+def __getattr__(name: str):
+    # mismatch_probe.load_run without importing pyarrow/pydantic at ``import mismatch_probe``
+    if name == "load_run":
+        from mismatch_probe.api import load_run
+
+        return load_run
+    raise AttributeError(f"module 'mismatch_probe' has no attribute {name!r}")

@@ -21,9 +21,8 @@ from mismatch_probe.analysis.metrics import (
     compare_routing,
     segment_starts,
 )
+from mismatch_probe.analysis.sequences import TURN_GROUPS, SequenceCollector
 from mismatch_probe.table.tokens import iter_model_tokens
-
-TURN_GROUPS = {"first": lambda turn: turn == 0, "later": lambda turn: turn >= 1}
 
 
 def analyze(
@@ -31,12 +30,14 @@ def analyze(
     thresholds: CorrectionThresholds | None = None,
     routing: dict | None = None,
     distributions: DistributionAccumulator | None = None,
+    sequences: SequenceCollector | None = None,
 ) -> dict:
     """``metrics``, ``metrics_by_turn`` (first / later), ``metrics_by_turn_index``, ``corrections``, ``breakdowns``, ``routing`` for MoE runs whose
     table has expert ids (``routing`` describes the layers, as the engine recorded them), and
     ``decode_vs_prefill``: the same metrics with the engine's prefill log-probs in the reference's
     place (``delta = logp_prefill - logp_infer``), where the table has them. ``distributions``, when
-    given, is fed in the same pass and finished at the end (its ``result`` is what the report draws)."""
+    given, is fed in the same pass and finished at the end (its ``result`` is what the report draws);
+    so is ``sequences`` (its ``table`` holds every sequence's terms, sequences.parquet)."""
     thresholds = thresholds or CorrectionThresholds()
     overall = MetricsAccumulator(thresholds)
     by_turn = {name: MetricsAccumulator(thresholds) for name in TURN_GROUPS}
@@ -49,7 +50,10 @@ def analyze(
         sample, turn = shard["sample_id"], shard["turn"]
         lt, li, pos = shard["logp_train"], shard["logp_infer"], shard["position"]
         ei, et = shard["experts_infer"], shard["experts_train"]
-        overall.add(lt, li, segment_starts(sample), pos)
+        starts = segment_starts(sample)
+        overall.add(lt, li, starts, pos)
+        if sequences is not None:
+            sequences.ids["all"].add(sample, None, starts)
         if distributions is not None:
             distributions.add(lt, li, sample, turn)
         lp = shard["logp_prefill"]
@@ -67,7 +71,10 @@ def analyze(
             keep = select(turn)
             groups[name] = keep
             if keep.any():
-                by_turn[name].add(lt[keep], li[keep], segment_starts(sample[keep], turn[keep]), pos[keep])
+                starts = segment_starts(sample[keep], turn[keep])
+                by_turn[name].add(lt[keep], li[keep], starts, pos[keep])
+                if sequences is not None:
+                    sequences.ids[name].add(sample[keep], turn[keep], starts)
         if ei is not None and et is not None and routing:
             n_layers, top_k = len(routing["moe_layers"]), routing["top_k"]
             cmp = compare_routing(ei, et, n_layers, top_k)  # once per shard, shared by the groups
@@ -87,6 +94,8 @@ def analyze(
     }
     if distributions is not None:
         distributions.finish(overall, by_turn)
+    if sequences is not None:
+        sequences.finish({"all": overall, **by_turn})
     if prefill.n_tokens:
         out["decode_vs_prefill"] = prefill.metrics() | {"n_unscored_tokens": n_unscored}
     if router_acc:

@@ -153,6 +153,7 @@ class SequenceTerms(NamedTuple):
     log_ratio: np.ndarray
     geo_ratio: np.ndarray
     min_token_log_ratio: np.ndarray
+    k3_sum: np.ndarray  # sum of the tokens' K3: with n_tokens, the sufficient statistic of k3_kl
 
 
 def sequence_terms(
@@ -162,7 +163,7 @@ def sequence_terms(
     n = len(terms.delta)
     if len(starts) == 0:
         empty = np.zeros(0)
-        return SequenceTerms(np.zeros(0, dtype=np.int64), *([empty] * 7))
+        return SequenceTerms(np.zeros(0, dtype=np.int64), *([empty] * 8))
     n_tokens = np.diff(np.append(starts, n))
     lt = np.asarray(logp_train, dtype=np.float64)
     li = np.asarray(logp_infer, dtype=np.float64)
@@ -177,6 +178,7 @@ def sequence_terms(
             log_ratio=log_ratio,
             geo_ratio=np.exp(log_ratio / n_tokens),
             min_token_log_ratio=np.minimum.reduceat(terms.delta, starts),
+            k3_sum=np.add.reduceat(terms.k3, starts),
         )
 
 

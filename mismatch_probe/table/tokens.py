@@ -21,8 +21,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-SCHEMA_VERSION = 2  # 2: logp_prefill
-RUN_JSON = "run.json"
+from mismatch_probe.record import RUN_JSON, SEQUENCES_PARQUET
+
 ROLLOUTS_DIR = "rollouts"
 TOKENS_DIR = "tokens.parquet"
 
@@ -298,3 +298,13 @@ def read_run_record(run_dir: str | Path, what: str = "run", *, require_complete:
             hint="finish it by running the same compare command again (it resumes)",
         )
     return record
+
+
+def read_sequences(run_dir: str | Path) -> pa.Table | None:
+    """A run's per-sequence table (sequences.parquet), or None for runs older than that file."""
+    path = Path(run_dir) / SEQUENCES_PARQUET
+    return pq.read_table(path) if path.is_file() else None
+
+
+def write_sequences(run_dir: str | Path, table: pa.Table) -> None:
+    write_table_atomic(table, Path(run_dir) / SEQUENCES_PARQUET)

@@ -25,7 +25,7 @@ LAYERS: list[set[str]] = [
     {"rollout", "reference"},
     {"analysis"},
     {"report", "gate"},
-    {"pipeline"},
+    {"pipeline", "api"},
     {"cli", "__init__"},
     {"__main__"},
 ]

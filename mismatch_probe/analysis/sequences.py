@@ -1,0 +1,128 @@
+"""Per-sequence results of the metrics pass (``sequences.parquet``).
+
+The metrics accumulators already reduce every sequence (sum of log-ratios, max |delta p|, ...);
+this keeps those rows with their ids instead of throwing them away, so the gate's sequence
+statistics, the report and bootstrap intervals read them instead of re-reading the token table.
+
+Rows come in three groups, as the metrics do: ``all`` (one row per sample, every model token of all
+its turns; ``turn`` is null), ``first`` (turn 0) and ``later`` (one row per sample-turn, turn >= 1).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from mismatch_probe.analysis.metrics import MetricsAccumulator, SequenceTerms, segment_starts
+
+SEQUENCE_GROUPS = ("all", "first", "later")
+# The turn groups of the metrics: sequences are sample-turns there.
+TURN_GROUPS = {"first": lambda turn: turn == 0, "later": lambda turn: turn >= 1}
+
+SCHEMA = pa.schema(
+    [
+        ("group", pa.string()),
+        ("sample_id", pa.int64()),
+        ("turn", pa.int32()),
+        *[(name, pa.int64() if name == "n_tokens" else pa.float64()) for name in SequenceTerms._fields],
+    ]
+)
+
+
+class SequenceIds:
+    """The ids of the sequences an accumulator reduces, in the order it reduces them."""
+
+    def __init__(self) -> None:
+        self._samples: list[np.ndarray] = []
+        self._turns: list[np.ndarray] = []
+
+    def add(self, sample_id: np.ndarray, turn: np.ndarray | None, starts: np.ndarray) -> None:
+        self._samples.append(np.asarray(sample_id)[starts].astype(np.int64))
+        self._turns.append(
+            np.full(len(starts), -1, np.int32) if turn is None else np.asarray(turn)[starts].astype(np.int32)
+        )
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        if not self._samples:
+            return np.zeros(0, np.int64), np.zeros(0, np.int32)
+        return np.concatenate(self._samples), np.concatenate(self._turns)
+
+
+class SequenceCollector:
+    """Fed by :func:`~mismatch_probe.analysis.analyze.analyze` with the ids of each group's sequences;
+    ``table`` holds the rows once the pass is finished."""
+
+    def __init__(self) -> None:
+        self.ids = {g: SequenceIds() for g in SEQUENCE_GROUPS}
+        self.table: pa.Table | None = None
+
+    def finish(self, accumulators: dict[str, MetricsAccumulator]) -> pa.Table:
+        self.table = sequence_table({g: (self.ids[g], accumulators[g]) for g in SEQUENCE_GROUPS})
+        return self.table
+
+
+def sequence_table(groups: dict[str, tuple[SequenceIds, MetricsAccumulator]]) -> pa.Table:
+    """One Arrow table of every group's sequences (``turn`` null in the ``all`` group)."""
+    parts = []
+    for group, (ids, acc) in groups.items():
+        samples, turns = ids.arrays()
+        terms = acc.sequences()
+        if len(samples) != len(terms.n_tokens):
+            raise AssertionError(f"{group}: {len(samples)} ids for {len(terms.n_tokens)} sequences")
+        columns = {
+            "group": pa.array([group] * len(samples), pa.string()),
+            "sample_id": pa.array(samples, pa.int64()),
+            "turn": pa.array(turns, pa.int32(), mask=turns < 0),
+            **{
+                name: pa.array(np.asarray(getattr(terms, name)), SCHEMA.field(name).type)
+                for name in SequenceTerms._fields
+            },
+        }
+        parts.append(pa.table(columns, schema=SCHEMA))
+    return pa.concat_tables(parts) if parts else SCHEMA.empty_table()
+
+
+def sequence_values(table: pa.Table) -> dict[str, dict[str, np.ndarray]]:
+    """Per group, every value a gate check's ``sequence_metric`` may name, for every sequence."""
+    group = table.column("group").to_numpy(zero_copy_only=False)
+    out = {}
+    for g in SEQUENCE_GROUPS:
+        keep = group == g
+        col = {name: table.column(name).to_numpy(zero_copy_only=False)[keep] for name in SequenceTerms._fields}
+        with np.errstate(invalid="ignore", over="ignore"):
+            out[g] = {
+                "max_mismatch": col["max_mismatch"],
+                "mean_mismatch": col["mean_mismatch"],
+                "log_ratio": col["log_ratio"],
+                "abs_log_ratio": np.abs(col["log_ratio"]),
+                "geo_ratio": col["geo_ratio"],
+                "min_token_ratio": np.exp(col["min_token_log_ratio"]),
+                "log_ppl_infer": col["log_ppl_infer"],
+                "log_ppl_train": col["log_ppl_train"],
+                "log_ppl_abs_diff": np.abs(col["log_ppl_train"] - col["log_ppl_infer"]),
+                "n_tokens": col["n_tokens"].astype(np.float64),
+            }
+    return out
+
+
+def sequences_from_tokens(run_dir: str | Path) -> pa.Table:
+    """The same table computed from a run's token shards: for runs older than sequences.parquet."""
+    from mismatch_probe.table.tokens import TOKENS_DIR, iter_model_tokens, shard_paths
+
+    if not shard_paths(Path(run_dir), TOKENS_DIR):
+        raise FileNotFoundError(f"{run_dir} has no per-token table ({TOKENS_DIR}/)")
+    groups = {g: (SequenceIds(), MetricsAccumulator()) for g in SEQUENCE_GROUPS}
+    for shard in iter_model_tokens(Path(run_dir), ("sample_id", "turn", "logp_infer", "logp_train")):
+        sample, turn, lt, li = shard["sample_id"], shard["turn"], shard["logp_train"], shard["logp_infer"]
+        starts = segment_starts(sample)
+        groups["all"][0].add(sample, None, starts)
+        groups["all"][1].add(lt, li, starts)
+        for g, select in TURN_GROUPS.items():
+            keep = select(turn)
+            if keep.any():
+                starts = segment_starts(sample[keep], turn[keep])
+                groups[g][0].add(sample[keep], turn[keep], starts)
+                groups[g][1].add(lt[keep], li[keep], starts)
+    return sequence_table(groups)

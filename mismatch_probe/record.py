@@ -1,0 +1,405 @@
+"""The run record: what ``run.json`` holds, as typed pydantic models, and the one place that reads
+and writes it.
+
+Every stage after sampling takes a :class:`RunRecord`, never the JSON dict: a missing section is
+``None`` (and typed so), a metric section is a mapping of metric keys to numbers with infinities
+restored, and old records are brought to the current schema by :func:`migrate` when they load.
+Sections that engines or the reference fill with their own settings keep any key they add
+(``extra="allow"``), so a newer engine's setting survives a round trip through an older reader.
+
+See ARCHITECTURE.md, "Run directory" and "Run record".
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ModelWrapValidatorHandler,
+    PrivateAttr,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+
+from mismatch_probe.errors import ConfigError
+
+RUN_JSON = "run.json"
+SEQUENCES_PARQUET = "sequences.parquet"
+# 1: the first release; 2: token shards gained logp_prefill (no record change);
+# 3: sequences.parquet (the per-sequence terms of the metrics pass) named by ``sequences``.
+SCHEMA_VERSION = 3
+
+Status = Literal["running", "complete", "failed", "interrupted"]
+
+# Values are numbers, None (NaN or no data) or, in old or hand-edited records, "inf"/"-inf" strings.
+Metrics = dict[str, Any]
+
+
+def restore_numbers(value: Any) -> Any:
+    """run.json stores infinities as "inf" / "-inf" (strict JSON has none); they come back as floats."""
+    if isinstance(value, Mapping):
+        return {k: restore_numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [restore_numbers(v) for v in value]
+    if value in ("inf", "-inf"):
+        return float(value)
+    return value
+
+
+def json_safe(value: Any) -> Any:
+    """NaN becomes null and infinities become strings, so run.json stays strict JSON."""
+    import numpy as np
+
+    if isinstance(value, Mapping):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if isinstance(value, (np.floating, float)):
+        v = float(value)
+        if math.isnan(v):
+            return None
+        if math.isinf(v):
+            return "inf" if v > 0 else "-inf"
+        return v
+    if isinstance(value, np.integer):
+        return int(value)
+    return value
+
+
+class Section(BaseModel):
+    """A part of the record; keys this version does not declare are kept, not dropped, and keys
+    keep the order they were given in (a stored record's settings list as the engine reported them)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    _given_order: list[str] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _remember_order(cls, data: Any, handler: ModelWrapValidatorHandler[Any]) -> Any:
+        section = handler(data)
+        if isinstance(data, Mapping) and isinstance(section, Section):
+            section._given_order = [str(k) for k in data]
+        return section
+
+    @model_serializer(mode="wrap")
+    def _in_given_order(self, handler: SerializerFunctionWrapHandler) -> Any:
+        """Dumped keys in the order given; keys set later follow, in field order."""
+        data = handler(self)
+        if not self._given_order or not isinstance(data, dict):
+            return data
+        first = {k: data[k] for k in self._given_order if k in data}
+        return first | {k: v for k, v in data.items() if k not in first}
+
+    def to_dict(self) -> dict[str, Any]:
+        """As stored: only keys that were given or set (an absent key stays absent)."""
+        return self.model_dump(exclude_unset=True)
+
+
+# ---- the spec as recorded (the validated spec lives in config/; this is its serialized form) ----
+
+
+class RecordedEngineSpec(Section):
+    name: str
+    python: str | None = None
+    dtype: str | None = None
+    logprobs_mode: str | None = None
+    tensor_parallel_size: int = 1
+    extra_args: dict[str, Any] = Field(default_factory=dict)
+
+
+class RecordedSampling(Section):
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int | None = None
+    n: int = 1
+    seed: int = 0
+
+
+class RecordedReferenceSpec(Section):
+    dtype: str | None = None
+    logits_fp32: bool | None = None
+    attn_implementation: str | None = None
+    sequence_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+    logprobs: str = "engine"
+
+
+class RecordedSpec(Section):
+    model: str | None = None
+    prompts: str | None = None
+    out: str | None = None
+    name: str | None = None
+    max_turns: int = 1
+    trust_remote_code: bool | None = None
+    engine: RecordedEngineSpec | None = None
+    sampling: RecordedSampling = Field(default_factory=RecordedSampling)
+    reference: RecordedReferenceSpec = Field(default_factory=RecordedReferenceSpec)
+    corrections: dict[str, float] = Field(default_factory=dict)
+    variants: list[dict[str, Any]] = Field(default_factory=list)
+
+
+# ---- what the run found and built ------------------------------------------------------------
+
+
+class Environment(Section):
+    hardware: str | None = None
+    device_name: str | None = None
+    gpus: list[Any] = Field(default_factory=list)
+    packages: dict[str, str] = Field(default_factory=dict)
+    mismatch_probe: dict[str, Any] = Field(default_factory=dict)
+    cpu_model: str | None = None
+    cpu_count: int | None = None
+    memory_gib: float | None = None
+    nvidia_driver: str | None = None
+    cuda: str | None = None
+    platform: str | None = None
+    python: str | None = None
+
+
+class Inputs(Section):
+    model: str | None = None
+    prompts: str | None = None
+    n_prompts: int | None = None
+    n_samples: int | None = None
+    n_shards: int | None = None
+    stop_token_ids: list[int] = Field(default_factory=list)
+
+
+class RoutingLayout(Section):
+    """The MoE layers as the engine recorded them (expert ids are [tokens, layers * top_k])."""
+
+    moe_layers: list[Any]
+    top_k: int
+    num_experts: int | None = None
+
+
+class EngineInfo(Section):
+    """The engine's settings as built and read back from it (``engine.info()``)."""
+
+    engine: str | None = None
+    platform: str | None = None
+    requested: dict[str, Any] = Field(default_factory=dict)
+    routing: RoutingLayout | None = None
+    kv_cache_sizing: dict[str, Any] | None = None
+    versions: dict[str, str] = Field(default_factory=dict)
+    # settings of most engines, shown in the report's engine label
+    device: str | None = None
+    dtype: str | None = None
+    tensor_parallel_size: int | None = None
+    enforce_eager: bool | None = None
+    kv_cache_dtype: str | None = None
+    quantization: str | None = None
+    batch_invariant: bool | None = None
+    cascade_attn: bool | None = None
+
+    def settings(self) -> dict[str, Any]:
+        """Every setting the engine reported, as stored."""
+        return self.to_dict()
+
+
+class ReferenceInfo(Section):
+    dtype: str | None = None
+    logits_fp32: bool | None = None
+    attn_implementation: str | None = None
+    packing: str | None = None
+    device: str | None = None
+    sequence_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+    versions: dict[str, str] = Field(default_factory=dict)
+
+    def settings(self) -> dict[str, Any]:
+        return self.to_dict()
+
+
+class SemanticsSide(Section):
+    mode: str
+    distribution: str
+
+
+class LogprobSemanticsRecord(Section):
+    engine: SemanticsSide | None = None
+    reference: SemanticsSide | None = None
+    matched: bool | None = None
+    prefill: SemanticsSide | None = None
+
+
+class FigureRef(Section):
+    id: str
+    title: str
+    path: str
+
+
+METRIC_SECTIONS = ("metrics", "decode_vs_prefill", "corrections", "routing")
+GROUPED_METRIC_SECTIONS = ("metrics_by_turn", "metrics_by_turn_index", "corrections_by_turn")
+
+
+class RunRecord(Section):
+    """``run.json``: one probe run, from its spec to its metrics (see ARCHITECTURE.md)."""
+
+    schema_version: int = SCHEMA_VERSION
+    probe_version: str | None = None
+    status: Status = "running"
+    created_at: str | None = None
+    completed_at: str | None = None
+    error: str | None = None
+    spec: RecordedSpec = Field(default_factory=RecordedSpec)
+    spec_file: str | None = None
+    spec_fingerprint: str | None = None
+    rollout_fingerprint: str | None = None
+    environment: Environment | None = None
+    inputs: Inputs | None = None
+    engine: EngineInfo | None = None
+    engine_process: dict[str, Any] | None = None
+    reference: ReferenceInfo | None = None
+    logprob_semantics: LogprobSemanticsRecord | None = None
+    rollouts_from: dict[str, Any] | None = None
+    resumed: dict[str, int] | None = None
+    tokenization_check: dict[str, Any] | None = None
+    timings: dict[str, float] = Field(default_factory=dict)
+    # metric sections: keys are the metric registry's (analysis/metric_docs.py)
+    decode_vs_prefill: Metrics | None = None  # or {"skipped": why}
+    metrics: Metrics | None = None
+    metrics_by_turn: dict[str, Metrics] | None = None
+    metrics_by_turn_index: dict[str, Metrics] | None = None
+    corrections: dict[str, Any] | None = None
+    corrections_by_turn: dict[str, dict[str, Any]] | None = None
+    breakdowns: dict[str, list[dict[str, Any]]] | None = None
+    breakdowns_by_turn: dict[str, dict[str, list[dict[str, Any]]]] | None = None
+    routing: dict[str, Any] | None = None
+    samples: dict[str, Any] | None = None
+    distributions: str | None = None
+    sequences: str | None = None
+    figures: list[FigureRef] | None = None
+
+    @field_validator(*METRIC_SECTIONS, *GROUPED_METRIC_SECTIONS, mode="before")
+    @classmethod
+    def _numbers(cls, value: Any) -> Any:
+        return restore_numbers(value)
+
+    @field_validator("breakdowns", "breakdowns_by_turn", mode="before")
+    @classmethod
+    def _bucket_numbers(cls, value: Any) -> Any:  # a bucket's |delta| max or K3 mean can be inf
+        return restore_numbers(value)
+
+    # ---- reading -------------------------------------------------------------------------
+
+    @property
+    def is_complete(self) -> bool:
+        return self.status == "complete" and bool(self.metrics)
+
+    def metric(self, key: str, group: str | None = None) -> float | int | None:
+        """A metric of all tokens, or of a turn group ("first" / "later"); None when absent."""
+        section = self.metrics if group is None else (self.metrics_by_turn or {}).get(group)
+        return None if section is None else section.get(key)
+
+    def lookup(self, path: str) -> Any:
+        """The value at a dotted path of the record as stored (None when any part is absent);
+        the gate's ``metric = "metrics_by_turn.later.k3_kl"`` names values this way."""
+        node: Any = self.to_dict()
+        for part in path.split("."):
+            if not isinstance(node, Mapping) or part not in node:
+                return None
+            node = node[part]
+        return node
+
+    @property
+    def prefill_skipped(self) -> str | None:
+        """Why decode-vs-prefill was not measured, when the run says so."""
+        d = self.decode_vs_prefill
+        return d.get("skipped") if d else None
+
+    # ---- writing -------------------------------------------------------------------------
+
+    def to_json(self) -> str:
+        return json.dumps(json_safe(self.to_dict()), indent=2) + "\n"
+
+    def write(self, run_dir: str | Path) -> Path:
+        """Write ``run.json`` atomically (a kill leaves the previous record, never half of one)."""
+        path = Path(run_dir) / RUN_JSON
+        tmp = path.with_name(f".{RUN_JSON}.tmp")
+        tmp.write_text(self.to_json())
+        tmp.replace(path)
+        return path
+
+    def update_sections(self, sections: Mapping[str, Any]) -> None:
+        """Set several top-level sections at once (the analysis's output), validated."""
+        fields = set(type(self).model_fields)
+        merged = self.to_dict() | {k: v for k, v in sections.items()}
+        fresh = type(self).model_validate(merged)
+        for key in sections:
+            setattr(self, key, getattr(fresh, key) if key in fields else (fresh.model_extra or {}).get(key))
+
+
+def now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def migrate(data: dict[str, Any]) -> dict[str, Any]:
+    """Bring a stored record to :data:`SCHEMA_VERSION` (a record from a newer release is refused)."""
+    version = data.get("schema_version", 1)
+    if not isinstance(version, int) or version > SCHEMA_VERSION:
+        raise ConfigError(
+            f"run.json has schema_version {version!r}, newer than this mismatch-probe reads ({SCHEMA_VERSION})",
+            hint="upgrade mismatch-probe (pip install -U mismatch-probe)",
+        )
+    data = dict(data)
+    if version < 3:  # 1 -> 2 changed the token shards only; 3 adds sequences.parquet, absent here
+        data["sequences"] = None
+    data["schema_version"] = SCHEMA_VERSION
+    return data
+
+
+def parse_record(data: dict[str, Any], source: str = RUN_JSON) -> RunRecord:
+    """A record from its JSON form (migrated); a :class:`ConfigError` naming the bad key."""
+    try:
+        return RunRecord.model_validate(migrate(data))
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        raise ConfigError(
+            f"{source}: {where}: {err['msg']}", hint="the record was edited or written by another tool"
+        ) from None
+
+
+def find_record(run_dir: str | Path) -> RunRecord | None:
+    """The record of a directory that may hold a run (None when it has no run.json)."""
+    if not (Path(run_dir) / RUN_JSON).is_file():
+        return None
+    return read_record(run_dir, require_complete=False)
+
+
+def read_record(run_dir: str | Path, what: str = "run", *, require_complete: bool = True) -> RunRecord:
+    """A run directory's record; a :class:`ConfigError` that says what to do when the directory is
+    not a run, its record is not JSON, or (``require_complete``) the run did not complete."""
+    path = Path(run_dir) / RUN_JSON
+    if not path.is_file():
+        raise ConfigError(
+            f"{what} {run_dir} is not a run directory: it has no {RUN_JSON}",
+            hint="pass the directory that `mismatch-probe compare` wrote (its --out)",
+        )
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} is not a run record (a JSON object)")
+    record = parse_record(data, str(path))
+    if require_complete and not record.is_complete:
+        why = f": {record.error}" if record.error else ""
+        raise ConfigError(
+            f"{what} {run_dir} is {data.get('status', 'incomplete')}{why}; it has no metrics",
+            hint="finish it by running the same compare command again (it resumes)",
+        )
+    return record
