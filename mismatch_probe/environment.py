@@ -1,4 +1,4 @@
-"""Environment fingerprint recorded in run.json (DESIGN §5: recorded, never set).
+"""Environment fingerprint recorded in run.json (ARCHITECTURE.md, Run record: recorded, never set).
 
 Reads versions through package metadata, so fingerprinting never imports vLLM or SGLang.
 """

@@ -9,6 +9,7 @@ it on a copied run directory.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -79,9 +80,9 @@ def analyze(
             n_layers, top_k = len(routing["moe_layers"]), routing["top_k"]
             cmp = compare_routing(ei, et, n_layers, top_k)  # once per shard, shared by the groups
             for name, keep in groups.items():
-                acc = router_acc.setdefault(name, RoutingAccumulator(n_layers, top_k))
-                acc.add(RoutingComparison(cmp.same[keep], cmp.shared[keep]), lt[keep], li[keep])
-    out = {
+                router = router_acc.setdefault(name, RoutingAccumulator(n_layers, top_k))
+                router.add(RoutingComparison(cmp.same[keep], cmp.shared[keep]), lt[keep], li[keep])
+    out: dict[str, Any] = {
         "metrics": overall.metrics(),
         "metrics_by_turn": {name: acc.metrics() for name, acc in by_turn.items()},
         "metrics_by_turn_index": {str(t): by_index[t].metrics() for t in sorted(by_index)},
@@ -98,7 +99,7 @@ def analyze(
         sequences.finish({"all": overall, **by_turn})
     if prefill.n_tokens:
         out["decode_vs_prefill"] = prefill.metrics() | {"n_unscored_tokens": n_unscored}
-    if router_acc:
+    if router_acc and routing:
         layers = routing["moe_layers"]
         out["routing"] = router_acc["all"].result(layers) | {
             "by_turn": {name: router_acc[name].result(layers) for name in TURN_GROUPS if name in router_acc},

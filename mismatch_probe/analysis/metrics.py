@@ -1,4 +1,4 @@
-"""Mismatch metrics (DESIGN §4) as pure, vectorized functions over model tokens.
+"""Mismatch metrics (ARCHITECTURE.md, Metrics) as pure, vectorized functions over model tokens.
 
 Everything here takes NumPy arrays of model tokens only (prompt and tool tokens already
 removed), laid out so that the tokens of one sequence are contiguous. ``starts`` marks where
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -43,7 +43,7 @@ POSITION_BUCKET_EDGES = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 1
 LENGTH_BUCKET_EDGES = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 QUANTILES = {"p50": 0.5, "p90": 0.9, "p99": 0.99}
 
-# Keys DESIGN §4 makes canonical; reports and gates rely on them.
+# Canonical keys (ARCHITECTURE.md, Metrics): reports and gates rely on them; add, never rename.
 CANONICAL_KEYS = (
     "k3_kl",
     "k1_kl",
@@ -182,7 +182,7 @@ def sequence_terms(
         )
 
 
-def quantiles(values: np.ndarray, qs: dict[str, float]) -> dict[str, float]:
+def quantiles(values: np.ndarray, qs: dict[str, float]) -> dict[str, float | None]:
     """Linear-interpolation quantiles that stay ``inf`` (not NaN) when the tail is infinite."""
     if len(values) == 0:
         return {k: None for k in qs}
@@ -269,7 +269,7 @@ def _share(count: int, total: int) -> float | None:
 
 @dataclass
 class MetricsAccumulator:
-    """Streams shards of model tokens into the batch-level metrics of DESIGN §4.
+    """Streams shards of model tokens into the batch-level metrics (ARCHITECTURE.md, Metrics).
 
     Feed it chunks that never split a sequence (the table's shards hold whole sequences); the
     result equals one call over the concatenation. Per-token state kept for exact quantiles is
@@ -360,7 +360,7 @@ class MetricsAccumulator:
         return SequenceTerms(**{k: (np.concatenate(v) if v else np.zeros(0)) for k, v in self._seq.items()})
 
     def metrics(self) -> dict:
-        """Batch-level metrics under the canonical keys of DESIGN §4 (plus a few extras)."""
+        """Batch-level metrics under the canonical keys (ARCHITECTURE.md, Metrics) (plus a few extras)."""
         n = self._n
         seq = self.sequences()
         n_seq = len(seq.n_tokens)
@@ -420,7 +420,7 @@ class MetricsAccumulator:
         seq = self.sequences()
         n_seq = len(seq.n_tokens)
         th = self.thresholds
-        out = {
+        out: dict[str, Any] = {
             "token_tis_clipped_share": _share(self._counts["token_tis"], n),
             "token_mask_share": _share(self._counts["token_mask"], n),
         }
@@ -459,7 +459,7 @@ class MetricsAccumulator:
         bounds = np.searchsorted(bucket[order], np.arange(len(P_INFER_BUCKET_EDGES)))
         for i in range(len(P_INFER_BUCKET_EDGES) - 1):
             count = int(sums["count"][i])
-            row = {
+            row: dict[str, Any] = {
                 "p_infer_lo": P_INFER_BUCKET_EDGES[i],
                 "p_infer_hi": P_INFER_BUCKET_EDGES[i + 1],
                 "count": count,
@@ -624,7 +624,7 @@ class RoutingAccumulator:
 
     def result(self, moe_layers: list[int] | None = None) -> dict:
         n = self._n
-        groups = {}
+        groups: dict[str, dict[str, Any]] = {}
         for name, g in self._groups.items():
             groups[name] = {"n_tokens": g["n"]} | (
                 {

@@ -1,4 +1,4 @@
-"""The parent's side of the engine worker (DESIGN §2): an :class:`Engine` that lives in a child process.
+"""The parent's side of the engine worker (ARCHITECTURE.md, Engine contract): an :class:`Engine` that lives in a child process.
 
 Why a process: vLLM and SGLang pin conflicting dependencies (``--engine-python`` runs the worker
 from another venv), an engine holds most of the accelerator's memory until its process exits
@@ -8,7 +8,6 @@ crash must not take the parent's written results with it. The parent never impor
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import select
@@ -102,7 +101,7 @@ class EngineProcess:
             {
                 "target": entry.target,
                 "model": str(model_path),
-                "spec": dataclasses.asdict(spec),
+                "spec": spec.model_dump(),
                 "trust_remote_code": trust_remote_code,
             },
             expect="started",
@@ -111,7 +110,7 @@ class EngineProcess:
 
     # ---- Engine protocol -----------------------------------------------------------------
     def semantics(self, sampling: SamplingSpec) -> LogprobSemantics:
-        reply = self._call("semantics", {"sampling": dataclasses.asdict(sampling)}, expect="semantics")
+        reply = self._call("semantics", {"sampling": sampling.model_dump()}, expect="semantics")
         return LogprobSemantics(**reply.header["semantics"])
 
     def info(self) -> dict:
@@ -129,7 +128,7 @@ class EngineProcess:
         reply = self._call(
             "generate",
             {
-                "sampling": dataclasses.asdict(sampling),
+                "sampling": sampling.model_dump(),
                 "stop_token_ids": [int(t) for t in stop_token_ids],
                 "seed": seed,
             },

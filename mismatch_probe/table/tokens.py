@@ -4,7 +4,7 @@ A run directory::
 
     run.json              spec, environment, metrics (written last; the source of truth)
     rollouts/part-*.parquet   one row per sample, as the engine produced it (lists of ids)
-    tokens.parquet/part-*.parquet   one row per token (DESIGN §3), whole sequences per shard
+    tokens.parquet/part-*.parquet   one row per token (ARCHITECTURE.md, Per-token table), whole sequences per shard
 
 Shards are written to a temporary name and renamed, so a crash or Ctrl-C leaves only complete
 shards, and a re-run with the same spec skips them.
@@ -16,6 +16,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -26,7 +27,7 @@ from mismatch_probe.record import RUN_JSON, SEQUENCES_PARQUET
 ROLLOUTS_DIR = "rollouts"
 TOKENS_DIR = "tokens.parquet"
 
-# One row per token of every sequence (DESIGN §3).
+# One row per token of every sequence (ARCHITECTURE.md, Per-token table).
 TOKEN_SCHEMA = pa.schema(
     [
         pa.field("sample_id", pa.int64(), nullable=False),
@@ -253,7 +254,7 @@ def _experts_2d(column: pa.ChunkedArray, keep: np.ndarray) -> np.ndarray | None:
     return data.view("<i2").reshape(len(arr), -1)
 
 
-def iter_model_tokens(run_dir: Path, columns=MODEL_TOKEN_COLUMNS) -> Iterator[dict[str, np.ndarray | None]]:
+def iter_model_tokens(run_dir: Path, columns=MODEL_TOKEN_COLUMNS) -> Iterator[dict[str, Any]]:
     """Yield one dict of NumPy columns per token shard, model tokens only (whole sequences per shard).
 
     Expert-id columns come back as int16 [tokens, layers * k], or None when the run has none; an

@@ -23,7 +23,7 @@ from mismatch_probe.errors import DataError
 
 
 def reference_metrics(seqs: list[tuple[list[float], list[float]]], th: CorrectionThresholds) -> tuple[dict, dict]:
-    """DESIGN §4, written out token by token with no NumPy."""
+    """The metric definitions (ARCHITECTURE.md, Metrics), written out token by token with no NumPy."""
     toks = [(lt, li) for lts, lis in seqs for lt, li in zip(lts, lis)]
     n = len(toks)
     d = [lt - li for lt, li in toks]
