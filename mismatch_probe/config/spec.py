@@ -7,21 +7,53 @@ validated here, once, with a message that names the field and the accepted value
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import difflib
 import hashlib
 import json
 import os
 import re
 import shutil
 import tomllib
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+
+from mismatch_probe.config.keys import KeyLines, unknown_key
+from mismatch_probe.config.validation import choices_of, first_error, is_rule, model_at, phrase, rule_error, rule_parts
 from mismatch_probe.errors import ConfigError
 from mismatch_probe.files import read_text
+
+__all__ = [
+    "ATTN_IMPLEMENTATIONS",
+    "DEVICES",
+    "DTYPE_ALIASES",
+    "LOGPROBS_MODES",
+    "SP_ATTN_IMPLEMENTATIONS",
+    "CorrectionThresholds",
+    "CorrectionsPatch",
+    "EngineSpec",
+    "ProbeSpec",
+    "ReferencePatch",
+    "ReferenceSpec",
+    "SamplingSpec",
+    "VariantSpec",
+    "apply_overrides",
+    "load_spec_file",
+    "normalize_dtype",
+    "rollout_fingerprint",
+    "spec_from_dict",
+    "unknown_key",
+]
 
 DTYPE_ALIASES = {
     "float32": "float32",
@@ -44,13 +76,21 @@ SP_ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3")
 LOGPROBS_MODES = ("raw", "processed")
 
 
-@dataclass(frozen=True)
-class CorrectionThresholds:
+class _Settings(BaseModel):
+    """A table of the spec: unknown keys are errors, values are checked strictly (no ``"2"`` for an
+    integer, no ``"yes"`` for a boolean; an integer is fine for a number), also on assignment."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+
+
+class CorrectionThresholds(BaseModel):
     """Thresholds of the correction what-ifs; defaults follow verl's rollout correction.
 
     verl: ``rollout_is_threshold`` 2.0, RS lower bound the reciprocal of the upper one, geometric
     RS thresholds "typically 1.0002 - 1.001", token veto "typically 1e-4 to 1e-6".
     """
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     token_tis: float = 2.0
     token_mask_low: float = 0.5
@@ -60,7 +100,8 @@ class CorrectionThresholds:
     geo_eps: float = 1e-3
     worst_token_tau: float = 1e-4
 
-    def __post_init__(self) -> None:
+    @model_validator(mode="after")
+    def _bounds(self) -> CorrectionThresholds:
         for name in ("token_tis", "token_mask_high", "seq_tis", "seq_mis"):
             if not getattr(self, name) > 1.0:
                 raise ValueError(f"correction threshold {name} must be > 1, got {getattr(self, name)}")
@@ -70,8 +111,9 @@ class CorrectionThresholds:
             raise ValueError(f"geo_eps must be in (0, 1), got {self.geo_eps}")
         if not 0.0 < self.worst_token_tau < 1.0:
             raise ValueError(f"worst_token_tau must be in (0, 1), got {self.worst_token_tau}")
+        return self
 
-    def as_record(self) -> dict:
+    def as_record(self) -> dict[str, Any]:
         """The thresholds as they appear in run.json, next to the share each one produces."""
         return {
             "token_tis_clipped_share": {"ratio_above": self.token_tis},
@@ -93,8 +135,7 @@ def normalize_dtype(value: str, *, field_name: str, allow_auto: bool) -> str:
     raise ConfigError(f"unknown dtype {value!r} for {field_name}; choose {choices}")
 
 
-@dataclass
-class EngineSpec:
+class EngineSpec(_Settings):
     """The inference side (behavior policy).
 
     Engine-specific settings default to ``None``: "whatever the engine does by default", resolved
@@ -138,11 +179,10 @@ class EngineSpec:
     logits_fp32: bool | None = None  # enable_fp32_lm_head
     max_total_tokens: int | None = None  # KV-cache size in tokens (a memory cap)
     # any other engine argument, by the engine's own name (vLLM: EngineArgs fields; SGLang: ServerArgs fields)
-    extra_args: dict = field(default_factory=dict)
+    extra_args: dict[str, Any] = Field(default_factory=dict)
 
 
-@dataclass
-class SamplingSpec:
+class SamplingSpec(_Settings):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 (or -1) disables top-k
@@ -151,8 +191,7 @@ class SamplingSpec:
     seed: int = 0
 
 
-@dataclass
-class ReferenceSpec:
+class ReferenceSpec(_Settings):
     """The training side: a full-sequence forward as a trainer computes it."""
 
     dtype: str = "bfloat16"
@@ -178,8 +217,57 @@ REFERENCE_LOGPROBS = ("engine", "raw", "temperature", "processed")
 ENGINE_DEFAULT_LOGPROBS_MODE = {"sglang": "processed"}
 
 
-@dataclass
-class ProbeSpec:
+class _Patch(BaseModel):
+    """Some settings of a section, for a variant: only the keys given are set, and only those are
+    recorded (run.json's ``variants`` lists what each variant changes)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    @model_serializer(mode="wrap")
+    def _only_given(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if k in self.model_fields_set}
+
+
+class ReferencePatch(_Patch):
+    """``[variants.reference]``: any :class:`ReferenceSpec` setting."""
+
+    dtype: str | None = None
+    logits_fp32: bool | None = None
+    attn_implementation: str | None = None
+    packing: bool | None = None
+    micro_batch_size: int | None = None
+    max_tokens_per_micro_batch: int | None = None
+    device: str | None = None
+    sequence_parallel_size: int | None = None
+    tensor_parallel_size: int | None = None
+    logprobs: str | None = None
+
+
+class CorrectionsPatch(_Patch):
+    """``[variants.corrections]``: any :class:`CorrectionThresholds` setting."""
+
+    token_tis: float | None = None
+    token_mask_low: float | None = None
+    token_mask_high: float | None = None
+    seq_tis: float | None = None
+    seq_mis: float | None = None
+    geo_eps: float | None = None
+    worst_token_tau: float | None = None
+
+
+VARIANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class VariantSpec(_Patch):
+    """One ``[[variants]]`` entry: a name (its run directory) and the reference and correction
+    settings it scores the shared rollouts with."""
+
+    name: str = Field(pattern=VARIANT_NAME.pattern)
+    reference: ReferencePatch | None = None
+    corrections: CorrectionsPatch | None = None
+
+
+class ProbeSpec(_Settings):
     model: str | None = None
     prompts: str | None = None
     out: str | None = None
@@ -188,24 +276,38 @@ class ProbeSpec:
     shard_size: int = 256  # samples per rollout/token shard (the unit of resume)
     max_turns: int = 1  # assistant turns per sample; > 1 runs tool calls between turns
     trust_remote_code: bool = False
-    engine: EngineSpec = field(default_factory=EngineSpec)
-    sampling: SamplingSpec = field(default_factory=SamplingSpec)
-    reference: ReferenceSpec = field(default_factory=ReferenceSpec)
-    corrections: CorrectionThresholds = field(default_factory=CorrectionThresholds)
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    reference: ReferenceSpec = Field(default_factory=ReferenceSpec)
+    corrections: CorrectionThresholds = Field(default_factory=CorrectionThresholds)
     # [[variants]]: reference (and correction) settings to score the same rollouts with, one run
-    # each; every entry is {"name": ..., "reference": {...}, "corrections": {...}}
-    variants: list = field(default_factory=list)
+    # each; recorded as {"name": ..., "reference": {...}, "corrections": {...}} (the keys given)
+    variants: list[VariantSpec] = Field(default_factory=list)
     # The run uses absolute paths; run.json records them as the user gave them (in a spec file:
     # relative to it; as flags: as typed), so a record carries no machine's directory layout.
     # {"model": "../fixtures/models/tiny-qwen2", "engine.python": ...}; not part of any fingerprint.
-    given_paths: dict = field(default_factory=dict, repr=False, compare=False)
+    _given_paths: dict[str, str] = PrivateAttr(default_factory=dict)
 
-    def _resolved_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d.pop("given_paths")
-        return d
+    @property
+    def given_paths(self) -> dict[str, str]:
+        return self._given_paths
 
-    def to_dict(self) -> dict:
+    @field_validator("variants")
+    @classmethod
+    def _distinct_variants(cls, variants: list[VariantSpec]) -> list[VariantSpec]:
+        names: set[str] = set()
+        for i, v in enumerate(variants):
+            if v.name in names:
+                raise rule_error(f"variants[{i}]: the name {v.name!r} is used twice", key=i)
+            names.add(v.name)
+        if len(variants) == 1:
+            raise rule_error("one variant compares nothing", hint="give two or more [[variants]], or none")
+        return variants
+
+    def _resolved_dict(self) -> dict[str, Any]:
+        return self.model_dump()
+
+    def to_dict(self) -> dict[str, Any]:
         """The spec as run.json records it: paths as given (others relative to the working
         directory when under it), every other value as the run uses it."""
         from mismatch_probe.files import portable_path
@@ -231,21 +333,26 @@ class ProbeSpec:
         """One spec per ``[[variants]]`` entry, writing to ``base_out/<variant name>``."""
         out = []
         for v in self.variants:
-            given = {k: p for k, p in self.given_paths.items() if k != "out"}
-            spec = dataclasses.replace(
-                copy.deepcopy(self),
-                variants=[],
-                out=str(Path(base_out) / v["name"]),
-                name=f"{self.name}-{v['name']}" if self.name else v["name"],
-                given_paths=given,
+            spec = self.model_copy(
+                deep=True,
+                update={
+                    "variants": [],
+                    "out": str(Path(base_out) / v.name),
+                    "name": f"{self.name}-{v.name}" if self.name else v.name,
+                },
             )
+            spec._given_paths = {k: p for k, p in self.given_paths.items() if k != "out"}
             for section in VARIANT_SECTIONS:
-                if v.get(section):
-                    try:
-                        setattr(spec, section, dataclasses.replace(getattr(spec, section), **v[section]))
-                    except ValueError as exc:  # CorrectionThresholds validates itself
-                        raise ConfigError(f"variant {v['name']!r}: [{section}] {exc}") from None
-            out.append((v["name"], spec))
+                patch = getattr(v, section)
+                if patch is None or not patch.model_fields_set:
+                    continue
+                current = getattr(spec, section)
+                try:
+                    merged = type(current).model_validate({**current.model_dump(), **patch.model_dump()})
+                except ValidationError as exc:  # CorrectionThresholds validates itself
+                    raise ConfigError(f"variant {v.name!r}: [{section}] {phrase(first_error(exc))}") from None
+                setattr(spec, section, merged)
+            out.append((v.name, spec))
         return out
 
     def fingerprint(self) -> str:
@@ -255,7 +362,7 @@ class ProbeSpec:
         d.pop("name", None)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
-    def validate(self) -> ProbeSpec:
+    def validate(self) -> ProbeSpec:  # type: ignore[override]  # (pydantic v1's deprecated classmethod)
         """Normalize aliases and check every field; raises :class:`ConfigError`."""
         if not self.model:
             raise ConfigError("no model given", hint="pass --model PATH or set model = ... in the spec file")
@@ -340,10 +447,9 @@ class ProbeSpec:
 
 ROLLOUT_KEYS = ("model", "prompts", "max_prompts", "shard_size", "max_turns", "trust_remote_code", "engine", "sampling")
 VARIANT_SECTIONS = ("reference", "corrections")
-VARIANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
-def rollout_fingerprint(spec_dict: dict) -> str:
+def rollout_fingerprint(spec_dict: dict[str, Any]) -> str:
     """:meth:`ProbeSpec.rollout_fingerprint` of a stored spec (a run.json's ``spec``)."""
     d = {k: spec_dict.get(k) for k in ROLLOUT_KEYS}
     # where the engine ran from does not change what it sampled (run.json records its versions)
@@ -356,7 +462,7 @@ def _check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def _choice(value: str, choices: tuple, name: str) -> None:
+def _choice(value: str, choices: tuple[str, ...], name: str) -> None:
     if value not in choices:
         raise ConfigError(f"{name} is {value!r}; choose one of {', '.join(choices)}")
 
@@ -370,107 +476,82 @@ SECTIONS = {
 PATH_FIELDS = ("model", "prompts", "out")
 
 
-def _coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
-    """Check a TOML/flag value against the dataclass field's type (no silent coercion)."""
-    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-    if value is None:
-        if "None" in kind:
-            return None
-        raise ConfigError(f"{where} cannot be empty")
-    if kind.startswith("bool"):
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{where} must be true or false, got {value!r}")
-    if kind.startswith("int"):
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"{where} must be an integer, got {value!r}")
-    if kind.startswith("float"):
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise ConfigError(f"{where} must be a number, got {value!r}")
-    if kind.startswith("dict"):
-        if isinstance(value, dict):
-            return dict(value)
-        raise ConfigError(f"{where} must be a table, got {value!r}")
-    if isinstance(value, (dict, list)):
-        raise ConfigError(f"{where} must be a single value, got {type(value).__name__}")
-    return str(value)
+def _spec_error(exc: ValidationError, source: str, lines: KeyLines | None) -> ConfigError:
+    """The first problem pydantic found in a spec, as one line naming the key (and its line in the file)."""
+    err = first_error(exc)
+    loc = tuple(err["loc"])
+    kind = err["type"]
 
+    def at(path: tuple[str | int, ...]) -> str:
+        line = lines.line(path) if lines is not None else None
+        return f"{source}:{line}" if line else source
 
-def unknown_key(key: str, known, where: str) -> ConfigError:
-    close = difflib.get_close_matches(key, list(known), n=1)
-    hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(sorted(known))}"
-    return ConfigError(f"{where}: unknown key {key!r}", hint=hint)
-
-
-def _variants(value: Any, source: str) -> list[dict]:
-    """``[[variants]]``: each a name and reference/corrections settings, checked like the sections."""
-    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
-        raise ConfigError(f"{source}: variants must be an array of tables ([[variants]])")
-    out, names = [], set()
-    for i, v in enumerate(value):
-        where = f"{source}: variants[{i}]"
-        name = v.get("name")
-        if not isinstance(name, str) or not VARIANT_NAME.match(name):
-            raise ConfigError(f"{where} needs a name of letters, digits, '.', '_' or '-' (it names its run directory)")
-        if name in names:
-            raise ConfigError(f"{where}: the name {name!r} is used twice")
-        names.add(name)
-        entry = {"name": name}
-        for key, settings in v.items():
-            if key == "name":
-                continue
-            if key not in VARIANT_SECTIONS:
-                raise ConfigError(
-                    f"{where}: {key!r} cannot vary between variants, which score the same rollouts",
+    if is_rule(err):
+        message, key, hint = rule_parts(err)
+        return ConfigError(f"{at(loc + ((key,) if key is not None else ()))}: {message}", hint=hint)
+    what = phrase(err, choices_of(ProbeSpec, loc))
+    if loc[0] == "variants":
+        if len(loc) < 3:
+            return ConfigError(f"{at(loc)}: variants must be an array of tables ([[variants]])")
+        where = f"variants[{loc[1]}]"
+        if loc[2] == "name":
+            return ConfigError(
+                f"{at(loc)}: {where} needs a name of letters, digits, '.', '_' or '-' (it names its run directory)"
+            )
+        if len(loc) == 3:
+            if kind == "extra_forbidden":
+                return ConfigError(
+                    f"{at(loc)}: {where}: {loc[2]!r} cannot vary between variants, which score the same rollouts",
                     hint="a variant sets [reference] and [corrections] settings; give other settings a spec of their own",
                 )
-            if not isinstance(settings, dict):
-                raise ConfigError(f"{where}: {key} must be a table")
-            fields = {f.name: f for f in dataclasses.fields(SECTIONS[key])}
-            for sub in settings:
-                if sub not in fields:
-                    raise unknown_key(sub, fields, f"{where}.{key}")
-            entry[key] = {sub: _coerce(x, fields[sub], f"{where}.{key}.{sub}") for sub, x in settings.items()}
-        out.append(entry)
-    if len(out) == 1:
-        raise ConfigError(f"{source}: one variant compares nothing", hint="give two or more [[variants]], or none")
-    return out
+            return ConfigError(f"{at(loc)}: {where}: {loc[2]} must be a table")
+        if kind == "extra_forbidden":
+            return unknown_key(str(loc[-1]), _known(loc), f"{at(loc)}: {where}.{loc[2]}")
+        return ConfigError(f"{at(loc)}: {where}.{_dotted(loc[2:])} {what}")
+    if len(loc) == 1:
+        if kind == "extra_forbidden":
+            return unknown_key(str(loc[0]), ProbeSpec.model_fields, at(loc))
+        if loc[0] in SECTIONS:
+            return ConfigError(f"{at(loc)}: [{loc[0]}] {what if kind == 'value_error' else 'must be a table'}")
+        return ConfigError(f"{at(loc)}: {loc[0]} {what}")
+    if kind == "extra_forbidden":
+        return unknown_key(str(loc[-1]), _known(loc), f"{at(loc)} [{_dotted(loc[:-1])}]")
+    return ConfigError(f"{at(loc)}: {_dotted(loc)} {what}")
 
 
-def spec_from_dict(data: dict, *, base_dir: Path | None = None, source: str = "spec") -> ProbeSpec:
-    """Build a spec from nested dicts (a parsed TOML file); unknown keys are errors."""
-    spec = ProbeSpec()
-    top_fields = {f.name: f for f in dataclasses.fields(ProbeSpec) if f.name not in SECTIONS}
-    for key, value in data.items():
-        if key == "variants":
-            spec.variants = _variants(value, source)
-        elif key in SECTIONS:
-            if not isinstance(value, dict):
-                raise ConfigError(f"{source}: [{key}] must be a table")
-            section = getattr(spec, key)
-            fields = {f.name: f for f in dataclasses.fields(section)}
-            updates = {}
-            for sub, v in value.items():
-                if sub not in fields:
-                    raise unknown_key(sub, fields, f"{source} [{key}]")
-                updates[sub] = _coerce(v, fields[sub], f"{source}: {key}.{sub}")
-            if key == "engine" and updates.get("python") and base_dir is not None and "/" in updates["python"]:
-                spec.given_paths["engine.python"] = updates["python"]
-                updates["python"] = os.path.abspath(base_dir / updates["python"])  # not resolve(): venv symlinks
-            try:
-                setattr(spec, key, dataclasses.replace(section, **updates))
-            except ValueError as exc:  # CorrectionThresholds validates itself
-                raise ConfigError(f"{source}: [{key}] {exc}") from None
-        elif key in top_fields:
-            v = _coerce(value, top_fields[key], f"{source}: {key}")
-            if key in PATH_FIELDS and v is not None and base_dir is not None:
-                spec.given_paths[key] = v
-                v = str((base_dir / v).resolve()) if not Path(v).is_absolute() else v
-            setattr(spec, key, v)
-        else:
-            raise unknown_key(key, list(top_fields) + list(SECTIONS), source)
+def _known(loc: tuple[str | int, ...]) -> list[str]:
+    """The keys of the table that holds ``loc``'s last key."""
+    model = model_at(ProbeSpec, loc[:-1])
+    return list(model.model_fields) if model is not None else []
+
+
+def _dotted(loc: tuple[str | int, ...]) -> str:
+    return ".".join(str(p) for p in loc)
+
+
+def spec_from_dict(
+    data: dict[str, Any], *, base_dir: Path | None = None, source: str = "spec", text: str | None = None
+) -> ProbeSpec:
+    """Build a spec from nested dicts (a parsed TOML file, ``text`` its source for line numbers);
+    unknown keys are errors."""
+    data = dict(data)
+    given: dict[str, str] = {}
+    if base_dir is not None:
+        for key in PATH_FIELDS:
+            value = data.get(key)
+            if isinstance(value, str):
+                given[key] = value
+                data[key] = str((base_dir / value).resolve()) if not Path(value).is_absolute() else value
+        engine = data.get("engine")
+        python = engine.get("python") if isinstance(engine, dict) else None
+        if isinstance(engine, dict) and isinstance(python, str) and "/" in python:
+            given["engine.python"] = python
+            data["engine"] = {**engine, "python": os.path.abspath(base_dir / python)}  # not resolve(): venv symlinks
+    try:
+        spec = ProbeSpec.model_validate(data)
+    except ValidationError as exc:
+        raise _spec_error(exc, source, KeyLines(text) if text is not None else None) from None
+    spec.given_paths.update(given)
     return spec
 
 
@@ -480,11 +561,12 @@ def load_spec_file(path: str | Path) -> ProbeSpec:
         raise ConfigError(
             f"spec file {str(p)!r} is a directory", hint="give a probe spec (TOML), e.g. probes/demo.toml"
         )
+    text = read_text(p, "spec file")
     try:
-        data = tomllib.loads(read_text(p, "spec file"))
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{p}: invalid TOML ({exc})") from None
-    spec = spec_from_dict(data, base_dir=p.resolve().parent, source=str(p))
+    spec = spec_from_dict(data, base_dir=p.resolve().parent, source=str(p), text=text)
     spec.given_paths["spec_file"] = str(p)  # as typed; run.json names the file it came from
     return spec
 
@@ -495,20 +577,30 @@ def apply_overrides(spec: ProbeSpec, overrides: dict[str, Any]) -> ProbeSpec:
         if value is None:
             continue
         section_name, _, leaf = dotted.rpartition(".")
-        target = getattr(spec, section_name) if section_name else spec
-        fields = {f.name: f for f in dataclasses.fields(target)}
-        if leaf not in fields:
-            raise unknown_key(leaf, fields, "override")
-        coerced = _coerce(value, fields[leaf], f"--{dotted.replace('.', '-').replace('_', '-')}")
-        if dotted in PATH_FIELDS or (dotted == "engine.python" and "/" in coerced):
-            spec.given_paths[dotted] = coerced  # as typed, relative to the working directory
-            # not resolve() for the python: a venv's bin/python is a symlink whose target is not the venv
-            coerced = os.path.abspath(coerced) if dotted == "engine.python" else str(Path(coerced).resolve())
-        if not section_name:
-            setattr(spec, leaf, coerced)
-            continue
+        target: BaseModel = getattr(spec, section_name) if section_name else spec
+        if leaf not in type(target).model_fields or (not section_name and leaf in (*SECTIONS, "variants")):
+            settings = [k for k in type(target).model_fields if section_name or k not in (*SECTIONS, "variants")]
+            raise unknown_key(leaf, settings, "override")
+        flag = f"--{dotted.replace('.', '-').replace('_', '-')}"
+        updated: BaseModel | None = None
         try:
-            setattr(spec, section_name, dataclasses.replace(target, **{leaf: coerced}))
-        except ValueError as exc:
-            raise ConfigError(f"{dotted}: {exc}") from None
+            if section_name:  # a new section object, as dataclasses.replace made (the thresholds are frozen)
+                updated = type(target).model_validate({**target.model_dump(), leaf: value})
+            else:
+                setattr(spec, leaf, value)  # validated on assignment
+        except ValidationError as exc:
+            err = first_error(exc)
+            if err["type"] == "value_error":  # CorrectionThresholds validates itself
+                raise ConfigError(f"{dotted}: {phrase(err)}") from None
+            raise ConfigError(f"{flag} {phrase(err, choices_of(type(target), (leaf,)))}") from None
+        if dotted in PATH_FIELDS or (dotted == "engine.python" and "/" in value):
+            spec.given_paths[dotted] = value  # as typed, relative to the working directory
+            # not resolve() for the python: a venv's bin/python is a symlink whose target is not the venv
+            value = os.path.abspath(value) if dotted == "engine.python" else str(Path(value).resolve())
+            if updated is None:
+                setattr(spec, leaf, value)
+            else:
+                updated = updated.model_copy(update={leaf: value})
+        if updated is not None:
+            setattr(spec, section_name, updated)
     return spec

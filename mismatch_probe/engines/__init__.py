@@ -7,13 +7,12 @@ Third-party adapters register through the ``mismatch_probe.engines`` entry-point
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import importlib
 import importlib.util
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 
+from mismatch_probe.config.keys import did_you_mean
 from mismatch_probe.config.spec import EngineSpec
 from mismatch_probe.engines.base import Completion, Engine, GenerationRequest, PrefillScorer, ScoreRequest
 from mismatch_probe.errors import ConfigError
@@ -42,13 +41,13 @@ class EngineEntry:
     def check_settings(self, spec: EngineSpec) -> None:
         """Refuse a setting this engine does not have, instead of silently ignoring it."""
         defaults = EngineSpec()
-        for f in dataclasses.fields(EngineSpec):
-            if f.name in COMMON_SETTINGS or f.name in self.settings:
+        for name in EngineSpec.model_fields:
+            if name in COMMON_SETTINGS or name in self.settings:
                 continue
-            if getattr(spec, f.name) != getattr(defaults, f.name):
-                users = sorted(e.name for e in registered_engines().values() if f.name in e.settings)
+            if getattr(spec, name) != getattr(defaults, name):
+                users = sorted(e.name for e in registered_engines().values() if name in e.settings)
                 raise ConfigError(
-                    f"engine {self.name!r} has no setting engine.{f.name} ({_flag(f.name)})",
+                    f"engine {self.name!r} has no setting engine.{name} ({_flag(name)})",
                     hint=f"it applies to: {', '.join(users)}" if users else "remove it from the spec",
                 )
 
@@ -154,7 +153,7 @@ def registered_engines() -> dict[str, EngineEntry]:
                 (),
                 f"installed by {ep.dist.name if ep.dist else 'a plugin'}",
                 "plugin",
-                settings=frozenset(f.name for f in dataclasses.fields(EngineSpec)),
+                settings=frozenset(EngineSpec.model_fields),
             ),
         )
     return engines
@@ -163,8 +162,7 @@ def registered_engines() -> dict[str, EngineEntry]:
 def get_entry(name: str) -> EngineEntry:
     engines = registered_engines()
     if name not in engines:
-        close = difflib.get_close_matches(name, list(engines), n=1, cutoff=0.5)
-        hint = f"did you mean {close[0]!r}?" if close else f"available: {', '.join(sorted(engines))}"
+        hint = did_you_mean(name, engines, cutoff=0.5, otherwise=f"available: {', '.join(sorted(engines))}")
         raise ConfigError(f"unknown engine {name!r}", hint=hint)
     return engines[name]
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from mismatch_probe.config.keys import did_you_mean
 from mismatch_probe.config.spec import SamplingSpec
 from mismatch_probe.errors import ConfigError
 from mismatch_probe.modeling.logprobs import LogprobSemantics
@@ -86,10 +86,9 @@ def check_extra_args(
     not one mismatch-probe already sets from a dedicated setting (which would be recorded wrong)."""
     for key in extra_args:
         if key not in known:
-            close = difflib.get_close_matches(key, sorted(known), n=1)
             raise ConfigError(
                 f"engine.extra_args: {engine} has no argument {key!r} ({args_class})",
-                hint=f"did you mean {close[0]!r}?" if close else f"see {args_class}",
+                hint=did_you_mean(key, known, otherwise=f"see {args_class}"),
             )
         if key in set_here:
             raise ConfigError(

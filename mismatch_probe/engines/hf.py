@@ -11,7 +11,6 @@ decode steps against a ``DynamicCache``, logits cast to float32 before sampling.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -47,7 +46,7 @@ class HFEngine:
         from transformers import DynamicCache  # noqa: F401  (fail early if the API moved)
 
         self.model_path = Path(model_path)
-        self.spec = spec if spec.logprobs_mode else dataclasses.replace(spec, logprobs_mode="raw")
+        self.spec = spec if spec.logprobs_mode else spec.model_copy(update={"logprobs_mode": "raw"})
         self.device = resolve_device(spec.device)
         self.dtype = resolve_dtype(spec.dtype, self.model_path)
         self.batch_size = spec.batch_size or DEFAULT_BATCH_SIZE

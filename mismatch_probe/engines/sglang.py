@@ -18,7 +18,6 @@ sampled one. The decode-vs-prefill re-score asks for ``input_token_logprobs`` fr
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import os
 from collections.abc import Callable, Sequence
@@ -101,7 +100,7 @@ class SGLangEngine:
     def __init__(self, model_path: str | Path, spec: EngineSpec, *, trust_remote_code: bool = False):
         import torch
 
-        spec = spec if spec.logprobs_mode else dataclasses.replace(spec, logprobs_mode="processed")
+        spec = spec if spec.logprobs_mode else spec.model_copy(update={"logprobs_mode": "processed"})
         self.spec = spec
         self.model_path = Path(model_path)
         self.device = spec.device if spec.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")

@@ -14,7 +14,6 @@ which vLLM always computes from the raw logits.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -78,7 +77,7 @@ class VLLMEngine:
         import vllm
         from vllm.platforms import current_platform
 
-        spec = spec if spec.logprobs_mode else dataclasses.replace(spec, logprobs_mode="raw")
+        spec = spec if spec.logprobs_mode else spec.model_copy(update={"logprobs_mode": "raw"})
         self.spec = spec
         self.model_path = Path(model_path)
         self.platform = str(getattr(current_platform, "device_type", "unknown"))

@@ -30,44 +30,16 @@ from __future__ import annotations
 import math
 import operator
 import re
-import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from mismatch_probe.config.spec import unknown_key
-from mismatch_probe.errors import ConfigError
-from mismatch_probe.files import read_text
+from mismatch_probe.config.keys import closest
+from mismatch_probe.config.thresholds import OPS as CHECK_OPS
+from mismatch_probe.config.thresholds import CheckSpec, load_thresholds
 
 OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge, "==": operator.eq}
-SEVERITIES = ("fail", "warn")
-STATISTICS = ("mean", "p50", "p90", "p99", "max", "share_above")
-TURNS = ("all", "first", "later")
-SEQUENCE_METRICS = {
-    "max_mismatch": "largest |p_train - p_infer| of the sequence",
-    "mean_mismatch": "mean |p_train - p_infer| of the sequence",
-    "log_ratio": "sequence log importance ratio, sum of delta",
-    "abs_log_ratio": "|sum of delta|",
-    "geo_ratio": "geometric-mean token ratio, exp(mean delta)",
-    "min_token_ratio": "smallest token ratio of the sequence",
-    "log_ppl_infer": "log-ppl under the engine",
-    "log_ppl_train": "log-ppl under the reference",
-    "log_ppl_abs_diff": "|log-ppl reference - log-ppl engine|",
-    "n_tokens": "model tokens in the sequence",
-}
-CHECK_KEYS = {
-    "name",
-    "metric",
-    "sequence_metric",
-    "statistic",
-    "above",
-    "turns",
-    "op",
-    "threshold",
-    "baseline_factor",
-    "severity",
-    "description",
-    "source",
-}
+assert tuple(OPS) == CHECK_OPS
+CHECK_KEYS = set(CheckSpec.model_fields)
 STATUS_ORDER = ("PASS", "WARN", "FAIL", "ERROR")
 
 
@@ -132,100 +104,32 @@ class GateSpec:
         return any(c.baseline_factor is not None for c in self.checks)
 
 
-def _check_lines(text: str) -> list[int]:
-    return [i + 1 for i, line in enumerate(text.splitlines()) if re.match(r"^\s*\[\[\s*checks\s*\]\]", line)]
-
-
-def _key_line(text: str, header_line: int, key: str) -> int:
-    """The line of ``key = ...`` in the table whose header is at ``header_line`` (0: top level)."""
-    lines = text.splitlines()
-    for i in range(header_line, len(lines)):  # header_line is 1-based: index header_line is the next line
-        if re.match(r"^\s*\[", lines[i]):
-            break
-        if re.match(rf"^\s*{re.escape(key)}\s*=", lines[i]):
-            return i + 1
-    return header_line
-
-
 def load_gate(path: str | Path) -> GateSpec:
-    """Parse and validate a thresholds file; every problem is a :class:`ConfigError` naming its line."""
-    path = Path(path)
-    text = read_text(path, "thresholds file")
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    unknown_top = set(data) - {"checks"}
-    if unknown_top:
-        key = min(unknown_top)
-        line = next(
-            (
-                i + 1
-                for i, t in enumerate(text.splitlines())
-                if re.match(rf"^\s*(\[+\s*{re.escape(key)}\s*[\].]|{re.escape(key)}\s*=)", t)
-            ),
-            0,
-        )
-        raise ConfigError(
-            f"{path}:{line}: unknown top-level key {key!r}", hint="a thresholds file holds [[checks]] tables only"
-        )
-    raw = data.get("checks")
-    if not isinstance(raw, list) or not raw:
-        raise ConfigError(f"{path}: no checks", hint="add [[checks]] tables with metric, op and threshold")
-    headers = _check_lines(text)
+    """Read a thresholds file (validated by :mod:`mismatch_probe.config.thresholds`) and check that
+    each ``metric`` names a value a run records; every problem is a :class:`ConfigError` naming its line."""
+    thresholds = load_thresholds(path)
     known = metric_paths()
-    gate = GateSpec(path)
+    gate = GateSpec(thresholds.path)
     names: set[str] = set()
-    for k, item in enumerate(raw):
-        line = headers[k] if k < len(headers) else 0
-        where = f"{path}:{line}"
-
-        def fail(msg: str, key: str | None = None, hint: str | None = None):
-            at = f"{path}:{_key_line(text, line, key)}" if key else where
-            raise ConfigError(f"{at}: check {k + 1}: {msg}", hint=hint)
-
-        for key in item:
-            if key not in CHECK_KEYS:
-                raise unknown_key(key, CHECK_KEYS, f"{path}:{_key_line(text, line, key)}: check {k + 1}")
-        if ("metric" in item) == ("sequence_metric" in item):
-            fail("give exactly one of metric (a run.json value) or sequence_metric (a statistic over sequences)")
-        op = item.get("op")
-        if op not in OPS:
-            fail(f"op must be one of {', '.join(OPS)}, got {op!r}", "op" if "op" in item else None)
-        if ("threshold" in item) == ("baseline_factor" in item):
-            fail("give exactly one of threshold (a fixed bound) or baseline_factor (a bound relative to --baseline)")
-        for key in ("threshold", "baseline_factor", "above"):
-            if key in item and (
-                isinstance(item[key], bool) or not isinstance(item[key], (int, float)) or not math.isfinite(item[key])
-            ):
-                fail(f"{key} must be a finite number, got {item[key]!r}", key)
-        if "baseline_factor" in item and item["baseline_factor"] <= 0:
-            fail("baseline_factor must be > 0", "baseline_factor")
-        severity = item.get("severity", "fail")
-        if severity not in SEVERITIES:
-            fail(f"severity must be fail or warn, got {severity!r}", "severity")
+    for k, item in enumerate(thresholds.checks):
         check = Check(
-            name=str(item.get("name") or ""),
-            op=op,
-            severity=severity,
-            threshold=item.get("threshold"),
-            baseline_factor=item.get("baseline_factor"),
-            description=str(item.get("description", "")),
-            source=str(item.get("source", "")),
-            line=line,
+            name=item.name,
+            op=item.op,
+            severity=item.severity,
+            threshold=item.threshold,
+            baseline_factor=item.baseline_factor,
+            description=item.description,
+            source=item.source,
+            line=thresholds.lines[k],
         )
-        if "metric" in item:
-            if not isinstance(item["metric"], str):
-                fail("metric must be a string", "metric")
-            for key in ("statistic", "above", "turns"):
-                if key in item:
-                    fail(f"{key} goes with sequence_metric, not metric", key)
-            path_ = resolve_metric(item["metric"])
+        if item.metric is not None:
+            path_ = resolve_metric(item.metric)
             m = _TURN_INDEX.match(path_)
             if path_ not in known and not (m and f"metrics.{m.group('key')}" in known):
-                close = _closest(path_, known)
-                fail(
-                    f"unknown metric {item['metric']!r}",
+                close = closest(path_, known, cutoff=0.75)
+                raise thresholds.error(
+                    k,
+                    f"unknown metric {item.metric!r}",
                     "metric",
                     hint=f"did you mean {close.removeprefix('metrics.')!r}?"
                     if close
@@ -233,46 +137,21 @@ def load_gate(path: str | Path) -> GateSpec:
                 )
             check.metric = path_
         else:
-            if item["sequence_metric"] not in SEQUENCE_METRICS:
-                fail(
-                    f"unknown sequence_metric {item['sequence_metric']!r}",
-                    "sequence_metric",
-                    hint=f"one of: {', '.join(SEQUENCE_METRICS)}",
-                )
-            statistic = item.get("statistic")
-            if statistic not in STATISTICS:
-                fail(
-                    f"statistic must be one of {', '.join(STATISTICS)}, got {statistic!r}",
-                    "statistic" if "statistic" in item else None,
-                )
-            if (statistic == "share_above") != ("above" in item):
-                fail(
-                    "share_above needs above = <value>, and above only goes with share_above",
-                    "above" if "above" in item else "statistic",
-                )
-            turns = item.get("turns", "all")
-            if turns not in TURNS:
-                fail(f"turns must be all, first or later, got {turns!r}", "turns")
             check.sequence_metric, check.statistic, check.above, check.turns = (
-                item["sequence_metric"],
-                statistic,
-                item.get("above"),
-                turns,
+                item.sequence_metric,
+                item.statistic,
+                item.above,
+                item.turns,
             )
         if not check.name:
             check.name = check.describe_value()
         if check.name in names:
-            fail(f"duplicate check name {check.name!r}", "name", hint="give each check its own name")
+            raise thresholds.error(
+                k, f"duplicate check name {check.name!r}", "name", hint="give each check its own name"
+            )
         names.add(check.name)
         gate.checks.append(check)
     return gate
-
-
-def _closest(word: str, options) -> str | None:
-    import difflib
-
-    found = difflib.get_close_matches(word, sorted(options), n=1, cutoff=0.75)
-    return found[0] if found else None
 
 
 # ---- evaluation -----------------------------------------------------------------------------
