@@ -59,6 +59,7 @@ def check_first_and_later_turns(rec: dict) -> None:
     assert 0 < later["k3_kl"] < 5e-4 and 0 < first["k3_kl"] < 5e-4
 
 
+@pytest.hookimpl(trylast=True)  # after -m/-k deselection: the engines' schedule is of what runs
 def pytest_collection_modifyitems(config, items):
     skips = {}
     if importlib.util.find_spec("vllm") is None:
@@ -85,6 +86,15 @@ def pytest_collection_modifyitems(config, items):
         for marker, skip in skips.items():
             if marker in item.keywords:
                 item.add_marker(skip)
+    engine_fixtures.group_and_schedule(items)
+
+
+def pytest_runtest_teardown(item, nextitem):
+    engine_fixtures.after_test(item)  # a shared engine stops after its last test
+
+
+def pytest_sessionfinish(session, exitstatus):
+    engine_fixtures.POOL.close_all()
 
 
 @pytest.fixture(scope="session")
@@ -114,3 +124,8 @@ def bf16_run(tmp_path_factory) -> Path:
     )
     assert proc.returncode == 0, proc.stderr
     return out
+
+
+# the real engines of tests/engines/, one start per session each, registered here (at the root) once
+import engine_fixtures
+from engine_fixtures import hf_engine, sglang_engine, vllm_engine  # noqa: F401

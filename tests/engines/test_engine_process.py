@@ -19,7 +19,7 @@ from mismatch_probe.engines.process import EngineProcess
 from mismatch_probe.errors import ConfigError, EngineError
 from mismatch_probe.pipeline import run_compare
 
-TESTS = os.path.dirname(__file__)
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, where scripted_engines.py is
 
 
 @pytest.fixture

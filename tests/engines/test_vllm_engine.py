@@ -1,132 +1,48 @@
-"""The vLLM engine for real (the CPU build here; the same adapter runs the CUDA build on GPUs).
+"""The vLLM engine for real (the CPU build here; the same adapter runs the CUDA build on GPUs): what
+only vLLM does. What every engine does is in test_engine_conformance.py.
 
-One engine per module where the tests can share it (an engine start is ~40-80 s on 2 cores);
-the CLI tests start their own, as a user's run does.
+The in-process tests share the session's engine (``vllm_engine``, tests/engine_fixtures.py; a start
+is ~40-80 s on 2 cores); the CLI tests start their own, as a user's run does.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 
 import numpy as np
 import pytest
 from conftest import DENSE, MOE, SINGLE_TURN, cli
-from reference_checks import check_engine_prefill_against_independent
+from engine_fixtures import CONFIGS
 
-from mismatch_probe.config.spec import EngineSpec, ProbeSpec, SamplingSpec
-from mismatch_probe.engines import GenerationRequest, get_entry
-from mismatch_probe.engines.process import EngineProcess
-from mismatch_probe.errors import ConfigError
+from mismatch_probe.config.spec import ProbeSpec, SamplingSpec
 from mismatch_probe.pipeline import run_compare
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-# No memory settings: on vLLM's CPU build mismatch-probe sizes the KV cache itself (what the run
-# needs, capped by the NUMA node's free memory), which is what these tests rely on.
-SAMPLING = SamplingSpec(temperature=0.7, top_p=0.9, top_k=0, max_tokens=48, seed=5)
-
-
-def dense_engine_spec(**kw) -> EngineSpec:
-    return EngineSpec(name="vllm", dtype="bfloat16", logprobs_mode="processed", enforce_eager=True, **kw)
-
-
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    """A dense bf16 engine with processed log-probs, shared by this module's tests."""
-    log = tmp_path_factory.mktemp("vllm") / "engine.log"
-    eng = EngineProcess(get_entry("vllm"), DENSE, dense_engine_spec(extra_args={"seed": 11}), log_path=log)
-    yield eng
-    eng.close()
+SAMPLING = CONFIGS["vllm"].sampling  # T=0.7, top-p 0.9
 
 
 def probe(out, top_p: float = SAMPLING.top_p, logprobs: str = "engine") -> ProbeSpec:
     s = ProbeSpec(model=str(DENSE), prompts=str(SINGLE_TURN), out=str(out), max_prompts=24, shard_size=16)
-    s.engine = dense_engine_spec()
+    s.engine = CONFIGS["vllm"].spec()
     s.sampling = SamplingSpec(**{**vars(SAMPLING), "top_p": top_p, "n": 2})
     s.reference.dtype = "float32"
     s.reference.logprobs = logprobs
     return s
 
 
-def test_parent_process_never_imports_vllm(engine):
-    assert engine.info()["engine"] == "vllm"
-    assert "vllm" not in sys.modules
-    # the engine seed (what the CPU build samples from) is mismatch-probe's 0 unless extra_args set it
-    assert engine.info()["requested"]["seed"] == 11
-
-
-def test_matched_logprob_semantics_sit_at_the_dtype_floor(engine, tmp_path):
-    """At T=0.7 vLLM returns processed log-probs (of logits / T). A reference scoring the same
-    distribution sits at the bf16-vs-fp32 floor; one scoring raw logits (a trainer that forgot the
-    temperature) is far off, although nothing about the engine changed."""
-    matched = run_compare(probe(tmp_path / "matched", top_p=1.0), engine=engine).record
-    raw = run_compare(probe(tmp_path / "raw", top_p=1.0, logprobs="raw"), engine=engine).record
-
-    assert matched["logprob_semantics"]["matched"] is True and raw["logprob_semantics"]["matched"] is False
-    assert matched["logprob_semantics"]["engine"]["mode"] == "processed"
-    k3_matched, k3_raw = matched["metrics"]["k3_kl"], raw["metrics"]["k3_kl"]
-    assert 0 < k3_matched < 5e-4, (k3_matched, k3_raw)
-    assert k3_raw > 20 * k3_matched, (k3_matched, k3_raw)
-    if matched["engine"]["per_request_seeds"]:  # same seeds, same engine: the very same samples
-        assert matched["metrics"]["n_model_tokens"] == raw["metrics"]["n_model_tokens"]
-    # processed (T != 1) log-probs cannot be compared with raw prefill log-probs: said, not faked
-    assert "not comparable" in matched["decode_vs_prefill"]["skipped"]
-
-
-def test_top_p_semantics_and_the_nucleus_boundary(engine, tmp_path):
+def test_top_p_semantics_and_the_nucleus_boundary(vllm_engine, tmp_path):
     """With top-p the processed distributions match too, except that a token inside bf16's nucleus
     can fall just outside fp32's: the reference then gives it probability 0 (logp_train = -inf),
     counted in n_zero_prob_train rather than hidden."""
     runs = {
-        name: run_compare(probe(tmp_path / name, logprobs=name), engine=engine).record["metrics"]
+        name: run_compare(probe(tmp_path / name, logprobs=name), engine=vllm_engine.process).record["metrics"]
         for name in ("engine", "raw", "temperature")
     }
     p99 = {name: m["abs_delta_p99"] for name, m in runs.items()}
     assert p99["engine"] < 0.1 and p99["raw"] > 5 * p99["engine"] and p99["temperature"] > p99["engine"], p99
     assert runs["raw"]["n_zero_prob_train"] == 0 and runs["temperature"]["n_zero_prob_train"] == 0
     assert runs["engine"]["n_zero_prob_train"] <= 0.01 * runs["engine"]["n_model_tokens"]
-
-
-def test_sampled_tokens_carry_their_own_logprobs(engine):
-    prompts = [np.array([1, 7, 80 + k, 90], np.int32) for k in range(6)]
-    requests = [GenerationRequest(p, 24) for p in prompts]
-    a = engine.generate(requests, SAMPLING, stop_token_ids=[2], seed=1)
-    b = engine.generate(requests, SAMPLING, stop_token_ids=[2], seed=1)
-    c = engine.generate(requests, SAMPLING, stop_token_ids=[2], seed=2)
-    seeded = engine.info()["per_request_seeds"]
-    for x, y, p in zip(a, b, prompts):
-        if seeded:
-            assert np.array_equal(x.token_ids, y.token_ids) and np.array_equal(x.logprobs, y.logprobs)
-        assert np.array_equal(x.prompt_token_ids, p)
-        assert len(x.logprobs) == len(x.token_ids) and np.all(x.logprobs <= 0)
-        assert x.finish_reason in ("stop", "length")
-        if x.finish_reason == "stop":
-            assert x.token_ids[-1] == 2  # the stop token is part of the response
-        else:
-            assert len(x.token_ids) == 24
-    if seeded:
-        assert any(not np.array_equal(x.token_ids, z.token_ids) for x, z in zip(a, c))
-    else:  # vLLM's CPU build: a known engine limitation, stated in run.json
-        assert "CPU Generator does not use offset" in engine.info()["per_request_seeds_off_because"]
-
-
-def test_prefill_scores_the_given_tokens_not_the_sampled_ones(engine):
-    """Prefill log-probs of arbitrary (never sampled) sequences agree with an fp32 HF forward to
-    bf16 precision: the engine really re-runs the sequence."""
-    check_engine_prefill_against_independent(engine, starts=[4, 10, 2])
-
-
-def test_unsupported_settings_fail_loudly(tmp_path):
-    log = tmp_path / "engine.log"
-    with pytest.raises(ConfigError, match="batch-invariant mode .* runs on CPU"):
-        EngineProcess(get_entry("vllm"), DENSE, dense_engine_spec(batch_invariant=True), log_path=log)
-    with pytest.raises(ConfigError, match="no cascade attention"):
-        EngineProcess(get_entry("vllm"), DENSE, dense_engine_spec(cascade_attn=True), log_path=log)
-    with pytest.raises(ConfigError, match="has no argument 'enable_prefx_caching'.*enable_prefix_caching"):
-        EngineProcess(
-            get_entry("vllm"), DENSE, dense_engine_spec(extra_args={"enable_prefx_caching": True}), log_path=log
-        )
 
 
 def compare_cli(tmp_path, *args):
@@ -233,18 +149,6 @@ def test_moe_at_tensor_parallel_2(tmp_path):
     assert rec["decode_vs_prefill"]["n_model_tokens"] == m["n_model_tokens"]
     assert rec["engine_process"]["exit_code"] == 0
     assert set(rec["timings"]) >= {"engine_start_s", "generation_s", "prefill_s", "scoring_s", "metrics_s", "report_s"}
-
-
-def test_multi_turn_tool_use_continues_from_token_ids(engine, tmp_path):
-    """vLLM continues each conversation from its exact ids across tool turns; later turns are scored.
-    32 conversations of 100+ tokens exceed one step's token budget, so chunked prefill splits prompts
-    (the case that kills per-request seeded sampling on vLLM's CPU build)."""
-    from conftest import MULTI_TURN, check_first_and_later_turns
-
-    s = probe(tmp_path / "mt", top_p=1.0)
-    s.prompts, s.max_turns, s.max_prompts = str(MULTI_TURN), 4, 32
-    rec = run_compare(s, engine=engine).record
-    check_first_and_later_turns(rec)
 
 
 @pytest.mark.distributed
