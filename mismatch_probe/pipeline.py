@@ -1,58 +1,72 @@
-"""``compare``: rollout with the engine, score with the reference, write the table and run.json.
+"""``compare`` as stages over one run directory: sample -> score -> analyze -> render.
 
-Stages, each resumable from what is on disk:
+:func:`run_compare` prepares a :class:`RunContext` (the checked inputs, the run directory and its
+:class:`~mismatch_probe.record.RunRecord`) and runs the stages on it; each persists its output, so
+each can be re-run alone and a killed run resumes where it stopped:
 
-1. tokenize the prompts once; expand to ``n`` samples per prompt; cut into shards;
-2. for each missing rollout shard, the engine samples it, and re-scores it with its own prefill
-   (the engine runs in a worker process, started only if a shard is missing and stopped before
-   the reference loads, so its memory is free again);
-3. for each missing token shard, the reference scores the exact same ids;
-4. metrics and the report's distributions stream over the token shards in one pass; run.json
-   is written, then the reports are rendered from it (figures/, report.md, report.html).
+1. :func:`sample`: for each missing rollout shard, the engine samples it and re-scores it with its
+   own prefill (the engine runs in a worker process, started only if a shard is missing and stopped
+   before the reference loads, so its memory is free again) -> ``rollouts/``;
+2. :func:`score`: for each missing token shard, the reference scores the exact same ids -> ``tokens.parquet/``;
+3. :func:`analyze_run`: metrics, per-sequence terms and the report's distributions in one streaming
+   pass over the token shards -> ``run.json`` (complete), ``sequences.parquet``, ``distributions.json``;
+4. :func:`render`: figures, ``report.md`` and ``report.html`` from the in-memory record.
 
 run.json is rewritten at each stage with ``status`` ``running``/``complete``, so an interrupted run
 says how far it got, and a re-run with the same spec (same fingerprint) picks up from there.
+See ARCHITECTURE.md, "Stages".
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from mismatch_probe import __version__
-from mismatch_probe.analysis.analyze import analyze, json_safe, with_numbers
+from mismatch_probe.analysis.analyze import analyze
 from mismatch_probe.analysis.distributions import DISTRIBUTIONS_JSON, DistributionAccumulator, worst_sequences
 from mismatch_probe.analysis.distributions import save as save_distributions
+from mismatch_probe.analysis.sequences import SequenceCollector
 from mismatch_probe.config.spec import ProbeSpec
 from mismatch_probe.engines.base import Engine
 from mismatch_probe.errors import ConfigError, DataError, ProbeError
 from mismatch_probe.files import portable_path, relative_to_dir, resolve_from_dir
 from mismatch_probe.modeling.logprobs import LogprobSemantics, reference_semantics
-from mismatch_probe.report.markdown import render_markdown
+from mismatch_probe.record import (
+    SCHEMA_VERSION,
+    SEQUENCES_PARQUET,
+    RunRecord,
+    find_record,
+    json_safe,
+    now,
+    parse_record,
+    read_record,
+)
 from mismatch_probe.table.tokens import (
     ROLLOUTS_DIR,
-    RUN_JSON,
-    SCHEMA_VERSION,
     TOKENS_DIR,
     Rollout,
     read_rollout_shard,
     rollouts_to_table,
     shard_name,
     token_table,
+    write_sequences,
     write_table_atomic,
 )
 
 REPORT_MD = "report.md"
 ENGINE_LOG = "engine.log"
 REFERENCE_LOG = "reference.log"  # what the reference's rank processes print (sequence/tensor parallel)
+FIGURES_DIR = "figures"
 
 
 class Progress:
@@ -68,7 +82,12 @@ class Progress:
 @dataclass
 class RunResult:
     run_dir: Path
-    record: dict = field(repr=False)
+    run: RunRecord
+
+    @property
+    def record(self) -> dict[str, Any]:
+        """The record as run.json stores it (strict JSON: infinities as strings), for scripts."""
+        return json_safe(self.run.to_dict())
 
 
 @dataclass
@@ -77,39 +96,64 @@ class _Sample:
     prompt_index: int
 
 
+@dataclass
+class RunContext:
+    """What the stages of one run share: the checked spec and inputs, the run directory, the record."""
+
+    spec: ProbeSpec
+    out: Path
+    record: RunRecord
+    progress: Progress
+    entry: Any  # engines.EngineEntry
+    model_path: Path
+    tokenizer: Any
+    model_len: int
+    prompts: list
+    stops: list[int]
+    shards: list[list[_Sample]]
+    t_start: float
+    resuming: bool = False  # a run directory with an earlier invocation's record
+    earlier_rollouts_from: str | None = None  # the run it adopted rollouts from, relative to ``out``
+
+    @property
+    def timings(self) -> dict[str, float]:
+        return self.record.timings
+
+    def save(self) -> None:
+        self.record.write(self.out)
+
+    def missing(self, directory: str) -> list[int]:
+        d = self.out / directory
+        return [i for i in range(len(self.shards)) if not (d / shard_name(i)).is_file()]
+
+    def fail(self, exc: BaseException) -> None:
+        """Record why the run stopped (it resumes from what is on disk)."""
+        self.record.status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+        self.record.error = str(exc) or type(exc).__name__
+        self.save()
+
+
 def default_out_dir(spec: ProbeSpec) -> Path:
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     name = spec.name or f"{Path(spec.model).name}-{spec.engine.name}"
     return Path("reports") / f"{name}-{stamp}"
 
 
-def _now() -> str:
-    return datetime.now(UTC).isoformat(timespec="seconds")
-
-
-def _write_record(run_dir: Path, record: dict) -> None:
-    tmp = run_dir / f".{RUN_JSON}.tmp"
-    tmp.write_text(json.dumps(json_safe(record), indent=2) + "\n")
-    tmp.replace(run_dir / RUN_JSON)
-
-
-def prepare_run_dir(spec: ProbeSpec, out: Path, *, overwrite: bool) -> dict | None:
+def prepare_run_dir(spec: ProbeSpec, out: Path, *, overwrite: bool) -> RunRecord | None:
     """Create ``out`` or check it can be resumed; returns the previous record when resuming."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {str(out)!r} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()):
-        previous = None
-        if (out / RUN_JSON).is_file():
-            try:
-                previous = json.loads((out / RUN_JSON).read_text())
-            except json.JSONDecodeError:
-                previous = None
+        try:
+            previous = find_record(out)
+        except ConfigError:  # not JSON, or not a record this version reads
+            previous = None
         if previous is None:
             # never delete a directory that is not a run, even with --overwrite
             raise ConfigError(f"--out {str(out)!r} is not empty and holds no run", hint="choose another --out")
         if overwrite:
             shutil.rmtree(out)
-        elif previous.get("spec_fingerprint") != spec.fingerprint():
+        elif previous.spec_fingerprint != spec.fingerprint():
             raise ConfigError(
                 f"--out {str(out)!r} holds a run with a different spec",
                 hint="use another --out, or --overwrite to replace it",
@@ -121,7 +165,7 @@ def prepare_run_dir(spec: ProbeSpec, out: Path, *, overwrite: bool) -> dict | No
 
 
 @contextmanager
-def _timed(timings: dict, key: str):
+def _timed(timings: dict, key: str) -> Iterator[None]:
     t0 = time.perf_counter()
     try:
         yield
@@ -145,13 +189,29 @@ def run_compare(
     ``rollouts_from`` (a run with the same model, prompts, engine and sampling settings) skips
     the engine: its rollouts are scored as they are, so reference settings compare on the same tokens.
     """
+    ctx = prepare(spec, progress=progress, overwrite=overwrite, engine=engine, rollouts_from=rollouts_from)
+    sample(ctx, engine=engine, rollouts_from=rollouts_from)
+    score(ctx)
+    dist = analyze_run(ctx)
+    render(ctx, dist)
+    return RunResult(ctx.out, ctx.record)
+
+
+def prepare(
+    spec: ProbeSpec,
+    *,
+    progress: Progress | None = None,
+    overwrite: bool = False,
+    engine: Engine | None = None,
+    rollouts_from: str | Path | None = None,
+) -> RunContext:
+    """Check every input before anything is written, then create (or resume) the run directory."""
     from mismatch_probe.engines import get_entry
     from mismatch_probe.environment import fingerprint
     from mismatch_probe.modeling.loading import check_model_dir, load_tokenizer, max_model_len, stop_token_ids
     from mismatch_probe.rollout.prompts import tokenize_prompts
 
     t_start = time.perf_counter()
-    progress = progress or Progress()
     spec.validate()
     model_path = check_model_dir(spec.model)
     entry = get_entry(spec.engine.name)
@@ -180,158 +240,197 @@ def run_compare(
     out = Path(spec.out) if spec.out else default_out_dir(spec)
     previous = prepare_run_dir(spec, out, overwrite=overwrite)
     environment = fingerprint()
-    # setup: checks, library imports, tokenizer, prompts, fingerprint
-    timings: dict = {"setup_s": round(time.perf_counter() - t_start, 3)}
     samples = [_Sample(p * spec.sampling.n + j, p) for p in range(len(prompts)) for j in range(spec.sampling.n)]
     shards = [samples[i : i + spec.shard_size] for i in range(0, len(samples), spec.shard_size)]
-
-    record = {
-        "schema_version": SCHEMA_VERSION,
-        "probe_version": __version__,
-        "status": "running",
-        "created_at": (previous or {}).get("created_at", _now()),
-        "spec": spec.to_dict(),
-        "spec_file": spec.given_paths.get("spec_file"),
-        "spec_fingerprint": spec.fingerprint(),
-        "rollout_fingerprint": spec.rollout_fingerprint(),
-        "environment": environment,
-        "inputs": {
-            # relative to the working directory when under it: no machine's absolute paths in a record
-            "model": portable_path(model_path),
-            "prompts": portable_path(spec.prompts),
-            "n_prompts": len(prompts),
-            "n_samples": len(samples),
-            "n_shards": len(shards),
-            "stop_token_ids": stops,
-        },
-        "engine": (previous or {}).get("engine"),
-        "engine_process": (previous or {}).get("engine_process"),
-        "reference": (previous or {}).get("reference"),
-        "logprob_semantics": (previous or {}).get("logprob_semantics"),
-        "decode_vs_prefill": (previous or {}).get("decode_vs_prefill"),
-        "tokenization_check": (previous or {}).get("tokenization_check"),
-        "timings": timings,
+    carried = {  # what an earlier invocation learned about its engine and reference
+        key: getattr(previous, key)
+        for key in (
+            "engine",
+            "engine_process",
+            "reference",
+            "logprob_semantics",
+            "decode_vs_prefill",
+            "tokenization_check",
+        )
+        if previous is not None and key in previous.model_fields_set
     }
-    _write_record(out, record)
-
-    # ---- 1. rollouts (engine worker) ------------------------------------------------------
-    rollout_dir, token_dir = out / ROLLOUTS_DIR, out / TOKENS_DIR
-    if rollouts_from is None and (earlier := ((previous or {}).get("rollouts_from") or {}).get("run")):
-        rollouts_from = resolve_from_dir(out, earlier)  # recorded relative to this run directory
-    if rollouts_from is not None:
-        _adopt_rollouts(spec, Path(rollouts_from), record, len(shards), rollout_dir)
-        _write_record(out, record)
-    if previous is not None:  # timings then cover this invocation only; say what it reused
-        record["resumed"] = {
-            "rollout_shards_reused": sum((rollout_dir / shard_name(i)).is_file() for i in range(len(shards))),
-            "token_shards_reused": sum((token_dir / shard_name(i)).is_file() for i in range(len(shards))),
+    record = parse_record(
+        {
+            "schema_version": SCHEMA_VERSION,
+            "probe_version": __version__,
+            "status": "running",
+            "created_at": previous.created_at if previous is not None and previous.created_at else now(),
+            "spec": spec.to_dict(),
+            "spec_file": spec.given_paths.get("spec_file"),
+            "spec_fingerprint": spec.fingerprint(),
+            "rollout_fingerprint": spec.rollout_fingerprint(),
+            "environment": environment,
+            "inputs": {
+                # relative to the working directory when under it: no machine's absolute paths in a record
+                "model": portable_path(model_path),
+                "prompts": portable_path(spec.prompts),
+                "n_prompts": len(prompts),
+                "n_samples": len(samples),
+                "n_shards": len(shards),
+                "stop_token_ids": stops,
+            },
+            "engine": None,
+            "engine_process": None,
+            "reference": None,
+            "logprob_semantics": None,
+            "decode_vs_prefill": None,
+            "tokenization_check": None,
+            # setup: checks, library imports, tokenizer, prompts, fingerprint
+            "timings": {"setup_s": round(time.perf_counter() - t_start, 3)},
         }
-    missing = [i for i in range(len(shards)) if not (rollout_dir / shard_name(i)).is_file()]
-    if missing:
-        owned = engine is None
-        try:
-            if owned:
-                from mismatch_probe.engines.process import EngineProcess
+    )
+    for key, value in carried.items():
+        setattr(record, key, value)
+    ctx = RunContext(
+        spec=spec,
+        out=out,
+        record=record,
+        progress=progress or Progress(),
+        entry=entry,
+        model_path=model_path,
+        tokenizer=tokenizer,
+        model_len=model_len,
+        prompts=prompts,
+        stops=stops,
+        shards=shards,
+        t_start=t_start,
+        resuming=previous is not None,
+        earlier_rollouts_from=(previous.rollouts_from or {}).get("run") if previous is not None else None,
+    )
+    ctx.save()
+    return ctx
 
-                progress.log(f"starting engine {entry.name} (log: {portable_path(out / ENGINE_LOG)})")
-                with _timed(timings, "engine_start_s"):
-                    engine = EngineProcess(
-                        entry,
-                        model_path,
-                        spec.engine,
-                        log_path=out / ENGINE_LOG,
-                        trust_remote_code=spec.trust_remote_code,
-                    )
-            try:
-                _rollouts(
-                    spec,
-                    engine,
-                    record,
-                    prompts,
-                    shards,
-                    missing,
-                    stops,
-                    rollout_dir,
-                    timings,
-                    progress,
-                    tokenizer,
-                    model_len,
+
+def sample(ctx: RunContext, *, engine: Engine | None = None, rollouts_from: str | Path | None = None) -> None:
+    """Stage 1: the missing rollout shards, from the engine (or adopted from another run)."""
+    spec, out, record = ctx.spec, ctx.out, ctx.record
+    rollout_dir, token_dir = out / ROLLOUTS_DIR, out / TOKENS_DIR
+    if rollouts_from is None and ctx.earlier_rollouts_from:
+        rollouts_from = resolve_from_dir(out, ctx.earlier_rollouts_from)  # recorded relative to this run directory
+    if rollouts_from is not None:
+        _adopt_rollouts(spec, Path(rollouts_from), record, len(ctx.shards), rollout_dir)
+        ctx.save()
+    if ctx.resuming:  # timings then cover this invocation only; say what it reused
+        record.resumed = {
+            "rollout_shards_reused": sum((rollout_dir / shard_name(i)).is_file() for i in range(len(ctx.shards))),
+            "token_shards_reused": sum((token_dir / shard_name(i)).is_file() for i in range(len(ctx.shards))),
+        }
+    missing = ctx.missing(ROLLOUTS_DIR)
+    if not missing:
+        return
+    owned = engine is None
+    try:
+        if owned:
+            from mismatch_probe.engines.process import EngineProcess
+
+            ctx.progress.log(f"starting engine {ctx.entry.name} (log: {portable_path(out / ENGINE_LOG)})")
+            with _timed(ctx.timings, "engine_start_s"):
+                engine = EngineProcess(
+                    ctx.entry,
+                    ctx.model_path,
+                    spec.engine,
+                    log_path=out / ENGINE_LOG,
+                    trust_remote_code=spec.trust_remote_code,
                 )
-            finally:
-                if owned:
-                    with _timed(timings, "engine_stop_s"):
-                        engine.close()  # returns once the worker, and the memory it held, is gone
-                    record["engine_process"] = engine.describe()
-        except BaseException as exc:
-            interrupted = isinstance(exc, KeyboardInterrupt)
-            record["status"] = "interrupted" if interrupted else "failed"
-            record["error"] = str(exc) or type(exc).__name__
-            _write_record(out, record)
-            raise
-
-    # ---- 2. reference ---------------------------------------------------------------------
-    missing = [i for i in range(len(shards)) if not (token_dir / shard_name(i)).is_file()]
-    if missing:
-        from mismatch_probe.reference.scorer import open_reference_scorer
-
-        if not (record.get("logprob_semantics") or {}).get("reference"):
-            raise ConfigError(
-                f"{out} has rollouts but its run.json does not say what their log-probs are",
-                hint="re-run with --overwrite",
-            )
-        semantics = LogprobSemantics.from_record(record["logprob_semantics"]["reference"])
-        with _timed(timings, "reference_load_s"):
-            scorer = open_reference_scorer(
-                model_path, spec.reference, trust_remote_code=spec.trust_remote_code, log_path=out / REFERENCE_LOG
-            )
         try:
-            record["reference"] = scorer.info()
-            _write_record(out, record)
-            routing = (record.get("engine") or {}).get("routing")
-            width = (len(routing["moe_layers"]), routing["top_k"]) if routing else None
-            progress.stage("score", sum(len(shards[i]) for i in missing))
-            with _timed(timings, "scoring_s"):
-                for i in missing:
-                    rollouts = read_rollout_shard(rollout_dir / shard_name(i), width)
-                    scores = scorer.score(rollouts, semantics, on_progress=lambda k: progress.advance("score", k))
-                    table = token_table(rollouts, scores.logp, scores.entropy, scores.experts)
-                    write_table_atomic(table, token_dir / shard_name(i))
+            _rollouts(ctx, engine, missing)
         finally:
-            scorer.close()
+            if owned:
+                with _timed(ctx.timings, "engine_stop_s"):
+                    engine.close()  # returns once the worker, and the memory it held, is gone
+                record.engine_process = engine.describe()
+    except BaseException as exc:
+        ctx.fail(exc)
+        raise
 
-    # ---- 3. metrics -----------------------------------------------------------------------
-    with _timed(timings, "metrics_s"):
+
+def score(ctx: RunContext) -> None:
+    """Stage 2: the reference scores the missing token shards, the exact ids the engine sampled."""
+    from mismatch_probe.reference.scorer import open_reference_scorer
+
+    missing = ctx.missing(TOKENS_DIR)
+    if not missing:
+        return
+    out, record, progress = ctx.out, ctx.record, ctx.progress
+    semantics_record = record.logprob_semantics
+    if semantics_record is None or semantics_record.reference is None:
+        raise ConfigError(
+            f"{out} has rollouts but its run.json does not say what their log-probs are",
+            hint="re-run with --overwrite",
+        )
+    semantics = LogprobSemantics.from_record(semantics_record.reference.to_dict())
+    with _timed(ctx.timings, "reference_load_s"):
+        scorer = open_reference_scorer(
+            ctx.model_path,
+            ctx.spec.reference,
+            trust_remote_code=ctx.spec.trust_remote_code,
+            log_path=out / REFERENCE_LOG,
+        )
+    try:
+        record.update_sections({"reference": scorer.info()})
+        ctx.save()
+        routing = record.engine.routing if record.engine is not None else None
+        width = (len(routing.moe_layers), routing.top_k) if routing else None
+        progress.stage("score", sum(len(ctx.shards[i]) for i in missing))
+        with _timed(ctx.timings, "scoring_s"):
+            for i in missing:
+                rollouts = read_rollout_shard(out / ROLLOUTS_DIR / shard_name(i), width)
+                scores = scorer.score(rollouts, semantics, on_progress=lambda k: progress.advance("score", k))
+                table = token_table(rollouts, scores.logp, scores.entropy, scores.experts)
+                write_table_atomic(table, out / TOKENS_DIR / shard_name(i))
+    finally:
+        scorer.close()
+
+
+def analyze_run(ctx: RunContext) -> dict:
+    """Stage 3: metrics, per-sequence terms and distributions in one pass; the record is complete.
+    Returns the distributions (what the report draws)."""
+    out, record = ctx.out, ctx.record
+    routing = record.engine.routing if record.engine is not None else None
+    with _timed(ctx.timings, "metrics_s"):
         try:
-            distributions = DistributionAccumulator()
-            sections = analyze(out, spec.corrections, (record.get("engine") or {}).get("routing"), distributions)
+            distributions, sequences = DistributionAccumulator(), SequenceCollector()
+            sections = analyze(
+                out, ctx.spec.corrections, routing.to_dict() if routing else None, distributions, sequences
+            )
         except DataError as exc:
-            record["status"] = "failed"
-            record["error"] = str(exc)
-            _write_record(out, record)
+            ctx.fail(exc)
             raise DataError(f"{exc}; the per-token table is kept in {out / TOKENS_DIR}") from None
     if sections.get("decode_vs_prefill") is None:
-        sections["decode_vs_prefill"] = record.get("decode_vs_prefill") or None
-    record.update(sections)
-    record["samples"] = _sample_summary(out)
-    with _timed(timings, "metrics_s"):
+        sections["decode_vs_prefill"] = record.decode_vs_prefill or None
+    sections["samples"] = _sample_summary(out)
+    with _timed(ctx.timings, "metrics_s"):
+        write_sequences(out, sequences.table)
         dist = distributions.result
-        dist["worst_sequences"] = worst_sequences(out, dist["worst"], tokenizer)
+        dist["worst_sequences"] = worst_sequences(out, dist["worst"], ctx.tokenizer)
         save_distributions(out, dist)
-    record["distributions"] = DISTRIBUTIONS_JSON
-    record["status"] = "complete"
-    record["completed_at"] = _now()
-    timings["total_s"] = round(time.perf_counter() - t_start, 3)
-    _write_record(out, record)
+    record.update_sections(
+        sections | {"distributions": DISTRIBUTIONS_JSON, "sequences": SEQUENCES_PARQUET, "status": "complete"}
+    )
+    record.completed_at = now()
+    ctx.timings["total_s"] = round(time.perf_counter() - ctx.t_start, 3)
+    ctx.save()
+    return dist
 
-    # ---- 4. reports, rendered from what is on disk, as `mismatch-probe report` would ---------
+
+def render(ctx: RunContext, dist: dict) -> None:
+    """Stage 4: figures, report.md and report.html, rendered once from the in-memory record (what
+    ``mismatch-probe report`` renders from run.json). A failure here keeps the complete run."""
     from mismatch_probe.report.plots import run_figures
 
+    out, record = ctx.out, ctx.record
     try:
-        with _timed(timings, "figures_s"):
-            figures = run_figures(with_numbers(json.loads((out / RUN_JSON).read_text())), dist)
-            record["figures"] = _write_figure_files(out, figures)
-        with _timed(timings, "report_s"):
-            _write_reports(out, dist, figures)
+        with _timed(ctx.timings, "figures_s"):
+            figures = run_figures(record, dist)
+            record.update_sections({"figures": _write_figure_files(out, figures)})
+        ctx.timings["total_s"] = round(time.perf_counter() - ctx.t_start, 3)
+        with _timed(ctx.timings, "report_s"):
+            _write_reports(out, record, dist, figures)
     except Exception as exc:  # the run itself is complete on disk; only its rendering failed
         if isinstance(exc, ProbeError):
             raise
@@ -339,13 +438,8 @@ def run_compare(
             f"the run is complete in {out}, but rendering its report failed: {type(exc).__name__}: {exc}",
             hint=f"re-render it with `mismatch-probe report {out}`; --debug shows the traceback",
         ) from exc
-    timings["total_s"] = round(time.perf_counter() - t_start, 3)
-    _write_record(out, record)
-    final = _write_reports(out, dist, figures)  # again, so their timing tables are complete
-    return RunResult(out, final)
-
-
-FIGURES_DIR = "figures"
+    ctx.timings["total_s"] = round(time.perf_counter() - ctx.t_start, 3)
+    ctx.save()
 
 
 def _write_figure_files(run_dir: Path, figures: list[dict]) -> list[dict]:
@@ -360,50 +454,53 @@ def _write_figure_files(run_dir: Path, figures: list[dict]) -> list[dict]:
     return [{"id": f["id"], "title": f["title"], "path": f"{FIGURES_DIR}/{f['id']}.png"} for f in figures]
 
 
-def _write_reports(run_dir: Path, dist: dict, figures: list[dict]) -> dict:
+def _write_reports(run_dir: Path, record: RunRecord, dist: dict, figures: list[dict]) -> None:
     from mismatch_probe.report.html import REPORT_HTML, RunData, render_run
+    from mismatch_probe.report.markdown import render_markdown
 
-    record = json.loads((run_dir / RUN_JSON).read_text())
     (run_dir / REPORT_MD).write_text(render_markdown(record))
-    html = render_run(RunData(run_dir, with_numbers(record), dist), figures)
+    html = render_run(RunData(run_dir, record, dist), figures)
     tmp = run_dir / (REPORT_HTML + ".tmp")
     tmp.write_text(html, encoding="utf-8")
     tmp.replace(run_dir / REPORT_HTML)
-    return record
 
 
-def _rollouts(
-    spec, engine, record, prompts, shards, missing, stops, rollout_dir, timings, progress, tokenizer, model_len
-) -> None:
+def _rollouts(ctx: RunContext, engine: Engine, missing: list[int]) -> None:
     """Sample the missing rollout shards (and re-score them with the engine's prefill)."""
     from mismatch_probe.engines import ScoreRequest
     from mismatch_probe.rollout.multiturn import RetokenizationCheck, ToolTurnTemplate, roll_out
 
+    spec, record, prompts, shards, progress = ctx.spec, ctx.record, ctx.prompts, ctx.shards, ctx.progress
+    rollout_dir, tokenizer = ctx.out / ROLLOUTS_DIR, ctx.tokenizer
     semantics = engine.semantics(spec.sampling)
     s = spec.sampling
     prefill_skip = _prefill_skip_reason(spec, engine, semantics)
-    record["engine"] = engine.info()
-    record["logprob_semantics"] = _semantics_record(spec, semantics, prefill=prefill_skip is None)
-    record["decode_vs_prefill"] = {"skipped": prefill_skip} if prefill_skip else None
-    _write_record(rollout_dir.parent, record)
+    record.update_sections(
+        {
+            "engine": engine.info(),
+            "logprob_semantics": _semantics_record(spec, semantics, prefill=prefill_skip is None),
+            "decode_vs_prefill": {"skipped": prefill_skip} if prefill_skip else None,
+        }
+    )
+    ctx.save()
     progress.stage("generate", sum(len(shards[i]) for i in missing))
     if prefill_skip is None:
         progress.stage("prefill", sum(len(shards[i]) for i in missing))
     replay = any(prompts[x.prompt_index].recorded for shard in shards for x in shard)
-    check, previous_check = RetokenizationCheck(), record.get("tokenization_check")
+    check, previous_check = RetokenizationCheck(), record.tokenization_check
     template = ToolTurnTemplate.from_tokenizer(tokenizer) if spec.max_turns > 1 or replay else None
     for i in missing:
         shard = shards[i]
-        with _timed(timings, "generation_s"):
+        with _timed(ctx.timings, "generation_s"):
             conversations = roll_out(
                 engine,
                 [prompts[x.prompt_index].token_ids for x in shard],
                 [x.sample_id for x in shard],
                 s,
-                stop_token_ids=stops,
+                stop_token_ids=ctx.stops,
                 seed=s.seed * 1_000_003 + i,
                 max_turns=spec.max_turns,
-                max_model_len=model_len,
+                max_model_len=ctx.model_len,
                 tokenizer=tokenizer,
                 template=template,
                 recorded=[prompts[x.prompt_index].recorded for x in shard],
@@ -415,7 +512,7 @@ def _rollouts(
                 check.add(c, prompts[x.prompt_index].messages, tokenizer)
         if prefill_skip is None:
             n_prompt = [len(prompts[x.prompt_index].token_ids) for x in shards[i]]
-            with _timed(timings, "prefill_s"):
+            with _timed(ctx.timings, "prefill_s"):
                 scored = engine.prefill_logprobs(
                     [ScoreRequest(r.token_ids, n) for r, n in zip(rollouts, n_prompt)],
                     on_progress=lambda k: progress.advance("prefill", k),
@@ -429,8 +526,8 @@ def _rollouts(
                 r.logp_prefill = np.concatenate([np.full(n, np.nan, np.float32), lp.astype(np.float32)])
         write_table_atomic(rollouts_to_table(rollouts), rollout_dir / shard_name(i))
         if template is not None:
-            record["tokenization_check"] = check.merge(previous_check)
-            _write_record(rollout_dir.parent, record)
+            record.tokenization_check = check.merge(previous_check)
+            ctx.save()
 
 
 def _semantics_record(spec: ProbeSpec, engine: LogprobSemantics, *, prefill: bool) -> dict:
@@ -447,22 +544,21 @@ def _semantics_record(spec: ProbeSpec, engine: LogprobSemantics, *, prefill: boo
 ADOPTED_FIELDS = ("engine", "engine_process", "decode_vs_prefill", "tokenization_check")
 
 
-def _adopt_rollouts(spec: ProbeSpec, source: Path, record: dict, n_shards: int, rollout_dir: Path) -> None:
+def _adopt_rollouts(spec: ProbeSpec, source: Path, record: RunRecord, n_shards: int, rollout_dir: Path) -> None:
     """Take ``source``'s rollout shards (hard links where the file system allows) and what it
     recorded about its engine, after checking they were sampled exactly as ``spec`` would."""
     from mismatch_probe.config.spec import rollout_fingerprint
-    from mismatch_probe.table.tokens import read_run_record
 
-    theirs = read_run_record(source, "--rollouts-from", require_complete=False)
+    theirs = read_record(source, "--rollouts-from", require_complete=False)
     # computed from absolute paths when that run started (older records: from their spec, which held them)
-    theirs_fingerprint = theirs.get("rollout_fingerprint") or rollout_fingerprint(theirs.get("spec") or {})
+    theirs_fingerprint = theirs.rollout_fingerprint or rollout_fingerprint(theirs.spec.to_dict())
     if theirs_fingerprint != spec.rollout_fingerprint():
         raise ConfigError(
             f"--rollouts-from {source} was sampled with another model, prompt set, engine or sampling setting",
             hint="its spec must match this one everywhere but [reference] and [corrections]",
         )
-    engine_semantics = (theirs.get("logprob_semantics") or {}).get("engine")
-    if not engine_semantics:
+    engine_semantics = theirs.logprob_semantics.engine if theirs.logprob_semantics is not None else None
+    if engine_semantics is None:
         raise ConfigError(
             f"--rollouts-from {source} has no rollouts yet",
             hint=f"finish it first (run its compare command again; it resumes into {source})",
@@ -485,15 +581,19 @@ def _adopt_rollouts(spec: ProbeSpec, source: Path, record: dict, n_shards: int, 
             shutil.copyfile(src, tmp)
         tmp.replace(mine)
     for key in ADOPTED_FIELDS:
-        record[key] = theirs.get(key)
-    prefill = bool((theirs.get("logprob_semantics") or {}).get("prefill"))
-    record["logprob_semantics"] = _semantics_record(
-        spec, LogprobSemantics.from_record(engine_semantics), prefill=prefill
+        setattr(record, key, getattr(theirs, key))
+    prefill = theirs.logprob_semantics is not None and theirs.logprob_semantics.prefill is not None
+    record.update_sections(
+        {
+            "logprob_semantics": _semantics_record(
+                spec, LogprobSemantics.from_record(engine_semantics.to_dict()), prefill=prefill
+            ),
+            "rollouts_from": {
+                "run": relative_to_dir(source, rollout_dir.parent),
+                "spec_fingerprint": theirs.spec_fingerprint,
+            },
+        }
     )
-    record["rollouts_from"] = {
-        "run": relative_to_dir(source, rollout_dir.parent),
-        "spec_fingerprint": theirs.get("spec_fingerprint"),
-    }
 
 
 @dataclass

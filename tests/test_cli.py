@@ -23,7 +23,8 @@ def record(run_dir):
 
 def test_compare_writes_a_complete_run(bf16_run):
     rec = record(bf16_run)
-    assert rec["status"] == "complete" and rec["schema_version"] == 2
+    assert rec["status"] == "complete" and rec["schema_version"] == 3  # 3: sequences.parquet
+    assert rec["sequences"] == "sequences.parquet" and (bf16_run / "sequences.parquet").is_file()
     for key in CANONICAL_KEYS:
         assert key in rec["metrics"], key
         assert key in rec["metrics_by_turn"]["first"] and key in rec["metrics_by_turn"]["later"]

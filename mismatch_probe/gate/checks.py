@@ -36,6 +36,7 @@ from pathlib import Path
 from mismatch_probe.config.keys import closest
 from mismatch_probe.config.thresholds import OPS as CHECK_OPS
 from mismatch_probe.config.thresholds import CheckSpec, load_thresholds
+from mismatch_probe.record import RunRecord, read_record
 
 OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge, "==": operator.eq}
 assert tuple(OPS) == CHECK_OPS
@@ -246,48 +247,20 @@ def sequence_statistic(values, statistic: str, above: float | None) -> float | N
 
 
 def sequence_values(run_dir: str | Path) -> dict[str, dict]:
-    """Per-sequence values of a run, per turn group, streamed from its per-token table."""
-    import numpy as np
+    """Per-sequence values of a run, per turn group: its sequences.parquet, or for runs older than
+    that file, the same rows computed from its per-token table."""
+    from mismatch_probe.analysis.sequences import sequence_values as values_of
+    from mismatch_probe.analysis.sequences import sequences_from_tokens
+    from mismatch_probe.table.tokens import read_sequences
 
-    from mismatch_probe.analysis.analyze import TURN_GROUPS
-    from mismatch_probe.analysis.metrics import MetricsAccumulator, segment_starts
-    from mismatch_probe.table.tokens import TOKENS_DIR, iter_model_tokens, shard_paths
-
-    if not shard_paths(Path(run_dir), TOKENS_DIR):
-        raise FileNotFoundError(f"{run_dir} has no per-token table ({TOKENS_DIR}/)")
-    accs = {"all": MetricsAccumulator(), **{g: MetricsAccumulator() for g in TURN_GROUPS}}
-    for shard in iter_model_tokens(Path(run_dir), ("sample_id", "turn", "logp_infer", "logp_train")):
-        sample, turn, lt, li = shard["sample_id"], shard["turn"], shard["logp_train"], shard["logp_infer"]
-        accs["all"].add(lt, li, segment_starts(sample))
-        for g, select in TURN_GROUPS.items():
-            keep = select(turn)
-            if keep.any():
-                accs[g].add(lt[keep], li[keep], segment_starts(sample[keep], turn[keep]))
-    out = {}
-    for g, acc in accs.items():
-        s = acc.sequences()
-        with np.errstate(invalid="ignore", over="ignore"):
-            out[g] = {
-                "max_mismatch": s.max_mismatch,
-                "mean_mismatch": s.mean_mismatch,
-                "log_ratio": s.log_ratio,
-                "abs_log_ratio": np.abs(s.log_ratio),
-                "geo_ratio": s.geo_ratio,
-                "min_token_ratio": np.exp(s.min_token_log_ratio),
-                "log_ppl_infer": s.log_ppl_infer,
-                "log_ppl_train": s.log_ppl_train,
-                "log_ppl_abs_diff": np.abs(s.log_ppl_train - s.log_ppl_infer),
-                "n_tokens": s.n_tokens.astype(np.float64),
-            }
-    return out
+    table = read_sequences(run_dir)
+    return values_of(table if table is not None else sequences_from_tokens(run_dir))
 
 
-def _value(check: Check, record: dict, run_dir: Path | None, cache: dict):
+def _value(check: Check, record: RunRecord, run_dir: Path | None, cache: dict):
     """(value, None) or (None, error message) for a check on one run."""
     if check.metric:
-        from mismatch_probe.analysis.analyze import lookup
-
-        return _number(lookup(record, check.metric)), None
+        return _number(record.lookup(check.metric)), None
     if run_dir is None:
         return None, "a sequence statistic needs the run directory"
     key = str(run_dir)
@@ -304,12 +277,12 @@ def _value(check: Check, record: dict, run_dir: Path | None, cache: dict):
 
 def evaluate(
     gate: GateSpec,
-    record: dict,
+    record: RunRecord,
     run_dir: str | Path | None = None,
-    baseline: dict | None = None,
+    baseline: RunRecord | None = None,
     baseline_dir: str | Path | None = None,
 ) -> GateResult:
-    """Every check of ``gate`` on one run (``record`` is its run.json; ``run_dir`` is needed for
+    """Every check of ``gate`` on one run (``record`` is its run record; ``run_dir`` is needed for
     sequence statistics), relative checks against ``baseline``."""
     cache: dict = {}
     results = []
@@ -403,9 +376,6 @@ def run_gate(
     run_dir: str | Path, thresholds: str | Path, baseline_dir: str | Path | None = None, gate: GateSpec | None = None
 ) -> GateResult:
     gate = gate or load_gate(thresholds)
-    from mismatch_probe.analysis.analyze import with_numbers
-    from mismatch_probe.table.tokens import read_run_record
-
-    record = with_numbers(read_run_record(run_dir))
-    baseline = with_numbers(read_run_record(baseline_dir, "baseline")) if baseline_dir is not None else None
+    record = read_record(run_dir)
+    baseline = read_record(baseline_dir, "baseline") if baseline_dir is not None else None
     return evaluate(gate, record, run_dir, baseline, baseline_dir)
