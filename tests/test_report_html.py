@@ -15,6 +15,7 @@ from conftest import cli
 
 from mismatch_probe.analysis.distributions import load
 from mismatch_probe.analysis.metric_docs import METRIC_DOC, k3_context, rank
+from mismatch_probe.record import parse_record
 from mismatch_probe.report.html import RunData, load_run, render_comparison, render_run
 
 PAYLOAD = "<script>alert(1)</script>"
@@ -97,7 +98,7 @@ def test_a_run_without_distributions_is_reported_from_its_table(bf16_run, tmp_pa
 @pytest.mark.slow
 def test_prompt_and_model_text_is_escaped_everywhere(bf16_run):
     run = load_run(bf16_run)
-    rec, dist = copy.deepcopy(run.record), copy.deepcopy(run.dist)
+    rec, dist = copy.deepcopy(run.record.to_dict()), copy.deepcopy(run.dist)
     rec["spec"]["name"] = PAYLOAD
     rec["inputs"]["model"] = "/models/" + ATTR_PAYLOAD
     rec["engine"]["quantization"] = PAYLOAD
@@ -107,7 +108,7 @@ def test_prompt_and_model_text_is_escaped_everywhere(bf16_run):
     seq["prompt_id"] = ATTR_PAYLOAD
     seq["tokens"]["text"][0] = PAYLOAD
     seq["tokens"]["text"][-1] = ATTR_PAYLOAD
-    html = render_run(RunData(bf16_run, rec, dist), figures=[])
+    html = render_run(RunData(bf16_run, parse_record(rec), dist), figures=[])
     doc = assert_inert_and_self_contained(html)
     assert PAYLOAD not in html and "<img src=x" not in html
     text = "".join(doc.text)
@@ -116,14 +117,14 @@ def test_prompt_and_model_text_is_escaped_everywhere(bf16_run):
 
 
 def _fake_gpu_run(run: RunData, name: str, gpu: str, k3: float, tag: str) -> RunData:
-    rec = copy.deepcopy(run.record)
+    rec = copy.deepcopy(run.record.to_dict())
     rec["spec"]["name"] = name
     rec["environment"]["gpus"] = [{"name": gpu, "memory_gib": 80}]
     rec["engine"]["platform"] = "cuda"
     rec["reference"]["device"] = "cuda"
     rec["engine"]["dtype"] = tag
     rec["metrics"]["k3_kl"] = k3
-    return RunData(run.path, rec, run.dist)
+    return RunData(run.path, parse_record(rec), run.dist)
 
 
 @pytest.mark.slow
@@ -134,7 +135,7 @@ def test_comparison_groups_by_gpu_and_marks_best_and_worst(bf16_run):
         _fake_gpu_run(base, "a100", "NVIDIA A100", float("inf"), "bfloat16"),
         _fake_gpu_run(base, "h100-b", "NVIDIA H100", 1e-6, "float32"),
     ]
-    runs[1].record["inputs"]["model"] = "/elsewhere/model"
+    runs[1].record.inputs.model = "/elsewhere/model"
     html = render_comparison(runs)
     doc = assert_inert_and_self_contained(html)
     heads = [(a.get("colspan"), t) for t, a in doc.tags if t == "th" and a.get("colspan") in ("1", "2")]
@@ -205,11 +206,18 @@ def test_gpu_type_names_the_hardware_that_ran_the_probe():
 
     env = {"gpus": [{"name": "NVIDIA H20"}, {"name": "NVIDIA H20"}], "cpu_model": "Xeon"}
     assert (
-        gpu_type({"environment": env, "engine": {"platform": "cuda"}, "reference": {"device": "cuda"}}) == "NVIDIA H20"
+        gpu_type(parse_record({"environment": env, "engine": {"platform": "cuda"}, "reference": {"device": "cuda"}}))
+        == "NVIDIA H20"
     )
-    assert gpu_type({"environment": env, "engine": {"device": "cuda"}, "reference": {"device": "cpu"}}) == "NVIDIA H20"
-    assert gpu_type({"environment": env, "engine": {"device": "cpu"}, "reference": {"device": "cpu"}}) == "CPU: Xeon"
-    assert gpu_type({"environment": {"gpus": [], "cpu_model": "EPYC"}}) == "CPU: EPYC"
+    assert (
+        gpu_type(parse_record({"environment": env, "engine": {"device": "cuda"}, "reference": {"device": "cpu"}}))
+        == "NVIDIA H20"
+    )
+    assert (
+        gpu_type(parse_record({"environment": env, "engine": {"device": "cpu"}, "reference": {"device": "cpu"}}))
+        == "CPU: Xeon"
+    )
+    assert gpu_type(parse_record({"environment": {"gpus": [], "cpu_model": "EPYC"}})) == "CPU: EPYC"
 
 
 def test_a_run_with_no_model_tokens_renders(tmp_path):
@@ -220,15 +228,17 @@ def test_a_run_with_no_model_tokens_renders(tmp_path):
     empty = MetricsAccumulator()
     dist = DistributionAccumulator().finish(empty, {"first": empty, "later": empty})
     dist["worst_sequences"] = []
-    record = {
-        "status": "complete",
-        "metrics": empty.metrics(),
-        "metrics_by_turn": {"first": empty.metrics(), "later": empty.metrics()},
-        "corrections": empty.corrections(),
-        "breakdowns": empty.breakdowns(),
-        "spec": {"name": "empty"},
-        "environment": {"gpus": [], "cpu_model": "EPYC"},
-    }
+    record = parse_record(
+        {
+            "status": "complete",
+            "metrics": empty.metrics(),
+            "metrics_by_turn": {"first": empty.metrics(), "later": empty.metrics()},
+            "corrections": empty.corrections(),
+            "breakdowns": empty.breakdowns(),
+            "spec": {"name": "empty"},
+            "environment": {"gpus": [], "cpu_model": "EPYC"},
+        }
+    )
     html = render_run(RunData(tmp_path, record, dist))
     assert_inert_and_self_contained(html)
     assert "No model tokens." in html and html.count("data:image/png;base64,") == 7

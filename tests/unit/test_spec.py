@@ -122,7 +122,7 @@ def test_fingerprint_ignores_output_location():
 def test_demo_specs_are_valid(name):
     from mismatch_probe.engines import get_entry
 
-    spec = load_spec_file(Path(__file__).resolve().parent.parent / "probes" / name)
+    spec = load_spec_file(Path(__file__).resolve().parents[2] / "probes" / name)
     if spec.engine.python and not Path(spec.engine.python).exists():
         assert spec.engine.python.endswith("/.venv-sglang/bin/python")  # built by tests/sglang-cpu/install.sh
         spec.engine.python = None
