@@ -329,13 +329,14 @@ def compare(
         if gate is not None:
             _gate_exit(_gate(result.run_dir, gate_file, None, gate, quiet=True))
         return
-    out.print(metrics_table(result.record))
-    out.print(corrections_table(result.record))
-    if line := routing_line(result.record):
+    record = result.run
+    out.print(metrics_table(record))
+    out.print(corrections_table(record))
+    if line := routing_line(record):
         out.print(line)
-    for line in notes(result.record):
+    for line in notes(record):
         out.print(line)
-    if line := timing_line(result.record):
+    if line := timing_line(record):
         out.print(line)
     out.print(f"run directory: {escape(portable_path(result.run_dir))}")
     out.print(f"report: {escape(portable_path(result.run_dir / 'report.html'))} (also report.md)")
@@ -355,7 +356,7 @@ def _compare_variants(spec, overwrite, rollouts_from, gate_file, gate, as_json) 
     if as_json:
         sys.stdout.write(json.dumps({name: r.record for name, r in result.runs.items()}, indent=2) + "\n")
     else:
-        out.print(variants_table(result))
+        out.print(variants_table({name: r.run for name, r in result.runs.items()}))
         for name, r in result.runs.items():
             out.print(f"{name}: {escape(portable_path(r.run_dir / 'report.html'))}")
         out.print(f"comparison: {escape(portable_path(result.comparison))}")

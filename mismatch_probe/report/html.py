@@ -20,15 +20,15 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from mismatch_probe import __version__
-from mismatch_probe.analysis.analyze import lookup, with_numbers
 from mismatch_probe.analysis.metric_docs import CORRECTION_DOCS, METRIC_DOC, METRIC_DOCS, k3_context, rank
 from mismatch_probe.errors import ConfigError
 from mismatch_probe.files import portable_path, resolve_from_dir
+from mismatch_probe.record import EngineInfo, Environment, Inputs, ReferenceInfo, RunRecord, read_record
 from mismatch_probe.report.summary import fmt as summary_fmt
 from mismatch_probe.report.summary import kv_cache_line, layout_label, plain_notes, short_dtype
-from mismatch_probe.table.tokens import read_run_record
 
 REPORT_HTML = "report.html"
 # token colour classes by |p_train - p_infer|: upper bounds of g0 .. g4, g5 above
@@ -38,7 +38,7 @@ GAP_CLASSES = (1e-4, 1e-3, 1e-2, 0.1, 0.5)
 @dataclass
 class RunData:
     path: Path
-    record: dict
+    record: RunRecord
     dist: dict
     label: str = ""  # set for comparisons
     color: str = ""
@@ -49,23 +49,25 @@ def load_run(run_dir: str | Path) -> RunData:
     from mismatch_probe.analysis import distributions
 
     run_dir = Path(run_dir)
-    record = with_numbers(read_run_record(run_dir))
+    record = read_record(run_dir)
+    assert record is not None  # read_record returns None only with missing_ok
     dist = distributions.load(run_dir)
     if dist is None:
         dist = compute_distributions(run_dir, record)
     return RunData(run_dir, record, dist)
 
 
-def compute_distributions(run_dir: Path, record: dict, tokenizer=None) -> dict:
+def compute_distributions(run_dir: Path, record: RunRecord, tokenizer=None) -> dict:
     """Distributions from the per-token table, with the worst sequences' text when a tokenizer is
     given or the run's model directory is still where run.json says."""
     from mismatch_probe.analysis.analyze import analyze
     from mismatch_probe.analysis.distributions import DistributionAccumulator, worst_sequences
     from mismatch_probe.analysis.metrics import CorrectionThresholds
 
-    thresholds = CorrectionThresholds(**((record.get("spec") or {}).get("corrections") or {}))
+    thresholds = CorrectionThresholds(**record.spec.corrections)
+    routing = record.engine.routing if record.engine else None
     acc = DistributionAccumulator()
-    analyze(run_dir, thresholds, (record.get("engine") or {}).get("routing"), acc)
+    analyze(run_dir, thresholds, routing.to_dict() if routing else None, acc)
     dist = acc.result
     if tokenizer is None:
         tokenizer = _tokenizer_if_present(record)
@@ -73,14 +75,14 @@ def compute_distributions(run_dir: Path, record: dict, tokenizer=None) -> dict:
     return dist
 
 
-def _tokenizer_if_present(record: dict):
-    model = (record.get("inputs") or {}).get("model")
+def _tokenizer_if_present(record: RunRecord):
+    model = record.inputs.model if record.inputs else None
     if not model or not Path(model, "config.json").is_file():
         return None
     try:
         from mismatch_probe.modeling.loading import load_tokenizer
 
-        return load_tokenizer(Path(model), trust_remote_code=bool((record.get("spec") or {}).get("trust_remote_code")))
+        return load_tokenizer(Path(model), trust_remote_code=bool(record.spec.trust_remote_code))
     except Exception:  # token ids are shown instead of text
         return None
 
@@ -88,57 +90,55 @@ def _tokenizer_if_present(record: dict):
 # ---- labels ---------------------------------------------------------------------------------
 
 
-def gpu_type(record: dict) -> str:
-    env = record.get("environment") or {}
-    names = list(dict.fromkeys(g.get("name") for g in env.get("gpus") or [] if g.get("name")))
-    eng = record.get("engine") or {}
-    devices = {
-        str(eng.get("platform") or eng.get("device") or ""),
-        str((record.get("reference") or {}).get("device") or ""),
-    }
+def gpu_type(record: RunRecord) -> str:
+    env = record.environment or Environment()
+    names = list(dict.fromkeys(g.get("name") for g in env.gpus if g.get("name")))
+    eng, ref = record.engine or EngineInfo(), record.reference or ReferenceInfo()
+    devices = {str(eng.platform or eng.device or ""), str(ref.device or "")}
     if names and devices != {"cpu"}:  # a GPU machine where both sides ran on the CPU is a CPU run
         return " + ".join(names)
-    return f"CPU: {env.get('cpu_model') or env.get('device_name') or 'unknown'}"
+    return f"CPU: {env.cpu_model or env.device_name or 'unknown'}"
 
 
-def engine_label(record: dict) -> str:
-    eng = record.get("engine") or {}
-    spec = (record.get("spec") or {}).get("engine") or {}
-    parts = [eng.get("engine") or spec.get("name") or "?", short_dtype(eng.get("dtype") or spec.get("dtype"))]
-    if eng.get("tensor_parallel_size"):
-        parts.append(f"TP{eng['tensor_parallel_size']}")
-    if eng.get("enforce_eager") is True:
+def engine_label(record: RunRecord) -> str:
+    eng, spec = record.engine or EngineInfo(), record.spec.engine
+    parts = [
+        eng.engine or (spec.name if spec else None) or "?",
+        short_dtype(eng.dtype or (spec.dtype if spec else None)),
+    ]
+    if eng.tensor_parallel_size:
+        parts.append(f"TP{eng.tensor_parallel_size}")
+    if eng.enforce_eager is True:
         parts.append("eager")
-    elif eng.get("enforce_eager") is False:
+    elif eng.enforce_eager is False:
         parts.append("compiled")
-    if eng.get("kv_cache_dtype") not in (None, "auto"):
-        parts.append(f"kv {eng['kv_cache_dtype']}")
-    if eng.get("quantization"):
-        parts.append(str(eng["quantization"]))
-    if eng.get("batch_invariant"):
+    if eng.kv_cache_dtype not in (None, "auto"):
+        parts.append(f"kv {eng.kv_cache_dtype}")
+    if eng.quantization:
+        parts.append(str(eng.quantization))
+    if eng.batch_invariant:
         parts.append("batch-invariant")
-    if eng.get("cascade_attn"):
+    if eng.cascade_attn:
         parts.append("cascade-attn")
     return " ".join(p for p in parts if p)
 
 
-def reference_label(record: dict) -> str:
-    ref = record.get("reference") or {}
-    spec = (record.get("spec") or {}).get("reference") or {}
-    dtype = ref.get("dtype") or spec.get("dtype")
+def reference_label(record: RunRecord) -> str:
+    ref = record.reference or ReferenceInfo()
+    dtype = ref.dtype or record.spec.reference.dtype
     parts = ["HF", short_dtype(dtype)]
-    if ref.get("logits_fp32") and dtype != "float32":
+    if ref.logits_fp32 and dtype != "float32":
         parts.append("+fp32 head")
-    if ref.get("attn_implementation"):
-        parts.append(ref["attn_implementation"])
-    if ref.get("packing"):
-        parts.append(ref["packing"])
+    if ref.attn_implementation:
+        parts.append(ref.attn_implementation)
+    if ref.packing:
+        parts.append(ref.packing)
     parts.append(layout_label(ref))
     return " ".join(p for p in parts if p)
 
 
-def run_label(record: dict, path: Path) -> str:
-    return (record.get("spec") or {}).get("name") or path.name
+def run_label(record: RunRecord, path: Path) -> str:
+    return record.spec.name or path.name
 
 
 # ---- formatting -----------------------------------------------------------------------------
@@ -205,11 +205,11 @@ def token_view(seq: dict) -> list[dict]:
 # ---- one run --------------------------------------------------------------------------------
 
 
-def _environment_rows(record: dict) -> list[tuple[str, str]]:
-    env = record.get("environment") or {}
-    gpus = env.get("gpus") or []
-    eng, ref = record.get("engine") or {}, record.get("reference") or {}
-    inputs = record.get("inputs") or {}
+def _environment_rows(record: RunRecord) -> list[tuple[str, str]]:
+    env, inputs = record.environment or Environment(), record.inputs or Inputs()
+    eng = record.engine.settings() if record.engine else {}
+    ref = record.reference.settings() if record.reference else {}
+    kv_cache = record.engine.kv_cache_sizing if record.engine else None
     skip_engine = {
         "engine",
         "requested",
@@ -220,53 +220,48 @@ def _environment_rows(record: dict) -> list[tuple[str, str]]:
         "per_request_seeds_off_because",
         "kv_cache_sizing",
     }
-    versions = {**(env.get("packages") or {}), **(eng.get("versions") or {})}
+    versions = {**env.packages, **(record.engine.versions if record.engine else {})}
+    probe = env.mismatch_probe
     rows = [
         ("hardware", gpu_type(record)),
-        ("GPUs", ", ".join(f"{g.get('name')} ({g.get('memory_gib', '?')} GiB)" for g in gpus) or "none"),
-        (
-            "CPU",
-            f"{env.get('cpu_model') or '-'} ({env.get('cpu_count') or '?'} cores, {env.get('memory_gib') or '?'} GiB)",
-        ),
-        ("driver / CUDA", f"{env.get('nvidia_driver') or '-'} / {env.get('cuda') or '-'}"),
+        ("GPUs", ", ".join(f"{g.get('name')} ({g.get('memory_gib', '?')} GiB)" for g in env.gpus) or "none"),
+        ("CPU", f"{env.cpu_model or '-'} ({env.cpu_count or '?'} cores, {env.memory_gib or '?'} GiB)"),
+        ("driver / CUDA", f"{env.nvidia_driver or '-'} / {env.cuda or '-'}"),
         ("libraries", ", ".join(f"{k} {v}" for k, v in versions.items())),
-        ("python / platform", f"{env.get('python') or '-'} / {env.get('platform') or '-'}"),
+        ("python / platform", f"{env.python or '-'} / {env.platform or '-'}"),
         (
             "mismatch-probe",
-            (
-                f"{(env.get('mismatch_probe') or {}).get('version') or record.get('probe_version')} "
-                f"({(env.get('mismatch_probe') or {}).get('git_commit') or 'no git'})"
-            ),
+            f"{probe.get('version') or record.probe_version} ({probe.get('git_commit') or 'no git'})",
         ),
-        ("model", inputs.get("model") or "-"),
-        ("prompts", f"{inputs.get('prompts')} ({inputs.get('n_prompts')} prompts, {inputs.get('n_samples')} samples)"),
+        ("model", inputs.model or "-"),
+        ("prompts", f"{inputs.prompts} ({inputs.n_prompts} prompts, {inputs.n_samples} samples)"),
         ("engine", engine_label(record)),
         ("engine settings", ", ".join(f"{k}={v}" for k, v in eng.items() if k not in skip_engine)),
-        *([("KV cache", kv_cache_line(eng["kv_cache_sizing"]))] if eng.get("kv_cache_sizing") else []),
+        *([("KV cache", kv_cache_line(kv_cache))] if kv_cache else []),
         ("reference", reference_label(record)),
         ("reference settings", ", ".join(f"{k}={v}" for k, v in ref.items() if k != "versions")),
-        ("sampling", ", ".join(f"{k}={v}" for k, v in ((record.get("spec") or {}).get("sampling") or {}).items())),
+        ("sampling", ", ".join(f"{k}={v}" for k, v in record.spec.sampling.to_dict().items())),
     ]
-    semantics = record.get("logprob_semantics") or {}
-    if semantics:
-        sem = semantics.get("engine") or {}
-        ref_sem = semantics.get("reference") or sem
+    semantics = record.logprob_semantics
+    if semantics is not None and semantics.to_dict():
+        sem = semantics.engine
+        ref_sem = semantics.reference or sem
         rows.append(
             (
                 "log-prob semantics",
-                f"engine: {sem.get('distribution', '-')} ({sem.get('mode', '-')}); reference: "
-                f"{ref_sem.get('distribution', '-')}"
-                + ("" if semantics.get("matched", True) else " — deliberately not the engine's"),
+                f"engine: {sem.distribution if sem else '-'} ({sem.mode if sem else '-'}); reference: "
+                f"{ref_sem.distribution if ref_sem else '-'}"
+                + ("" if semantics.matched is not False else " — deliberately not the engine's"),
             )
         )
     return rows
 
 
-def _metric_rows(record: dict) -> tuple[list[str], list[dict]]:
-    by_turn = record.get("metrics_by_turn") or {}
-    prefill = record.get("decode_vs_prefill") or {}
-    columns = [("all", record.get("metrics") or {})]
-    if (by_turn.get("later") or {}).get("n_model_tokens"):
+def _metric_rows(record: RunRecord) -> tuple[list[str], list[dict]]:
+    by_turn = record.metrics_by_turn or {}
+    prefill = record.decode_vs_prefill or {}
+    columns = [("all", record.metrics or {})]
+    if record.metric("n_model_tokens", "later"):
         columns += [("first turn", by_turn.get("first") or {}), ("later turns", by_turn["later"])]
     if prefill.get("n_model_tokens"):
         columns.append(("decode vs prefill", prefill))
@@ -284,27 +279,27 @@ def _metric_rows(record: dict) -> tuple[list[str], list[dict]]:
     return [name for name, _ in columns], rows
 
 
-def _headline(record: dict) -> list[dict]:
-    m = record.get("metrics") or {}
+def _headline(record: RunRecord) -> list[dict]:
+    m = record.metric
     cards = [
-        {"label": "K3 KL (mismatch-KL)", "value": fmt(m.get("k3_kl")), "note": k3_context(m.get("k3_kl"))},
+        {"label": "K3 KL (mismatch-KL)", "value": fmt(m("k3_kl")), "note": k3_context(m("k3_kl"))},
         {
             "label": "max token |Δp|",
-            "value": fmt(m.get("prob_diff_max")),
-            "note": f"mean {fmt(m.get('prob_diff_mean'))}; per-sequence max averages {fmt(m.get('seq_max_mismatch_mean'))}",
+            "value": fmt(m("prob_diff_max")),
+            "note": f"mean {fmt(m('prob_diff_mean'))}; per-sequence max averages {fmt(m('seq_max_mismatch_mean'))}",
         },
         {
             "label": "sequences with max |Δp| > 0.5",
-            "value": pct(m.get("seq_max_mismatch_gt_0_5_share")),
-            "note": f"{fmt(m.get('seq_max_mismatch_gt_0_5_count'))} of {fmt(m.get('n_sequences'))} sequences",
+            "value": pct(m("seq_max_mismatch_gt_0_5_share")),
+            "note": f"{fmt(m('seq_max_mismatch_gt_0_5_count'))} of {fmt(m('n_sequences'))} sequences",
         },
         {
             "label": "token mult. prob error",
-            "value": fmt(m.get("mult_prob_error")),
-            "note": _mult_note(m.get("mult_prob_error")),
+            "value": fmt(m("mult_prob_error")),
+            "note": _mult_note(m("mult_prob_error")),
         },
     ]
-    prefill = record.get("decode_vs_prefill") or {}
+    prefill = record.decode_vs_prefill or {}
     if prefill.get("n_model_tokens"):
         cards.append(
             {
@@ -313,15 +308,13 @@ def _headline(record: dict) -> list[dict]:
                 "note": "inside the engine: its sampled log-probs against its own full-sequence prefill",
             }
         )
-    later = (record.get("metrics_by_turn") or {}).get("later") or {}
-    first = (record.get("metrics_by_turn") or {}).get("first") or {}
-    if later.get("n_model_tokens") and first.get("k3_kl") and later.get("k3_kl") is not None:
-        ratio = _ratio(later.get("k3_kl"), first.get("k3_kl"))
+    first_k3, later_k3 = m("k3_kl", "first"), m("k3_kl", "later")
+    if m("n_model_tokens", "later") and first_k3 and later_k3 is not None:
         cards.append(
             {
                 "label": "later / first turn K3",
-                "value": ratio,
-                "note": f"first {fmt(first.get('k3_kl'))}, later {fmt(later.get('k3_kl'))}",
+                "value": _ratio(later_k3, first_k3),
+                "note": f"first {fmt(first_k3)}, later {fmt(later_k3)}",
             }
         )
     return cards
@@ -342,10 +335,10 @@ def _mult_note(v) -> str:
     return "below NeMo-RL's 1.05 threshold (1.0 is perfect)"
 
 
-def _correction_rows(record: dict) -> list[dict]:
-    corr = record.get("corrections") or {}
-    by_turn = record.get("corrections_by_turn") or {}
-    has_later = bool(((record.get("metrics_by_turn") or {}).get("later") or {}).get("n_model_tokens"))
+def _correction_rows(record: RunRecord) -> list[dict]:
+    corr = record.corrections or {}
+    by_turn = record.corrections_by_turn or {}
+    has_later = bool(record.metric("n_model_tokens", "later"))
     th = corr.get("thresholds") or {}
     rows = []
     for key, (name, what) in CORRECTION_DOCS.items():
@@ -387,14 +380,15 @@ def render_run(run: RunData, figures: list[dict] | None = None) -> str:
         figures = run_figures(record, dist)
     columns, metric_rows = _metric_rows(record)
     corrections = _correction_rows(record)
-    bd = record.get("breakdowns") or {}
-    routing = record.get("routing")
+    bd = record.breakdowns or {}
+    routing = record.routing
+    by_turn_index = record.metrics_by_turn_index or {}
     context = {
         "title": f"mismatch-probe: {run_label(record, run.path)}",
         "run_name": run_label(record, run.path),
         "subtitle": f"{engine_label(record)}  vs  {reference_label(record)}  on  {gpu_type(record)}",
         "record": record,
-        "status": record.get("status"),
+        "status": record.status,
         "headline": _headline(record),
         "notes": plain_notes(record),
         "environment": _environment_rows(record),
@@ -404,9 +398,7 @@ def render_run(run: RunData, figures: list[dict] | None = None) -> str:
         "corrections": corrections,
         "correction_columns": ["all"] + (["first turn", "later turns"] if len(corrections[0]["values"]) > 1 else []),
         "p_buckets": bd.get("p_infer_buckets") or [],
-        "by_turn_index": (record.get("metrics_by_turn_index") or {})
-        if len(record.get("metrics_by_turn_index") or {}) > 1
-        else {},
+        "by_turn_index": by_turn_index if len(by_turn_index) > 1 else {},
         "routing": routing if routing and routing.get("n_tokens") else None,
         "routing_layers": list(
             zip(routing["moe_layers"], routing["set_agreement_by_layer"], routing["overlap_by_layer"])
@@ -415,9 +407,9 @@ def render_run(run: RunData, figures: list[dict] | None = None) -> str:
         else [],
         "worst": [{**seq, "spans": token_view(seq)} for seq in dist.get("worst_sequences") or []],
         "worst_has_text": any((s["tokens"].get("text") is not None) for s in dist.get("worst_sequences") or []),
-        "timings": record.get("timings") or {},
-        "samples": record.get("samples") or {},
-        "tokenization_check": record.get("tokenization_check"),
+        "timings": record.timings,
+        "samples": record.samples or {},
+        "tokenization_check": record.tokenization_check,
         "gap_classes": [("g0", f"< {GAP_CLASSES[0]:g}")]
         + [(f"g{k + 1}", f"{GAP_CLASSES[k]:g} – {GAP_CLASSES[k + 1]:g}") for k in range(len(GAP_CLASSES) - 1)]
         + [(f"g{len(GAP_CLASSES)}", f"≥ {GAP_CLASSES[-1]:g}")],
@@ -439,17 +431,14 @@ COMPARISON_EXTRA_ROWS = (  # (section, key, label, better)
 )
 
 
-def _settings(record: dict) -> dict[str, str]:
+def _settings(record: RunRecord) -> dict[str, str]:
     """Flat settings of a run, for the table of what differs between runs."""
-    flat = {"hardware": gpu_type(record)}
-    env = record.get("environment") or {}
-    inputs = record.get("inputs") or {}
-    flat["model"] = inputs.get("model")
-    flat["prompts"] = (
-        f"{inputs.get('prompts')} ({inputs.get('n_prompts')} × {(record.get('spec') or {}).get('sampling', {}).get('n')})"
-    )
-    flat["driver / CUDA"] = f"{env.get('nvidia_driver') or '-'} / {env.get('cuda') or '-'}"
-    for k, v in {**(env.get("packages") or {}), **((record.get("engine") or {}).get("versions") or {})}.items():
+    flat: dict[str, Any] = {"hardware": gpu_type(record)}
+    env, inputs = record.environment or Environment(), record.inputs or Inputs()
+    flat["model"] = inputs.model
+    flat["prompts"] = f"{inputs.prompts} ({inputs.n_prompts} × {record.spec.sampling.n})"
+    flat["driver / CUDA"] = f"{env.nvidia_driver or '-'} / {env.cuda or '-'}"
+    for k, v in {**env.packages, **(record.engine.versions if record.engine else {})}.items():
         flat[k] = v
     # kv_cache_sizing holds the free memory at start-up, which differs between any two runs
     skip = {
@@ -460,16 +449,16 @@ def _settings(record: dict) -> dict[str, str]:
         "per_request_seeds_off_because",
         "kv_cache_sizing",
     }
-    for k, v in (record.get("engine") or {}).items():
+    for k, v in (record.engine.settings() if record.engine else {}).items():
         if k not in skip:
             flat[f"engine.{k}"] = v
-    for k, v in (record.get("reference") or {}).items():
+    for k, v in (record.reference.settings() if record.reference else {}).items():
         if k != "versions":
             flat[f"reference.{k}"] = v
-    for k, v in ((record.get("spec") or {}).get("sampling") or {}).items():
+    for k, v in record.spec.sampling.to_dict().items():
         flat[f"sampling.{k}"] = v
-    sem = record.get("logprob_semantics") or {}
-    flat["reference log-probs"] = (sem.get("reference") or {}).get("distribution")
+    sem = record.logprob_semantics
+    flat["reference log-probs"] = sem.reference.distribution if sem and sem.reference else None
     return {
         k: (json.dumps(v) if isinstance(v, (dict, list)) else ("-" if v is None else str(v)))
         for k, v in _dotted(flat).items()
@@ -518,7 +507,7 @@ def render_comparison(runs: list[RunData]) -> str:
 
     metric_rows = []
     for doc in METRIC_DOCS:
-        values = [(r.record.get("metrics") or {}).get(doc.key) for r in runs]
+        values = [r.record.metric(doc.key) for r in runs]
         best, worst = rank(values, doc.better)
         metric_rows.append(
             {
@@ -529,7 +518,7 @@ def render_comparison(runs: list[RunData]) -> str:
             }
         )
     for section, key, label, better in COMPARISON_EXTRA_ROWS:
-        values = [lookup(r.record, f"{section}.{key}") for r in runs]
+        values = [r.record.lookup(f"{section}.{key}") for r in runs]
         if all(v is None for v in values):
             continue
         best, worst = rank(values, better)
@@ -543,7 +532,7 @@ def render_comparison(runs: list[RunData]) -> str:
         )
     correction_rows = []
     for key, (name, what) in CORRECTION_DOCS.items():
-        values = [(r.record.get("corrections") or {}).get(key) for r in runs]
+        values = [(r.record.corrections or {}).get(key) for r in runs]
         best, worst = rank(values, "lower")
         correction_rows.append(
             {
@@ -558,11 +547,11 @@ def render_comparison(runs: list[RunData]) -> str:
     for what in ("model", "prompts"):
         if len({s.get(what) for s in settings}) > 1:
             warnings.append(f"The runs use different {what}; their numbers measure different things.")
-    thresholds = {json.dumps((r.record.get("corrections") or {}).get("thresholds"), sort_keys=True) for r in runs}
+    thresholds = {json.dumps((r.record.corrections or {}).get("thresholds"), sort_keys=True) for r in runs}
     if len(thresholds) > 1:
         warnings.append("The runs use different correction thresholds; their what-if shares are not comparable.")
 
-    sources = {resolve_from_dir(r.path, (r.record.get("rollouts_from") or {}).get("run") or ".") for r in runs}
+    sources = {resolve_from_dir(r.path, (r.record.rollouts_from or {}).get("run") or ".") for r in runs}
     figure_runs = [{"label": r.label, "color": r.color, "record": r.record, "dist": r.dist} for r in runs]
     context = {
         "title": f"mismatch-probe: {len(runs)} runs compared",
@@ -574,9 +563,9 @@ def render_comparison(runs: list[RunData]) -> str:
                 "hardware": gpu_type(r.record),
                 "engine": engine_label(r.record),
                 "reference": reference_label(r.record),
-                "tokens": (r.record.get("metrics") or {}).get("n_model_tokens"),
-                "sequences": (r.record.get("metrics") or {}).get("n_sequences"),
-                "created_at": r.record.get("created_at"),
+                "tokens": r.record.metric("n_model_tokens"),
+                "sequences": r.record.metric("n_sequences"),
+                "created_at": r.record.created_at,
                 "notes": plain_notes(r.record),
             }
             for r in runs

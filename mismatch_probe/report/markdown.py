@@ -1,4 +1,4 @@
-"""A plain Markdown report of one run, rendered from run.json alone (no numbers computed here).
+"""A plain Markdown report of one run, rendered from its record alone (no numbers computed here).
 
 It opens anywhere (a terminal, an editor, a CI artifact viewer, GitHub). Text that came from the
 user (model paths, ids) is escaped for Markdown table cells.
@@ -7,6 +7,7 @@ user (model paths, ids) is escaped for Markdown table cells.
 from __future__ import annotations
 
 from mismatch_probe.analysis.metric_docs import METRIC_DOCS
+from mismatch_probe.record import Environment, Inputs, LogprobSemanticsRecord, RunRecord, SemanticsSide
 from mismatch_probe.report.summary import fmt, kv_cache_line, plain_notes
 
 
@@ -20,41 +21,34 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
     return lines
 
 
-def render_markdown(record: dict) -> str:
-    spec, env = record.get("spec") or {}, record.get("environment") or {}
-    eng, ref = record.get("engine") or {}, record.get("reference") or {}
-    by_turn = record.get("metrics_by_turn") or {}
-    later = bool((by_turn.get("later") or {}).get("n_model_tokens"))
-    semantics = record.get("logprob_semantics") or {}
-    sem = semantics.get("engine") or {}
-    ref_sem = semantics.get("reference") or sem
-    prefill = record.get("decode_vs_prefill") or {}
+def render_markdown(record: RunRecord) -> str:
+    spec = record.spec
+    env, inputs = record.environment or Environment(), record.inputs or Inputs()
+    eng = record.engine.settings() if record.engine else {}
+    kv_cache = record.engine.kv_cache_sizing if record.engine else None
+    ref = record.reference.settings() if record.reference else {}
+    later = bool(record.metric("n_model_tokens", "later"))
+    semantics = record.logprob_semantics or LogprobSemanticsRecord()
+    sem = semantics.engine
+    ref_sem = semantics.reference or sem
+    prefill = record.decode_vs_prefill or {}
     has_prefill = bool(prefill.get("n_model_tokens"))
     out = [
-        f"# mismatch-probe run: {_cell(spec.get('name') or spec.get('engine', {}).get('name'))}",
+        f"# mismatch-probe run: {_cell(spec.name or (spec.engine.name if spec.engine else None))}",
         "",
-        (
-            f"Status **{record.get('status')}**, created {record.get('created_at')}, "
-            f"mismatch-probe {record.get('probe_version')}."
-        ),
+        f"Status **{record.status}**, created {record.created_at}, mismatch-probe {record.probe_version}.",
         "",
         "## Setup",
         "",
         *_table(
             ["", "value"],
             [
-                ["device", env.get("device_name")],
-                ["GPUs", ", ".join(g["name"] for g in env.get("gpus") or []) or "none"],
-                ["driver / CUDA", f"{env.get('nvidia_driver') or '-'} / {env.get('cuda') or '-'}"],
-                ["libraries", ", ".join(f"{k} {v}" for k, v in (env.get("packages") or {}).items())],
-                ["model", (record.get("inputs") or {}).get("model")],
-                [
-                    "prompts",
-                    (
-                        f"{(record.get('inputs') or {}).get('prompts')} ({(record.get('inputs') or {}).get('n_prompts')} prompts, "
-                        f"{(record.get('inputs') or {}).get('n_samples')} samples)"
-                    ),
-                ],
+                ["device", env.device_name],
+                ["GPUs", ", ".join(g["name"] for g in env.gpus) or "none"],
+                ["driver / CUDA", f"{env.nvidia_driver or '-'} / {env.cuda or '-'}"],
+                ["libraries", ", ".join(f"{k} {v}" for k, v in env.packages.items())],
+                ["model", inputs.model],
+                ["prompts", f"{inputs.prompts} ({inputs.n_prompts} prompts, {inputs.n_samples} samples)"],
                 [
                     "engine",
                     ", ".join(
@@ -63,14 +57,14 @@ def render_markdown(record: dict) -> str:
                         if k not in ("versions", "requested", "routing_unavailable", "kv_cache_sizing")
                     ),
                 ],
-                *([["KV cache", kv_cache_line(eng["kv_cache_sizing"])]] if eng.get("kv_cache_sizing") else []),
+                *([["KV cache", kv_cache_line(kv_cache)]] if kv_cache else []),
                 ["reference", ", ".join(f"{k}={v}" for k, v in ref.items() if k != "versions")],
-                ["sampling", ", ".join(f"{k}={v}" for k, v in (spec.get("sampling") or {}).items())],
-                ["engine log-probs", sem.get("distribution", "-") + f" ({sem.get('mode', '-')})"],
+                ["sampling", ", ".join(f"{k}={v}" for k, v in spec.sampling.to_dict().items())],
+                ["engine log-probs", _distribution(sem) + f" ({sem.mode if sem else '-'})"],
                 [
                     "reference log-probs",
-                    ref_sem.get("distribution", "-")
-                    + ("" if semantics.get("matched", True) else " (deliberately not the engine's)"),
+                    _distribution(ref_sem)
+                    + ("" if semantics.matched is not False else " (deliberately not the engine's)"),
                 ],
             ],
         ),
@@ -93,9 +87,9 @@ def render_markdown(record: dict) -> str:
     rows = []
     for doc in METRIC_DOCS:
         key, note = doc.key, doc.meaning + (f" ({doc.reference})" if doc.reference and doc.better else "")
-        row = [f"`{key}`", fmt(record["metrics"].get(key)), fmt((by_turn.get("first") or {}).get(key))]
+        row = [f"`{key}`", fmt(record.metric(key)), fmt(record.metric(key, "first"))]
         if later:
-            row.append(fmt(by_turn["later"].get(key)))
+            row.append(fmt(record.metric(key, "later")))
         if has_prefill:
             row.append(fmt(prefill.get(key)) if key != "log_ppl_train" else "-")
         rows.append(row + [note])
@@ -104,7 +98,7 @@ def render_markdown(record: dict) -> str:
     if remarks:
         out += [""] + [f"- {line}" for line in remarks]
 
-    corr = record.get("corrections") or {}
+    corr = record.corrections or {}
     th = corr.get("thresholds") or {}
     out += [
         "",
@@ -122,7 +116,7 @@ def render_markdown(record: dict) -> str:
         ],
     )
 
-    bd = record.get("breakdowns") or {}
+    bd = record.breakdowns or {}
     out += ["", "## |delta| by engine probability", "", "Mismatch concentrates on low-probability tokens.", ""]
     out += _table(
         ["p_infer", "tokens", "share", "mean abs delta", "p50", "p90", "p99", "max", "mean K3"],
@@ -141,7 +135,7 @@ def render_markdown(record: dict) -> str:
             for r in bd.get("p_infer_buckets") or []
         ],
     )
-    by_index = record.get("metrics_by_turn_index") or {}
+    by_index = record.metrics_by_turn_index or {}
     if len(by_index) > 1:
         out += [
             "",
@@ -206,7 +200,7 @@ def render_markdown(record: dict) -> str:
             for r in bd.get("position_buckets") or []
         ],
     )
-    routing = record.get("routing")
+    routing = record.routing
     if routing and routing.get("n_tokens"):
         out += [
             "",
@@ -243,8 +237,8 @@ def render_markdown(record: dict) -> str:
                 for name in ("flipped", "agreed")
             ],
         )
-    figures = record.get("figures") or []
-    if isinstance(figures, list) and figures:
+    figures = record.figures or []
+    if figures:
         out += [
             "",
             "## Figures",
@@ -252,8 +246,11 @@ def render_markdown(record: dict) -> str:
             ("The same figures, with captions and the worst sequences token by token, are in `report.html`."),
             "",
         ]
-        out += [f"![{f['title']}]({f['path']})" for f in figures]
-    timings = record.get("timings") or {}
+        out += [f"![{f.title}]({f.path})" for f in figures]
     out += ["", "## Timings", ""]
-    out += _table(["stage", "seconds"], [[k.removesuffix("_s"), f"{v:.2f}"] for k, v in timings.items()])
+    out += _table(["stage", "seconds"], [[k.removesuffix("_s"), f"{v:.2f}"] for k, v in record.timings.items()])
     return "\n".join(out) + "\n"
+
+
+def _distribution(side: SemanticsSide | None) -> str:
+    return side.distribution if side else "-"

@@ -14,6 +14,7 @@ import math
 import numpy as np
 
 from mismatch_probe.analysis.distributions import dense
+from mismatch_probe.record import RunRecord
 
 DPI = 100
 FIRST, LATER = "#1f77b4", "#d62728"
@@ -86,10 +87,10 @@ def prob_density(dist: dict):
     return fig
 
 
-def log_ppl_by_turn(dist: dict, record: dict):
+def log_ppl_by_turn(dist: dict, record: RunRecord):
     """One point per sample-turn: log-ppl under the engine against the reference."""
     fig, (ax,) = _figure(5.4, 4.8)
-    by_turn = record.get("metrics_by_turn") or {}
+    by_turn = record.metrics_by_turn or {}
     values = []
     for g, color in (("first", FIRST), ("later", LATER)):
         data = dist["groups"][g]
@@ -125,9 +126,14 @@ def _edge(v: float) -> str:
     return "0" if v == 0 else "1" if v == 1 else f"{v:g}"
 
 
-def abs_delta_by_p_infer(record: dict):
+def _buckets(record: RunRecord, name: str) -> list[dict]:
+    """A breakdown of the run (``p_infer_buckets``, ``response_length_buckets``, ``position_buckets``)."""
+    return (record.breakdowns or {}).get(name) or []
+
+
+def abs_delta_by_p_infer(record: RunRecord):
     """|delta| quantile bands per p_infer bucket (log scale): where the mismatch lives."""
-    rows = [r for r in (record.get("breakdowns") or {}).get("p_infer_buckets") or []]
+    rows = _buckets(record, "p_infer_buckets")
     fig, (ax,) = _figure(6.8, 4.2)
     x = np.arange(len(rows))
     filled = [i for i, r in enumerate(rows) if r.get("count")]
@@ -161,7 +167,7 @@ def abs_delta_by_p_infer(record: dict):
     return fig
 
 
-def max_mismatch_vs_length(dist: dict, record: dict):
+def max_mismatch_vs_length(dist: dict, record: RunRecord):
     """Per-sequence max |p_train - p_infer| against response length (density), with the mean per
     length bucket and the 0.5 line."""
     from matplotlib.colors import LogNorm
@@ -175,7 +181,7 @@ def max_mismatch_vs_length(dist: dict, record: dict):
         hist[hist == 0] = np.nan
         mesh = ax.pcolormesh(edges["length"], y_edges, hist.T, cmap="viridis", norm=LogNorm(vmin=1))
         fig.colorbar(mesh, ax=ax, label="sequences")
-    rows = (record.get("breakdowns") or {}).get("response_length_buckets") or []
+    rows = _buckets(record, "response_length_buckets")
     if rows:
         centers = [math.sqrt(r["length_lo"] * (r["length_hi"] or r["length_lo"] * 2)) for r in rows]
         ax.plot(
@@ -196,9 +202,9 @@ def max_mismatch_vs_length(dist: dict, record: dict):
     return fig
 
 
-def mismatch_by_position(record: dict):
+def mismatch_by_position(record: RunRecord):
     """Token mismatch against position in the sequence (position buckets)."""
-    rows = (record.get("breakdowns") or {}).get("position_buckets") or []
+    rows = _buckets(record, "position_buckets")
     fig, (ax,) = _figure(6.8, 4.0)
     if rows:
         x = np.arange(len(rows))
@@ -225,14 +231,14 @@ def _seq_max_log_hist(dist: dict) -> tuple[np.ndarray, np.ndarray]:
     return dense(dist["sequences"]["length_vs_max_mismatch"]).sum(axis=0).astype(float), edges
 
 
-def seq_max_mismatch_hist(dist: dict, record: dict):
+def seq_max_mismatch_hist(dist: dict, record: RunRecord):
     """Histogram of the per-sequence max |p_train - p_infer|: on [0, 1] with the 0.5 line of the
     parallelism study, and on a log axis, where a well-matched run's mass actually is."""
     fig, (ax, ax_log) = _figure(11.0, 3.8, 2)
     edges = np.array(dist["edges"]["seq_max_mismatch"], float)
     counts = np.array(dist["sequences"]["max_mismatch_hist"], float)
     ax.bar(edges[:-1], counts, width=np.diff(edges), align="edge", color="#1f77b4", edgecolor="white", lw=0.3)
-    m = record.get("metrics") or {}
+    m = record.metrics or {}
     share = m.get("seq_max_mismatch_gt_0_5_share")
     ax.text(
         0.51,
@@ -269,12 +275,12 @@ def _ratio_axis(ax, edges: np.ndarray) -> np.ndarray:
     return finite
 
 
-def importance_ratio(dist: dict, record: dict):
+def importance_ratio(dist: dict, record: RunRecord):
     """Distribution of the token log-ratio and of the sequence log-ratio (log IS weights), with
     the thresholds of the correction what-ifs."""
     fig, axes = _figure(11.0, 3.9, 2)
     edges = np.array(dist["edges"]["log_ratio"], float)
-    th = (record.get("corrections") or {}).get("thresholds") or {}
+    th = (record.corrections or {}).get("thresholds") or {}
     token = sum(np.array(dist["groups"][g]["log_ratio_hist"], float) for g in ("first", "later"))
     panels = (
         (
@@ -316,7 +322,7 @@ def importance_ratio(dist: dict, record: dict):
     return fig
 
 
-def run_figures(record: dict, dist: dict) -> list[dict]:
+def run_figures(record: RunRecord, dist: dict) -> list[dict]:
     """Every figure of a one-run report: ``{"id", "title", "caption", "png"}``, in report order."""
     figures = [
         (
@@ -427,7 +433,7 @@ def overlay_abs_delta_by_p_infer(runs: list[dict]):
     fig, (ax,) = _figure(6.8, 4.2)
     labels = []
     for run in runs:
-        rows = (run["record"].get("breakdowns") or {}).get("p_infer_buckets") or []
+        rows = _buckets(run["record"], "p_infer_buckets")
         labels = labels or _bucket_labels(rows)
         idx = [i for i, r in enumerate(rows) if r.get("count")]
         if not idx:
@@ -452,7 +458,7 @@ def overlay_abs_delta_by_p_infer(runs: list[dict]):
 def overlay_position(runs: list[dict]):
     fig, (ax,) = _figure(6.8, 4.0)
     for run in runs:
-        rows = (run["record"].get("breakdowns") or {}).get("position_buckets") or []
+        rows = _buckets(run["record"], "position_buckets")
         if not rows:
             continue
         centers = [
@@ -495,7 +501,8 @@ def _legend(ax, **kw) -> None:
 
 
 def comparison_figures(runs: list[dict]) -> list[dict]:
-    """Overlaid distributions; each run dict has ``label``, ``color``, ``record`` and ``dist``."""
+    """Overlaid distributions; each run dict has ``label``, ``color``, ``record`` (a
+    :class:`~mismatch_probe.record.RunRecord`) and ``dist``."""
     figures = [
         (
             "overlay_abs_delta_by_p_infer",

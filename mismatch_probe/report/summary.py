@@ -1,13 +1,16 @@
 """Terminal rendering of a run record (the CLI's end-of-run summary). Rendering only: no numbers
-are computed here, they all come from run.json."""
+are computed here, they all come from the run's :class:`~mismatch_probe.record.RunRecord`."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from typing import Any
 
 from rich.table import Table
 
 from mismatch_probe.analysis.metric_docs import negative_chi2_note
+from mismatch_probe.record import ReferenceInfo, RunRecord
 
 SUMMARY_ROWS = (
     ("k3_kl", "K3 KL (mean, 'vllm-kl')"),
@@ -49,10 +52,9 @@ def fmt(value) -> str:
     return f"{value:.4f}"
 
 
-def metrics_table(record: dict) -> Table:
-    by_turn = record.get("metrics_by_turn") or {}
-    has_later = bool((by_turn.get("later") or {}).get("n_model_tokens"))
-    prefill = record.get("decode_vs_prefill") or {}
+def metrics_table(record: RunRecord) -> Table:
+    has_later = bool(record.metric("n_model_tokens", "later"))
+    prefill = record.decode_vs_prefill or {}
     has_prefill = bool(prefill.get("n_model_tokens"))
     table = Table(title=f"mismatch: {_title(record)}", title_justify="left")
     table.add_column("metric")
@@ -63,48 +65,47 @@ def metrics_table(record: dict) -> Table:
     if has_prefill:
         table.add_column("engine decode vs its prefill", justify="right")
     for key, label in SUMMARY_ROWS:
-        row = [label, fmt(record["metrics"].get(key)), fmt((by_turn.get("first") or {}).get(key))]
+        row = [label, fmt(record.metric(key)), fmt(record.metric(key, "first"))]
         if has_later:
-            row.append(fmt(by_turn["later"].get(key)))
+            row.append(fmt(record.metric(key, "later")))
         if has_prefill:
             row.append(fmt(prefill.get(key)) if key not in ("log_ppl_train",) else "-")
         table.add_row(*row)
     return table
 
 
-def notes(record: dict) -> list[str]:
+def notes(record: RunRecord) -> list[str]:
     """Things the numbers alone do not say: semantics, skipped checks, zero-probability tokens."""
     out = []
-    sem = record.get("logprob_semantics") or {}
-    if sem and sem.get("matched") is False:
+    sem = record.logprob_semantics
+    if sem is not None and sem.matched is False and sem.reference is not None and sem.engine is not None:
         out.append(
-            f"[yellow]note:[/] the reference scores {sem['reference']['distribution']} but the engine's log-probs "
-            f"are {sem['engine']['distribution']} (reference.logprobs = {record['spec']['reference']['logprobs']!r}); "
+            f"[yellow]note:[/] the reference scores {sem.reference.distribution} but the engine's log-probs "
+            f"are {sem.engine.distribution} (reference.logprobs = {record.spec.reference.logprobs!r}); "
             "the mismatch above includes that difference on purpose"
         )
-    n_zero = (record.get("metrics") or {}).get("n_zero_prob_train")
+    n_zero = record.metric("n_zero_prob_train")
     if n_zero:
         out.append(
             f"[yellow]note:[/] {n_zero} sampled token(s) have probability 0 under the reference "
             "(e.g. just outside its top-p/top-k set): their delta is -inf, so K3 and mean |delta| are inf; "
             "the quantiles and prob-diff columns still describe the rest"
         )
-    check = record.get("tokenization_check") or {}
+    check = record.tokenization_check or {}
     if check.get("n_checked"):
         out.append(
             f"tokenization check: {check['n_differing']} of {check['n_checked']} conversations get other token ids "
             "when their chat is re-rendered and re-tokenized"
             + (" (a trainer that re-tokenizes would score different tokens)" if check["n_differing"] else "")
         )
-    prefill = record.get("decode_vs_prefill") or {}
-    if prefill.get("skipped"):
-        out.append(f"decode vs prefill: not measured, {prefill['skipped']}")
-    if chi2 := negative_chi2_note(record):
+    if record.prefill_skipped:
+        out.append(f"decode vs prefill: not measured, {record.prefill_skipped}")
+    if chi2 := negative_chi2_note({"metrics": record.metrics, "metrics_by_turn": record.metrics_by_turn}):
         out.append(f"note: {chi2}")
     return out
 
 
-def plain_notes(record: dict) -> list[str]:
+def plain_notes(record: RunRecord) -> list[str]:
     """:func:`notes` without rich markup, for the Markdown and HTML reports."""
     return [re.sub(r"\[/?[a-z ]*\]", "", line) for line in notes(record)]
 
@@ -123,8 +124,8 @@ TIMING_LABELS = (
 )
 
 
-def timing_line(record: dict) -> str | None:
-    t = record.get("timings") or {}
+def timing_line(record: RunRecord) -> str | None:
+    t = record.timings
     total = t.get("total_s")
     if not total:
         return None
@@ -132,8 +133,8 @@ def timing_line(record: dict) -> str | None:
     return f"time {total:.1f}s: " + ", ".join(parts)
 
 
-def corrections_table(record: dict) -> Table:
-    corr = record.get("corrections") or {}
+def corrections_table(record: RunRecord) -> Table:
+    corr = record.corrections or {}
     thresholds = corr.get("thresholds") or {}
     table = Table(title="correction what-ifs (share of data a trainer would clip or drop)", title_justify="left")
     table.add_column("correction")
@@ -147,8 +148,8 @@ def corrections_table(record: dict) -> Table:
     return table
 
 
-def routing_line(record: dict) -> str | None:
-    r = record.get("routing")
+def routing_line(record: RunRecord) -> str | None:
+    r = record.routing
     if not r or not r.get("n_tokens"):
         return None
     flipped, agreed = r["flipped"], r["agreed"]
@@ -164,18 +165,16 @@ def routing_line(record: dict) -> str | None:
     return line
 
 
-def _title(record: dict) -> str:
-    spec = record.get("spec") or {}
-    eng = record.get("engine") or {}
-    ref = record.get("reference") or {}
-    env = record.get("environment") or {}
+def _title(record: RunRecord) -> str:
+    spec_engine, eng, ref, env = record.spec.engine, record.engine, record.reference, record.environment
     return (
-        f"{spec.get('engine', {}).get('name')} {eng.get('dtype')} vs reference {ref.get('dtype')}"
-        f"{' (fp32 logits)' if ref.get('logits_fp32') else ''} on {env.get('device_name')}"
+        f"{spec_engine.name if spec_engine else None} {eng.dtype if eng else None} "
+        f"vs reference {ref.dtype if ref else None}"
+        f"{' (fp32 logits)' if ref and ref.logits_fp32 else ''} on {env.device_name if env else None}"
     )
 
 
-def kv_cache_line(sizing: dict) -> str:
+def kv_cache_line(sizing: Mapping[str, Any]) -> str:
     """The KV cache mismatch-probe chose for the engine (``engine.kv_cache_sizing``), and from what."""
     line = f"{sizing.get('kv_cache_memory_bytes', 0) / 2**20:,.0f} MiB"
     if sizing.get("bytes_per_token") and sizing.get("tokens"):
@@ -183,17 +182,18 @@ def kv_cache_line(sizing: dict) -> str:
     return f"{line}, chosen by mismatch-probe: {sizing.get('rule', '')}"
 
 
-def short_dtype(dtype) -> str:
-    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, dtype or "")
+def short_dtype(dtype: str | None) -> str:
+    if not dtype:
+        return ""
+    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, dtype)
 
 
-def layout_label(reference: dict) -> str:
+def layout_label(reference: ReferenceInfo | None) -> str:
     """The reference's parallel layout, e.g. "SP2 TP2"; empty for one process."""
-    return " ".join(
-        f"{tag}{reference[key]}"
-        for key, tag in (("sequence_parallel_size", "SP"), ("tensor_parallel_size", "TP"))
-        if (reference.get(key) or 1) > 1
-    )
+    if reference is None:
+        return ""
+    sizes = (("SP", reference.sequence_parallel_size), ("TP", reference.tensor_parallel_size))
+    return " ".join(f"{tag}{size}" for tag, size in sizes if (size or 1) > 1)
 
 
 VARIANT_COLUMNS = (
@@ -207,17 +207,17 @@ VARIANT_COLUMNS = (
 )
 
 
-def variants_table(result) -> Table:
-    """One row per variant of a spec: the same rollouts, each variant's reference."""
+def variants_table(records: Mapping[str, RunRecord]) -> Table:
+    """One row per variant of a spec (its name and record): the same rollouts, each variant's
+    reference."""
     table = Table(title="variants: the same rollouts, scored by each reference", title_justify="left")
     table.add_column("variant")
     table.add_column("reference")
     for _, label in VARIANT_COLUMNS:
         table.add_column(label, justify="right")
-    for name, run in result.runs.items():
-        ref = run.record.get("reference") or {}
-        head = "+fp32 head" if ref.get("logits_fp32") else ""
-        label = f"{short_dtype(ref.get('dtype'))}{head} {layout_label(ref)}".strip()
-        metrics = run.record.get("metrics") or {}
-        table.add_row(name, label, *(fmt(metrics.get(key)) for key, _ in VARIANT_COLUMNS))
+    for name, record in records.items():
+        ref = record.reference
+        head = "+fp32 head" if ref and ref.logits_fp32 else ""
+        label = f"{short_dtype(ref.dtype if ref else None)}{head} {layout_label(ref)}".strip()
+        table.add_row(name, label, *(fmt(record.metric(key)) for key, _ in VARIANT_COLUMNS))
     return table
