@@ -32,10 +32,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_metrics import write_synthetic
 
-from mismatch_probe.analysis.analyze import analyze, json_safe
+from mismatch_probe.analysis.analyze import analyze
 from mismatch_probe.analysis.distributions import DistributionAccumulator, save, worst_sequences
 from mismatch_probe.config.spec import ProbeSpec
 from mismatch_probe.environment import fingerprint
+from mismatch_probe.record import json_safe
 from mismatch_probe.report.html import write_report
 
 LIMIT_BYTES = 5 * 10**6

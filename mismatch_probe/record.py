@@ -157,7 +157,7 @@ class Environment(Section):
     hardware: str | None = None
     device_name: str | None = None
     gpus: list[Any] = Field(default_factory=list)
-    packages: dict[str, str] = Field(default_factory=dict)
+    packages: dict[str, str | None] = Field(default_factory=dict)
     mismatch_probe: dict[str, Any] = Field(default_factory=dict)
     cpu_model: str | None = None
     cpu_count: int | None = None
@@ -193,7 +193,7 @@ class EngineInfo(Section):
     requested: dict[str, Any] = Field(default_factory=dict)
     routing: RoutingLayout | None = None
     kv_cache_sizing: dict[str, Any] | None = None
-    versions: dict[str, str] = Field(default_factory=dict)
+    versions: dict[str, str | None] = Field(default_factory=dict)  # None: not installed
     # settings of most engines, shown in the report's engine label
     device: str | None = None
     dtype: str | None = None
@@ -217,7 +217,7 @@ class ReferenceInfo(Section):
     device: str | None = None
     sequence_parallel_size: int = 1
     tensor_parallel_size: int = 1
-    versions: dict[str, str] = Field(default_factory=dict)
+    versions: dict[str, str | None] = Field(default_factory=dict)  # None: not installed
 
     def settings(self) -> dict[str, Any]:
         return self.to_dict()
@@ -313,6 +313,11 @@ class RunRecord(Section):
                 return None
             node = node[part]
         return node
+
+    def page_timings(self) -> dict[str, float]:
+        """The timings a rendered page shows: all but ``report_s``, the time to render that very
+        page, which it cannot know (so a page rendered by compare equals one re-rendered later)."""
+        return {k: v for k, v in self.timings.items() if k != "report_s"}
 
     @property
     def prefill_skipped(self) -> str | None:

@@ -227,7 +227,7 @@ def worst_sequences(
 
 
 def save(run_dir: str | Path, distributions: dict) -> Path:
-    from mismatch_probe.analysis.analyze import json_safe
+    from mismatch_probe.record import json_safe
 
     path = Path(run_dir) / DISTRIBUTIONS_JSON
     tmp = path.with_suffix(".json.tmp")
@@ -237,7 +237,7 @@ def save(run_dir: str | Path, distributions: dict) -> Path:
 
 
 def _float(v) -> float:
-    """Undo :func:`.analysis.json_safe`: null is NaN, "inf" / "-inf" are infinities."""
+    """Undo :func:`mismatch_probe.record.json_safe`: null is NaN, "inf" / "-inf" are infinities."""
     return float("nan") if v is None else float(v)
 
 

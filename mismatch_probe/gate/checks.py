@@ -198,7 +198,7 @@ class GateResult:
         return {s: sum(r.status == s for r in self.results) for s in STATUS_ORDER}
 
     def to_dict(self) -> dict:
-        from mismatch_probe.analysis.analyze import json_safe
+        from mismatch_probe.record import json_safe
 
         return json_safe(
             {
@@ -214,7 +214,7 @@ class GateResult:
 
 
 def _number(value) -> float | None:
-    """A record value (infinities already restored by ``with_numbers``) as a float, or None."""
+    """A record value (infinities already restored by the record) as a float, or None."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return float(value)

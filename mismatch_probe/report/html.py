@@ -407,7 +407,7 @@ def render_run(run: RunData, figures: list[dict] | None = None) -> str:
         else [],
         "worst": [{**seq, "spans": token_view(seq)} for seq in dist.get("worst_sequences") or []],
         "worst_has_text": any((s["tokens"].get("text") is not None) for s in dist.get("worst_sequences") or []),
-        "timings": record.timings,
+        "timings": record.page_timings(),
         "samples": record.samples or {},
         "tokenization_check": record.tokenization_check,
         "gap_classes": [("g0", f"< {GAP_CLASSES[0]:g}")]

@@ -248,7 +248,7 @@ def render_markdown(record: RunRecord) -> str:
         ]
         out += [f"![{f.title}]({f.path})" for f in figures]
     out += ["", "## Timings", ""]
-    out += _table(["stage", "seconds"], [[k.removesuffix("_s"), f"{v:.2f}"] for k, v in record.timings.items()])
+    out += _table(["stage", "seconds"], [[k.removesuffix("_s"), f"{v:.2f}"] for k, v in record.page_timings().items()])
     return "\n".join(out) + "\n"
 
 

@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from mismatch_probe.record import RUN_JSON, SEQUENCES_PARQUET
+from mismatch_probe.record import SEQUENCES_PARQUET
 
 ROLLOUTS_DIR = "rollouts"
 TOKENS_DIR = "tokens.parquet"
@@ -273,32 +273,6 @@ def iter_model_tokens(run_dir: Path, columns=MODEL_TOKEN_COLUMNS) -> Iterator[di
             else t.column(c).to_numpy(zero_copy_only=False)[keep]
             for c in columns
         }
-
-
-def read_run_record(run_dir: str | Path, what: str = "run", *, require_complete: bool = True) -> dict:
-    """A finished run's run.json, as stored; a :class:`ConfigError` that says what to do when the
-    directory is not a run, its record is not JSON, or (``require_complete``) the run did not complete."""
-    import json
-
-    from mismatch_probe.errors import ConfigError
-
-    path = Path(run_dir) / RUN_JSON
-    if not path.is_file():
-        raise ConfigError(
-            f"{what} {run_dir} is not a run directory: it has no {RUN_JSON}",
-            hint="pass the directory that `mismatch-probe compare` wrote (its --out)",
-        )
-    try:
-        record = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path} is not valid JSON ({exc})") from None
-    if require_complete and (record.get("status") != "complete" or not record.get("metrics")):
-        why = f": {record['error']}" if record.get("error") else ""
-        raise ConfigError(
-            f"{what} {run_dir} is {record.get('status', 'incomplete')}{why}; it has no metrics",
-            hint="finish it by running the same compare command again (it resumes)",
-        )
-    return record
 
 
 def read_sequences(run_dir: str | Path) -> pa.Table | None:

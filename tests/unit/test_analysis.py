@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mismatch_probe.analysis.analyze import analyze, json_safe
+from mismatch_probe.analysis.analyze import analyze
 from mismatch_probe.analysis.metrics import CANONICAL_KEYS, compute_metrics, segment_starts
+from mismatch_probe.record import json_safe
 from mismatch_probe.table.tokens import TOKENS_DIR, Rollout, shard_name, token_table, write_table_atomic
 
 P, T = -1, -1  # turn of prompt and tool tokens
