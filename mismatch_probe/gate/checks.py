@@ -1,28 +1,10 @@
-"""The CI gate: threshold checks (data in a TOML file) evaluated against a run's record.
-
-A check names a value, a comparison and a bound::
-
-    [[checks]]
-    name = "mismatch-kl"
-    metric = "k3_kl"                 # a key of run.json's metrics, or a dotted path into run.json
-    op = "<="
-    threshold = 1e-3                 # or: baseline_factor = 1.5 (at most 1.5x the baseline's value)
-    severity = "fail"                # or "warn"
-    description = "..."
-
-or a statistic over the run's sequences, computed from its per-token table::
-
-    [[checks]]
-    sequence_metric = "max_mismatch"
-    statistic = "p99"                # mean, p50, p90, p99, max, share_above (with above = x)
-    turns = "all"                    # all (samples), first or later (sample-turns)
-    op = "<="
-    threshold = 0.2
+"""The CI gate: the checks of a thresholds file (format and validation: :mod:`mismatch_probe.config.thresholds`)
+evaluated against a run's record and, for sequence statistics, its sequences.parquet.
 
 Statuses: PASS; WARN (a warn-severity check out of bounds); FAIL (a fail-severity check out of
 bounds, or any value that is missing, NaN or infinite: the gate fails closed); ERROR (the check
 could not be evaluated as configured, e.g. a baseline check without a baseline). Evaluation only:
-:mod:`.gate_report` renders the results.
+:mod:`mismatch_probe.gate.junit` renders the results.
 """
 
 from __future__ import annotations
