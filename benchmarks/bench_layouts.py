@@ -28,7 +28,7 @@ from bench_reference import MODEL, make_rollouts
 
 from mismatch_probe.config.spec import ReferenceSpec
 from mismatch_probe.modeling.logprobs import LogprobSemantics
-from mismatch_probe.reference.scorer import open_reference_scorer
+from mismatch_probe.reference import open_reference_scorer
 
 
 def main() -> None:

@@ -351,7 +351,7 @@ def sample(ctx: RunContext, *, engine: Engine | None = None, rollouts_from: str 
 
 def score(ctx: RunContext) -> None:
     """Stage 2: the reference scores the missing token shards, the exact ids the engine sampled."""
-    from mismatch_probe.reference.scorer import open_reference_scorer
+    from mismatch_probe.reference import open_reference_scorer
 
     missing = ctx.missing(TOKENS_DIR)
     if not missing:

@@ -13,7 +13,7 @@ architecture that post-processes logits in a way this module does not know fails
 
 With ``reference.sequence_parallel_size`` / ``tensor_parallel_size`` above 1 the same scorer runs
 as one rank of a training layout (Ulysses SP, DTensor TP; :mod:`mismatch_probe.reference.parallel`), in
-rank processes that :func:`open_reference_scorer` starts; the scores come back identical in shape.
+rank processes that :func:`mismatch_probe.reference.open_reference_scorer` starts; the scores come back identical in shape.
 """
 
 from __future__ import annotations
@@ -397,14 +397,3 @@ class ReferenceScorer:
         del self.model, self.decoder, self.lm_head
         self._head_fp32 = None
         free_accelerator_memory()
-
-
-def open_reference_scorer(
-    model_path: str | Path, spec: ReferenceSpec, *, trust_remote_code: bool = False, log_path: str | Path | None = None
-):
-    """A scorer for ``spec``'s layout: in this process, or over ``sp * tp`` rank processes."""
-    if spec.sequence_parallel_size * spec.tensor_parallel_size == 1:
-        return ReferenceScorer(model_path, spec, trust_remote_code=trust_remote_code)
-    from mismatch_probe.reference.distributed import DistributedReferenceScorer
-
-    return DistributedReferenceScorer(model_path, spec, trust_remote_code=trust_remote_code, log_path=log_path)

@@ -18,8 +18,9 @@ from reference_checks import RAW, independent, make_rollouts
 from mismatch_probe.config.spec import ProbeSpec, ReferenceSpec
 from mismatch_probe.errors import ConfigError, DataError
 from mismatch_probe.files import resolve_from_dir
+from mismatch_probe.reference import open_reference_scorer
 from mismatch_probe.reference.distributed import ReferenceRankError
-from mismatch_probe.reference.scorer import ReferenceScorer, open_reference_scorer
+from mismatch_probe.reference.scorer import ReferenceScorer
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 ROLLOUTS = make_rollouts(12, seed=3)
