@@ -51,7 +51,7 @@ class Run:
     def sequences_table(self) -> pa.Table:
         """Per-sequence terms (sequences.parquet; computed from the tokens for older runs)."""
         if "sequences" not in self._cache:
-            from mismatch_probe.analysis.sequences import sequences_from_tokens
+            from mismatch_probe.analysis.analyze import sequences_from_tokens
             from mismatch_probe.table.tokens import read_sequences
 
             table = read_sequences(self.path)

@@ -67,6 +67,15 @@ REPORT_MD = "report.md"
 ENGINE_LOG = "engine.log"
 REFERENCE_LOG = "reference.log"  # what the reference's rank processes print (sequence/tensor parallel)
 FIGURES_DIR = "figures"
+# sections a resumed run keeps from its earlier invocation until a stage that reruns sets them again
+CARRIED_SECTIONS = (
+    "engine",
+    "engine_process",
+    "reference",
+    "logprob_semantics",
+    "decode_vs_prefill",
+    "tokenization_check",
+)
 
 
 class Progress:
@@ -242,18 +251,6 @@ def prepare(
     environment = fingerprint()
     samples = [_Sample(p * spec.sampling.n + j, p) for p in range(len(prompts)) for j in range(spec.sampling.n)]
     shards = [samples[i : i + spec.shard_size] for i in range(0, len(samples), spec.shard_size)]
-    carried = {  # what an earlier invocation learned about its engine and reference
-        key: getattr(previous, key)
-        for key in (
-            "engine",
-            "engine_process",
-            "reference",
-            "logprob_semantics",
-            "decode_vs_prefill",
-            "tokenization_check",
-        )
-        if previous is not None and key in previous.model_fields_set
-    }
     record = parse_record(
         {
             "schema_version": SCHEMA_VERSION,
@@ -274,18 +271,12 @@ def prepare(
                 "n_shards": len(shards),
                 "stop_token_ids": stops,
             },
-            "engine": None,
-            "engine_process": None,
-            "reference": None,
-            "logprob_semantics": None,
-            "decode_vs_prefill": None,
-            "tokenization_check": None,
+            # what an earlier invocation learned about its engine and reference (None on a fresh run)
+            **{key: getattr(previous, key, None) for key in CARRIED_SECTIONS},
             # setup: checks, library imports, tokenizer, prompts, fingerprint
             "timings": {"setup_s": round(time.perf_counter() - t_start, 3)},
         }
     )
-    for key, value in carried.items():
-        setattr(record, key, value)
     ctx = RunContext(
         spec=spec,
         out=out,

@@ -339,12 +339,11 @@ class RunRecord(Section):
         return path
 
     def update_sections(self, sections: Mapping[str, Any]) -> None:
-        """Set several top-level sections at once (the analysis's output), validated."""
-        fields = set(type(self).model_fields)
-        merged = self.to_dict() | {k: v for k, v in sections.items()}
-        fresh = type(self).model_validate(merged)
+        """Set several top-level sections at once (the analysis's output), validated: every field has
+        a default, so a record of just these sections validates them alone."""
+        fresh = type(self).model_validate(dict(sections))
         for key in sections:
-            setattr(self, key, getattr(fresh, key) if key in fields else (fresh.model_extra or {}).get(key))
+            setattr(self, key, getattr(fresh, key))
 
 
 def now() -> str:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from mismatch_probe.analysis.distributions import DistributionAccumulator
 from mismatch_probe.analysis.metrics import (
@@ -106,3 +107,15 @@ def analyze(
             "num_experts": routing.get("num_experts"),
         }
     return out
+
+
+def sequences_from_tokens(run_dir: str | Path) -> pa.Table:
+    """sequences.parquet's rows for a run older than that file: the metrics pass run again over its
+    token shards, keeping its per-sequence rows (so they are the rows a new run writes)."""
+    from mismatch_probe.table.tokens import TOKENS_DIR, shard_paths
+
+    if not shard_paths(Path(run_dir), TOKENS_DIR):
+        raise FileNotFoundError(f"{run_dir} has no per-token table ({TOKENS_DIR}/)")
+    collector = SequenceCollector()
+    analyze(run_dir, sequences=collector)
+    return collector.table

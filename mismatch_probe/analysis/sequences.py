@@ -10,12 +10,10 @@ its turns; ``turn`` is null), ``first`` (turn 0) and ``later`` (one row per samp
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pyarrow as pa
 
-from mismatch_probe.analysis.metrics import MetricsAccumulator, SequenceTerms, segment_starts
+from mismatch_probe.analysis.metrics import MetricsAccumulator, SequenceTerms
 
 SEQUENCE_GROUPS = ("all", "first", "later")
 # The turn groups of the metrics: sequences are sample-turns there.
@@ -105,24 +103,3 @@ def sequence_values(table: pa.Table) -> dict[str, dict[str, np.ndarray]]:
                 "n_tokens": col["n_tokens"].astype(np.float64),
             }
     return out
-
-
-def sequences_from_tokens(run_dir: str | Path) -> pa.Table:
-    """The same table computed from a run's token shards: for runs older than sequences.parquet."""
-    from mismatch_probe.table.tokens import TOKENS_DIR, iter_model_tokens, shard_paths
-
-    if not shard_paths(Path(run_dir), TOKENS_DIR):
-        raise FileNotFoundError(f"{run_dir} has no per-token table ({TOKENS_DIR}/)")
-    groups = {g: (SequenceIds(), MetricsAccumulator()) for g in SEQUENCE_GROUPS}
-    for shard in iter_model_tokens(Path(run_dir), ("sample_id", "turn", "logp_infer", "logp_train")):
-        sample, turn, lt, li = shard["sample_id"], shard["turn"], shard["logp_train"], shard["logp_infer"]
-        starts = segment_starts(sample)
-        groups["all"][0].add(sample, None, starts)
-        groups["all"][1].add(lt, li, starts)
-        for g, select in TURN_GROUPS.items():
-            keep = select(turn)
-            if keep.any():
-                starts = segment_starts(sample[keep], turn[keep])
-                groups[g][0].add(sample[keep], turn[keep], starts)
-                groups[g][1].add(lt[keep], li[keep], starts)
-    return sequence_table(groups)

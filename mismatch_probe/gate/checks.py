@@ -231,8 +231,8 @@ def sequence_statistic(values, statistic: str, above: float | None) -> float | N
 def sequence_values(run_dir: str | Path) -> dict[str, dict]:
     """Per-sequence values of a run, per turn group: its sequences.parquet, or for runs older than
     that file, the same rows computed from its per-token table."""
+    from mismatch_probe.analysis.analyze import sequences_from_tokens
     from mismatch_probe.analysis.sequences import sequence_values as values_of
-    from mismatch_probe.analysis.sequences import sequences_from_tokens
     from mismatch_probe.table.tokens import read_sequences
 
     table = read_sequences(run_dir)

@@ -10,8 +10,8 @@ import numpy as np
 import pyarrow.compute as pc
 import pytest
 
-from mismatch_probe.analysis.analyze import analyze
-from mismatch_probe.analysis.sequences import SequenceCollector, sequence_values, sequences_from_tokens
+from mismatch_probe.analysis.analyze import analyze, sequences_from_tokens
+from mismatch_probe.analysis.sequences import SequenceCollector, sequence_values
 from mismatch_probe.table.tokens import shard_name
 
 ROOT = Path(__file__).resolve().parents[2]
