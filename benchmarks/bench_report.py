@@ -34,10 +34,12 @@ from bench_metrics import write_synthetic
 
 from mismatch_probe.analysis.analyze import analyze
 from mismatch_probe.analysis.distributions import DistributionAccumulator, save, worst_sequences
+from mismatch_probe.analysis.sequences import SequenceCollector
 from mismatch_probe.config.spec import ProbeSpec
 from mismatch_probe.environment import fingerprint
 from mismatch_probe.record import json_safe
 from mismatch_probe.report.html import write_report
+from mismatch_probe.table.tokens import write_sequences
 
 LIMIT_BYTES = 5 * 10**6
 
@@ -51,8 +53,9 @@ def timed(fn):
 def make_run(run: Path, tokens: int, seed: int) -> dict:
     write_synthetic(run, tokens, 1_000_000, seed=seed)
     _, t_metrics = timed(lambda: analyze(run))
-    acc = DistributionAccumulator()
-    sections, t_both = timed(lambda: analyze(run, distributions=acc))
+    acc, seqs = DistributionAccumulator(), SequenceCollector()
+    sections, t_both = timed(lambda: analyze(run, distributions=acc, sequences=seqs))
+    write_sequences(run, seqs.table)
     t_metrics = min(t_metrics, timed(lambda: analyze(run))[1])  # both orders, so the page cache favours neither
     dist = acc.result
     dist["worst_sequences"], t_worst = timed(lambda: worst_sequences(run, dist["worst"]))

@@ -33,7 +33,12 @@ import numpy as np
 
 from mismatch_probe import __version__
 from mismatch_probe.analysis.analyze import analyze
-from mismatch_probe.analysis.distributions import DISTRIBUTIONS_JSON, DistributionAccumulator, worst_sequences
+from mismatch_probe.analysis.distributions import (
+    DISTRIBUTIONS_JSON,
+    DistributionAccumulator,
+    with_sequences,
+    worst_sequences,
+)
 from mismatch_probe.analysis.distributions import save as save_distributions
 from mismatch_probe.analysis.sequences import SequenceCollector
 from mismatch_probe.config.spec import ProbeSpec
@@ -399,7 +404,8 @@ def analyze_run(ctx: RunContext) -> dict:
         write_sequences(out, sequences.table)
         dist = distributions.result
         dist["worst_sequences"] = worst_sequences(out, dist["worst"], ctx.tokenizer)
-        save_distributions(out, dist)
+        save_distributions(out, dist)  # token level; the sequence level is sequences.parquet
+        dist = with_sequences(dist, sequences.table)
     record.update_sections(
         sections | {"distributions": DISTRIBUTIONS_JSON, "sequences": SEQUENCES_PARQUET, "status": "complete"}
     )

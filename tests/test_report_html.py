@@ -85,8 +85,9 @@ def test_compare_writes_a_report_and_report_rebuilds_it_from_the_directory(bf16_
 def test_a_run_without_distributions_is_reported_from_its_table(bf16_run, tmp_path):
     run = tmp_path / "old"
     shutil.copytree(bf16_run, run)
-    stored = load(run)
+    stored = load_run(run).dist  # distributions.json joined with sequences.parquet
     (run / "distributions.json").unlink()
+    (run / "sequences.parquet").unlink()
     recomputed = load_run(run).dist
     assert recomputed["groups"] == stored["groups"] and recomputed["sequences"] == stored["sequences"]
     assert recomputed["worst"] == stored["worst"]
@@ -159,6 +160,7 @@ def test_rank_picks_best_and_worst_by_direction():
     assert rank([3.0, 1.0, 2.0], "lower") == ({1}, {0})
     assert rank([3.0, 1.0, 2.0], "higher") == ({0}, {1})
     assert rank([-0.5, 0.1, 0.3], "zero") == ({1}, {0})
+    assert rank([0.98, 1.001, 1.5], "one") == ({1}, {2})  # ratios: closest to 1 is best
     assert rank([None, 2.0, "inf", float("nan")], "lower") == ({1}, {2})
     assert rank([1.0, 1.0], "lower") == (set(), set())  # nothing to tell apart
     assert rank([1.0, None], "lower") == (set(), set())
@@ -222,11 +224,12 @@ def test_gpu_type_names_the_hardware_that_ran_the_probe():
 
 def test_a_run_with_no_model_tokens_renders(tmp_path):
     """Every response empty: nothing to plot, nothing to rank, and the page still says so."""
-    from mismatch_probe.analysis.distributions import DistributionAccumulator
+    from mismatch_probe.analysis.distributions import DistributionAccumulator, with_sequences
     from mismatch_probe.analysis.metrics import MetricsAccumulator
+    from mismatch_probe.analysis.sequences import SCHEMA
 
     empty = MetricsAccumulator()
-    dist = DistributionAccumulator().finish(empty, {"first": empty, "later": empty})
+    dist = with_sequences(DistributionAccumulator().finish(), SCHEMA.empty_table())
     dist["worst_sequences"] = []
     record = parse_record(
         {

@@ -95,7 +95,7 @@ def analyze(
         "decode_vs_prefill": None,
     }
     if distributions is not None:
-        distributions.finish(overall, by_turn)
+        distributions.finish()
     if sequences is not None:
         sequences.finish({"all": overall, **by_turn})
     if prefill.n_tokens:

@@ -1,9 +1,15 @@
 """The distributions a report draws, computed once from the per-token table.
 
-Saved as ``<run>/distributions.json`` next to run.json. Everything in it has a fixed size whatever
-the run's length: histograms over fixed edges (a 10M-token run gives the same file size as a
-1k-token one), per sequence-turn points thinned to a bounded count, and the worst sequences with
-a bounded window of their tokens. Computing only: :mod:`.plots` and :mod:`.report_html` draw it.
+Two sources, each kept once:
+
+- token level, from one pass over the per-token table (:class:`DistributionAccumulator`), saved as
+  ``<run>/distributions.json``: histograms over fixed edges (a 10M-token run gives the same file
+  size as a 1k-token one) and the worst sequences with a bounded window of their tokens;
+- sequence level, from ``sequences.parquet`` (:func:`with_sequences`, at render time): the
+  per-sequence histograms and the log-ppl points, thinned to a bounded count.
+
+Runs written before sequences.parquet (distributions version 1) stored both in the JSON file;
+:func:`load` reads them as they are. Computing only: :mod:`mismatch_probe.report` draws it.
 """
 
 from __future__ import annotations
@@ -11,13 +17,19 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mismatch_probe.analysis.metrics import MetricsAccumulator, segment_starts
+from mismatch_probe.analysis.metrics import segment_starts
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 DISTRIBUTIONS_JSON = "distributions.json"
-DISTRIBUTIONS_VERSION = 1
+# 2: token level only (the sequence level comes from sequences.parquet); 1: both, read as stored
+DISTRIBUTIONS_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 GROUPS = ("first", "later")  # turn 0, turns >= 1; "all" is their sum
 
 PROB_BINS = 100  # per axis of the p_infer x p_train density, linear on [0, 1]
@@ -56,13 +68,64 @@ def _thin(a: np.ndarray, n: int) -> np.ndarray:
     return a[:: max(1, -(-len(a) // n))]
 
 
+EDGES = {
+    "prob_bins": PROB_BINS,
+    "log_ratio": LOG_RATIO_EDGES.tolist(),
+    "seq_max_mismatch": SEQ_MAX_MISMATCH_EDGES.tolist(),
+    "length": LENGTH_EDGES.tolist(),
+    "mismatch_log": MISMATCH_LOG_EDGES.tolist(),
+}
+
+
+def sequence_distributions(sequences: pa.Table, max_points: int = 5_000) -> dict:
+    """The sequence level of the report's distributions, from sequences.parquet's rows: histograms
+    of the ``all`` group (one sequence per sample) and, per turn group, one log-ppl point per
+    sample-turn, thinned by a deterministic stride to at most ``max_points``."""
+    import pyarrow.compute as pc
+
+    def group(name: str, *columns: str) -> list[np.ndarray]:
+        rows = sequences.filter(pc.equal(sequences.column("group"), name))
+        return [rows.column(c).to_numpy() for c in columns]
+
+    n_tokens, max_mismatch, log_ratio = group("all", "n_tokens", "max_mismatch", "log_ratio")
+    length_hist = np.zeros((len(LENGTH_EDGES) - 1, len(MISMATCH_LOG_EDGES) - 1), dtype=np.int64)
+    np.add.at(length_hist, (bin_index(n_tokens, LENGTH_EDGES), bin_index(max_mismatch, MISMATCH_LOG_EDGES)), 1)
+    with np.errstate(invalid="ignore"):
+        seq_ratio_bin = bin_index(log_ratio, LOG_RATIO_EDGES)
+    log_ppl = {}
+    for g in GROUPS:
+        infer, train = group(g, "log_ppl_infer", "log_ppl_train")
+        log_ppl[g] = {
+            "log_ppl_infer": _thin(infer, max_points).tolist(),
+            "log_ppl_train": _thin(train, max_points).tolist(),
+        }
+    return {
+        "sequences": {
+            "n_sequences": len(n_tokens),
+            "max_mismatch_hist": np.bincount(
+                bin_index(max_mismatch, SEQ_MAX_MISMATCH_EDGES), minlength=len(SEQ_MAX_MISMATCH_EDGES) - 1
+            ).tolist(),
+            "log_ratio_hist": np.bincount(seq_ratio_bin, minlength=len(LOG_RATIO_EDGES) - 1).tolist(),
+            "length_vs_max_mismatch": _sparse(length_hist),
+        },
+        "log_ppl": log_ppl,
+    }
+
+
+def with_sequences(distributions: dict, sequences: pa.Table) -> dict:
+    """The token-level distributions (as stored) joined with the sequence level, in the shape the
+    report draws: ``sequences`` and each turn group's ``log_ppl_infer`` / ``log_ppl_train``."""
+    seq = sequence_distributions(sequences)
+    groups = {g: {**distributions["groups"][g], **seq["log_ppl"][g]} for g in GROUPS}
+    return {**distributions, "groups": groups, "sequences": seq["sequences"]}
+
+
 @dataclass
 class DistributionAccumulator:
-    """Streams shards of model tokens (whole sequences per shard) into the report's histograms and
-    keeps the ``worst_k`` samples with the largest token probability gap."""
+    """Streams shards of model tokens (whole sequences per shard) into the report's token
+    histograms and keeps the ``worst_k`` samples with the largest token probability gap."""
 
     worst_k: int = 12
-    max_points: int = 5_000
     result: dict | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
@@ -99,46 +162,21 @@ class DistributionAccumulator:
             gaps, samples = gaps[keep_idx], samples[keep_idx]
         self._worst_gap, self._worst_sample = gaps, samples
 
-    def finish(self, overall: MetricsAccumulator, by_turn: dict[str, MetricsAccumulator]) -> dict:
-        """The stored form (JSON-safe apart from NaN/inf, which :func:`save` converts)."""
-        groups = {}
-        for g in GROUPS:
-            turn_seq = by_turn[g].sequences()
-            groups[g] = {
+    def finish(self) -> dict:
+        """The stored form, token level (JSON-safe apart from NaN/inf, which :func:`save` converts)."""
+        groups = {
+            g: {
                 "n_tokens": int(self._delta[g].sum()),
                 "prob_hist": _sparse(self._prob[g].reshape(PROB_BINS, PROB_BINS)),
                 "log_ratio_hist": self._delta[g].tolist(),
-                # one point per sample-turn, thinned by a deterministic stride
-                "log_ppl_infer": _thin(turn_seq.log_ppl_infer, self.max_points).tolist(),
-                "log_ppl_train": _thin(turn_seq.log_ppl_train, self.max_points).tolist(),
             }
-        seq = overall.sequences()
-        length_hist = np.zeros((len(LENGTH_EDGES) - 1, len(MISMATCH_LOG_EDGES) - 1), dtype=np.int64)
-        if len(seq.n_tokens):
-            np.add.at(
-                length_hist, (bin_index(seq.n_tokens, LENGTH_EDGES), bin_index(seq.max_mismatch, MISMATCH_LOG_EDGES)), 1
-            )
-        with np.errstate(invalid="ignore"):
-            seq_ratio_bin = bin_index(seq.log_ratio, LOG_RATIO_EDGES)
+            for g in GROUPS
+        }
         order = np.lexsort((self._worst_sample, -self._worst_gap))  # worst first, ties by sample id
         self.result = {
             "version": DISTRIBUTIONS_VERSION,
-            "edges": {
-                "prob_bins": PROB_BINS,
-                "log_ratio": LOG_RATIO_EDGES.tolist(),
-                "seq_max_mismatch": SEQ_MAX_MISMATCH_EDGES.tolist(),
-                "length": LENGTH_EDGES.tolist(),
-                "mismatch_log": MISMATCH_LOG_EDGES.tolist(),
-            },
+            "edges": EDGES,
             "groups": groups,
-            "sequences": {
-                "n_sequences": len(seq.n_tokens),
-                "max_mismatch_hist": np.bincount(
-                    bin_index(seq.max_mismatch, SEQ_MAX_MISMATCH_EDGES), minlength=len(SEQ_MAX_MISMATCH_EDGES) - 1
-                ).tolist(),
-                "log_ratio_hist": np.bincount(seq_ratio_bin, minlength=len(LOG_RATIO_EDGES) - 1).tolist(),
-                "length_vs_max_mismatch": _sparse(length_hist),
-            },
             "worst": [
                 {"sample_id": int(s), "max_prob_diff": float(g)}
                 for s, g in zip(self._worst_sample[order], self._worst_gap[order])
@@ -243,17 +281,19 @@ def _float(v) -> float:
 
 def load(run_dir: str | Path) -> dict | None:
     """The stored distributions with their infinities and NaNs restored, or None when the run has
-    none (written before they existed) or an older version of them."""
+    none (written before they existed) or an unknown version of them. Version 2 holds the token
+    level only (join the sequence level with :func:`with_sequences`); version 1 holds both."""
     path = Path(run_dir) / DISTRIBUTIONS_JSON
     if not path.is_file():
         return None
     data = json.loads(path.read_text())
-    if data.get("version") != DISTRIBUTIONS_VERSION:
+    if data.get("version") not in READABLE_VERSIONS:
         return None
     data["edges"]["log_ratio"] = [_float(v) for v in data["edges"]["log_ratio"]]
     for group in data["groups"].values():  # a sequence whose reference p is 0 has log-ppl inf
         for key in ("log_ppl_infer", "log_ppl_train"):
-            group[key] = [_float(v) for v in group[key]]
+            if key in group:  # version 1
+                group[key] = [_float(v) for v in group[key]]
     for seq in data.get("worst_sequences") or []:
         for key in ("p_infer", "p_train"):
             seq["tokens"][key] = [_float(v) for v in seq["tokens"][key]]

@@ -22,7 +22,7 @@ class MetricDoc(NamedTuple):
     label: str
     meaning: str
     reference: str  # a published point or the ideal value; "" when there is none
-    better: str | None  # "lower", "higher", "zero" (closest to 0), or None (not a quality)
+    better: str | None  # "lower", "higher", "zero" (closest to 0), "one" (closest to 1), or None (not a quality)
 
 
 METRIC_DOCS = (
@@ -40,8 +40,20 @@ METRIC_DOCS = (
         "0 is perfect",
         "zero",
     ),
+    MetricDoc(
+        "k2_kl",
+        "K2 KL",
+        "mean of δ² / 2; ≥ 0, a biased KL estimate that is exact to second order",
+        "0 is perfect",
+        "lower",
+    ),
     MetricDoc("abs_delta_mean", "mean |δ|", "mean |logp_train − logp_infer|", "0 is perfect", "lower"),
+    MetricDoc("abs_delta_p50", "median |δ|", "50th percentile of |δ| over tokens", "0 is perfect", "lower"),
+    MetricDoc("abs_delta_p90", "p90 |δ|", "90th percentile of |δ| over tokens", "0 is perfect", "lower"),
     MetricDoc("abs_delta_p99", "p99 |δ|", "99th percentile of |δ| over tokens", "0 is perfect", "lower"),
+    MetricDoc(
+        "abs_delta_max", "max |δ|", "largest |δ| of any sampled token (inf when p_train = 0)", "0 is perfect", "lower"
+    ),
     MetricDoc(
         "prob_diff_mean",
         "mean |Δp|",
@@ -63,6 +75,41 @@ METRIC_DOCS = (
         "share of sequences holding a token whose probability moved by more than 0.5",
         "the parallelism study's headline number; 0 is perfect",
         "lower",
+    ),
+    MetricDoc(
+        "seq_max_mismatch_gt_0_5_count",
+        "sequences with max |Δp| > 0.5 (count)",
+        "how many sequences hold a token whose probability moved by more than 0.5",
+        "0 is perfect",
+        "lower",
+    ),
+    MetricDoc(
+        "seq_mean_mismatch_mean",
+        "seq mean mismatch (mean)",
+        "per sequence the mean |Δp| over its tokens, averaged over sequences (each sequence weighs the same)",
+        "0 is perfect",
+        "lower",
+    ),
+    MetricDoc(
+        "seq_log_ratio_mean",
+        "seq log-ratio (mean)",
+        "mean over sequences of Σδ, the log of the sequence importance weight; signed",
+        "0 is perfect",
+        "zero",
+    ),
+    MetricDoc(
+        "seq_geo_ratio_mean",
+        "seq geometric-mean ratio (mean)",
+        "mean over sequences of exp(Σδ / length), what geometric rejection bounds to [1 − ε, 1 + ε]",
+        "1.0 is perfect; verl's geometric bounds are typically 1.0002–1.001",
+        "one",
+    ),
+    MetricDoc(
+        "seq_min_token_ratio_min",
+        "smallest token ratio",
+        "min over tokens of exp(δ), what worst-token rejection compares with τ",
+        "1.0 is perfect; verl's token veto is typically 1e-4 to 1e-6",
+        "one",
     ),
     MetricDoc(
         "mult_prob_error",
@@ -117,6 +164,27 @@ METRIC_DOCS = (
     ),
     MetricDoc("log_ppl_infer", "log-ppl (engine)", "mean over sequences of −mean(logp_infer)", "", None),
     MetricDoc("log_ppl_train", "log-ppl (reference)", "mean over sequences of −mean(logp_train)", "", None),
+    MetricDoc(
+        "log_ppl_diff_mean",
+        "log-ppl difference (mean)",
+        "mean over sequences of log-ppl (reference) − log-ppl (engine); signed",
+        "0 is perfect",
+        "zero",
+    ),
+    MetricDoc(
+        "log_ppl_abs_diff_mean",
+        "|log-ppl difference| (mean)",
+        "mean over sequences of |log-ppl (reference) − log-ppl (engine)|",
+        "0 is perfect",
+        "lower",
+    ),
+    MetricDoc(
+        "pearson_log_ppl",
+        "Pearson r of log-ppl",
+        "correlation of the per-sequence log-ppls of the two sides",
+        "1.0 is perfect",
+        "higher",
+    ),
     MetricDoc(
         "n_zero_prob_train",
         "tokens with p_train = 0",
@@ -192,7 +260,7 @@ def rank(values: list, better: str | None) -> tuple[set[int], set[int]]:
             v = float(v)  # "inf" / "-inf" as stored in run.json
         if v is None or (isinstance(v, float) and math.isnan(v)):
             continue
-        score = {"lower": v, "higher": -v, "zero": abs(v)}[better]
+        score = {"lower": v, "higher": -v, "zero": abs(v), "one": abs(v - 1.0)}[better]
         scored.append((score, i))
     if len(scored) < 2:
         return set(), set()

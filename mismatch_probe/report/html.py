@@ -45,8 +45,11 @@ class RunData:
 
 
 def load_run(run_dir: str | Path) -> RunData:
-    """A finished run's record and distributions (computed from its table if it predates them)."""
+    """A finished run's record and distributions: the token level from distributions.json, the
+    sequence level from sequences.parquet (both computed from its token table if it predates them)."""
     from mismatch_probe.analysis import distributions
+    from mismatch_probe.analysis.analyze import sequences_from_tokens
+    from mismatch_probe.table.tokens import read_sequences
 
     run_dir = Path(run_dir)
     record = read_record(run_dir)
@@ -54,6 +57,11 @@ def load_run(run_dir: str | Path) -> RunData:
     dist = distributions.load(run_dir)
     if dist is None:
         dist = compute_distributions(run_dir, record)
+    elif "sequences" not in dist:  # the current format; version 1 stored the sequence level too
+        sequences = read_sequences(run_dir)
+        dist = distributions.with_sequences(
+            dist, sequences if sequences is not None else sequences_from_tokens(run_dir)
+        )
     return RunData(run_dir, record, dist)
 
 
@@ -61,18 +69,19 @@ def compute_distributions(run_dir: Path, record: RunRecord, tokenizer=None) -> d
     """Distributions from the per-token table, with the worst sequences' text when a tokenizer is
     given or the run's model directory is still where run.json says."""
     from mismatch_probe.analysis.analyze import analyze
-    from mismatch_probe.analysis.distributions import DistributionAccumulator, worst_sequences
+    from mismatch_probe.analysis.distributions import DistributionAccumulator, with_sequences, worst_sequences
     from mismatch_probe.analysis.metrics import CorrectionThresholds
+    from mismatch_probe.analysis.sequences import SequenceCollector
 
     thresholds = CorrectionThresholds(**record.spec.corrections)
     routing = record.engine.routing if record.engine else None
-    acc = DistributionAccumulator()
-    analyze(run_dir, thresholds, routing.to_dict() if routing else None, acc)
+    acc, sequences = DistributionAccumulator(), SequenceCollector()
+    analyze(run_dir, thresholds, routing.to_dict() if routing else None, acc, sequences)
     dist = acc.result
     if tokenizer is None:
         tokenizer = _tokenizer_if_present(record)
     dist["worst_sequences"] = worst_sequences(run_dir, dist["worst"], tokenizer)
-    return dist
+    return with_sequences(dist, sequences.table)
 
 
 def _tokenizer_if_present(record: RunRecord):

@@ -19,9 +19,11 @@ from mismatch_probe.analysis.distributions import (
     dense,
     load,
     save,
+    with_sequences,
     worst_sequences,
 )
 from mismatch_probe.analysis.metrics import MetricsAccumulator, segment_starts
+from mismatch_probe.analysis.sequences import SCHEMA, SequenceIds, sequence_table
 from mismatch_probe.table.tokens import TOKEN_SCHEMA, TOKENS_DIR, shard_name, write_table_atomic
 
 
@@ -39,17 +41,21 @@ def synthetic(seed=0, n_seq=60):
 
 
 def accumulate(sample, turn, lt, li, cuts):
+    """The token-level distributions streamed in shards, joined with the sequence level computed
+    from the per-sequence rows the metrics pass keeps (sequences.parquet), as the report does."""
     acc = DistributionAccumulator(worst_k=5)
-    overall = MetricsAccumulator()
-    by_turn = {"first": MetricsAccumulator(), "later": MetricsAccumulator()}
+    groups = {g: (SequenceIds(), MetricsAccumulator()) for g in ("all", "first", "later")}
     bounds = [0, *cuts, len(sample)]
     for a, b in itertools.pairwise(bounds):
         s, t, x, y = sample[a:b], turn[a:b], lt[a:b], li[a:b]
         acc.add(x, y, s, t)
-        overall.add(x, y, segment_starts(s))
-        for g, keep in (("first", t == 0), ("later", t >= 1)):
-            by_turn[g].add(x[keep], y[keep], segment_starts(s[keep], t[keep]))
-    return acc.finish(overall, by_turn)
+        for g, keep in (("all", np.ones(len(s), bool)), ("first", t == 0), ("later", t >= 1)):
+            if not keep.any():
+                continue
+            starts = segment_starts(s[keep]) if g == "all" else segment_starts(s[keep], t[keep])
+            groups[g][0].add(s[keep], None if g == "all" else t[keep], starts)
+            groups[g][1].add(x[keep], y[keep], starts)
+    return with_sequences(acc.finish(), sequence_table(groups))
 
 
 def test_histograms_match_numpy_and_do_not_depend_on_sharding():
@@ -96,9 +102,10 @@ def test_sequence_histograms_and_worst_samples_match_brute_force():
 def test_empty_run_gives_empty_distributions():
     acc = DistributionAccumulator()
     acc.add(np.zeros(0), np.zeros(0), np.zeros(0, np.int64), np.zeros(0, np.int16))
-    dist = acc.finish(MetricsAccumulator(), {"first": MetricsAccumulator(), "later": MetricsAccumulator()})
+    dist = with_sequences(acc.finish(), SCHEMA.empty_table())
     assert dist["worst"] == [] and dist["sequences"]["n_sequences"] == 0
     assert sum(dist["sequences"]["max_mismatch_hist"]) == 0 and dense(dist["groups"]["first"]["prob_hist"]).sum() == 0
+    assert dist["groups"]["later"]["log_ppl_infer"] == []
 
 
 def write_run(run_dir, lengths, worst_at, prompt_len=10):
@@ -168,10 +175,14 @@ def test_saved_distributions_load_back_with_their_infinities(tmp_path):
     dist = accumulate(sample, turn, lt, li, [])
     write_run(tmp_path, lengths=[20], worst_at=[15])
     dist["worst_sequences"] = worst_sequences(tmp_path, [{"sample_id": 0, "max_prob_diff": 0.6}])
-    save(tmp_path, dist)
+    save(tmp_path, {**dist, "version": 1})  # version 1: token and sequence level in one file
     back = load(tmp_path)
     assert back["edges"]["log_ratio"][0] == -math.inf and back["edges"]["log_ratio"][-1] == math.inf
     assert back["groups"] == dist["groups"] and back["sequences"] == dist["sequences"]
+    points = back["groups"]["first"]["log_ppl_train"] + back["groups"]["later"]["log_ppl_train"]
+    assert math.inf in points  # the p_train = 0 sequence
+    save(tmp_path, {k: v for k, v in dist.items() if k != "sequences"})  # version 2: token level
+    assert load(tmp_path)["version"] == 2
     assert math.isnan(back["worst_sequences"][0]["tokens"]["p_infer"][0])
     (tmp_path / "distributions.json").write_text('{"version": 0}')
     assert load(tmp_path) is None  # an older format is recomputed, not misread
