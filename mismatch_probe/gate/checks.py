@@ -14,6 +14,7 @@ import operator
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from mismatch_probe.config.keys import closest
 from mismatch_probe.config.thresholds import OPS as CHECK_OPS
@@ -243,6 +244,8 @@ def _value(check: Check, record: RunRecord, run_dir: Path | None, cache: dict):
     """(value, None) or (None, error message) for a check on one run."""
     if check.metric:
         return _number(record.lookup(check.metric)), None
+    if check.sequence_metric is None or check.statistic is None:  # CheckSpec validation gives both
+        return None, "a check needs a metric, or a sequence_metric and its statistic"
     if run_dir is None:
         return None, "a sequence statistic needs the run directory"
     key = str(run_dir)
@@ -271,7 +274,7 @@ def evaluate(
     run_dir = Path(run_dir) if run_dir is not None else None
     baseline_dir = Path(baseline_dir) if baseline_dir is not None else None
     for c in gate.checks:
-        base = {
+        base: dict[str, Any] = {
             "name": c.name,
             "severity": c.severity,
             "metric": c.describe_value(),
@@ -330,6 +333,9 @@ def evaluate(
                     **base,
                 )
             )
+            continue
+        if bound is None:  # CheckSpec validation gives a threshold or a baseline_factor
+            results.append(CheckResult(status="ERROR", value=value, bound="", message="the check has no bound", **base))
             continue
         ok = OPS[c.op](value, bound)
         status = "PASS" if ok else ("WARN" if c.severity == "warn" else "FAIL")

@@ -4,6 +4,7 @@ testcase per check), and Markdown for a CI job summary. Rendering only; :mod:`.g
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
+from typing import Literal
 
 from mismatch_probe.gate.checks import GateResult, format_value
 
@@ -19,13 +20,14 @@ def rich_table(result: GateResult):
     table = Table(
         title=f"gate {result.status}: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n), title_justify="left"
     )
-    for col, justify in (
+    columns: tuple[tuple[str, Literal["left", "right"]], ...] = (
         ("status", "left"),
         ("check", "left"),
         ("value", "right"),
         ("bound", "left"),
         ("detail", "left"),
-    ):
+    )
+    for col, justify in columns:
         table.add_column(col, justify=justify)
     for r in result.results:
         table.add_row(

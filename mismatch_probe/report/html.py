@@ -77,7 +77,7 @@ def compute_distributions(run_dir: Path, record: RunRecord, tokenizer=None) -> d
     routing = record.engine.routing if record.engine else None
     acc, sequences = DistributionAccumulator(), SequenceCollector()
     analyze(run_dir, thresholds, routing.to_dict() if routing else None, acc, sequences)
-    dist = acc.result
+    dist = acc.finish() if acc.result is None else acc.result
     if tokenizer is None:
         tokenizer = _tokenizer_if_present(record)
     dist["worst_sequences"] = worst_sequences(run_dir, dist["worst"], tokenizer)
@@ -351,7 +351,7 @@ def _correction_rows(record: RunRecord) -> list[dict]:
     th = corr.get("thresholds") or {}
     rows = []
     for key, (name, what) in CORRECTION_DOCS.items():
-        row = {
+        row: dict[str, Any] = {
             "name": name,
             "key": key,
             "what": what,

@@ -281,7 +281,7 @@ def importance_ratio(dist: dict, record: RunRecord):
     fig, axes = _figure(11.0, 3.9, 2)
     edges = np.array(dist["edges"]["log_ratio"], float)
     th = (record.corrections or {}).get("thresholds") or {}
-    token = sum(np.array(dist["groups"][g]["log_ratio_hist"], float) for g in ("first", "later"))
+    token = np.sum([np.array(dist["groups"][g]["log_ratio_hist"], float) for g in ("first", "later")], axis=0)
     panels = (
         (
             axes[0],
@@ -397,7 +397,7 @@ def overlay_log_ratio(runs: list[dict]):
     for k, run in enumerate(runs):
         dist = run["dist"]
         edges = np.array(dist["edges"]["log_ratio"], float)
-        token = sum(np.array(dist["groups"][g]["log_ratio_hist"], float) for g in ("first", "later"))
+        token = np.sum([np.array(dist["groups"][g]["log_ratio_hist"], float) for g in ("first", "later")], axis=0)
         seq = np.array(dist["sequences"]["log_ratio_hist"], float)
         for ax, counts in ((axes[0], token), (axes[1], seq)):
             finite = _ratio_axis(ax, edges)
@@ -431,7 +431,7 @@ def overlay_seq_max_mismatch(runs: list[dict]):
 
 def overlay_abs_delta_by_p_infer(runs: list[dict]):
     fig, (ax,) = _figure(6.8, 4.2)
-    labels = []
+    labels: list[str] = []
     for run in runs:
         rows = _buckets(run["record"], "p_infer_buckets")
         labels = labels or _bucket_labels(rows)

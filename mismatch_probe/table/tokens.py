@@ -149,7 +149,7 @@ def table_to_rollouts(table: pa.Table, routing_width: tuple[int, int] | None = N
         ex = None
         if experts[i] is not None and routing_width is not None:
             ex = np.frombuffer(experts[i], dtype="<i2").reshape(-1, *routing_width)
-        lp = prefill[a:b] if prefill is not None and prefill_valid[i] else None
+        lp = prefill[a:b] if prefill is not None and prefill_valid is not None and prefill_valid[i] else None
         out.append(Rollout(sid, pid, ids[a:b], turn[a:b], mask[a:b], logp[a:b], fin, ex, lp))
     return out
 
@@ -160,9 +160,10 @@ def read_rollout_shard(path: Path, routing_width: tuple[int, int] | None = None)
 
 def _experts_column(parts: list[np.ndarray | None], model: np.ndarray) -> pa.Array:
     """One binary value per token: a model token's [layers x k] ids as "<i2" bytes; null elsewhere."""
-    if not parts or any(p is None for p in parts):
+    present = [p for p in parts if p is not None]
+    if not parts or len(present) < len(parts):
         return pa.nulls(len(model), pa.binary())
-    flat = np.concatenate([p.reshape(len(p), -1) for p in parts]).astype("<i2")
+    flat = np.concatenate([p.reshape(len(p), -1) for p in present]).astype("<i2")
     row_bytes = np.where(model, flat.shape[1] * 2, 0)
     offsets = np.concatenate([[0], np.cumsum(row_bytes)]).astype(np.int32)
     validity = np.packbits(model, bitorder="little")
