@@ -19,6 +19,7 @@ from typing import Any
 from mismatch_probe.config.keys import closest
 from mismatch_probe.config.thresholds import OPS as CHECK_OPS
 from mismatch_probe.config.thresholds import CheckSpec, load_thresholds
+from mismatch_probe.numbers import significant
 from mismatch_probe.record import RunRecord, read_record
 
 OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge, "==": operator.eq}
@@ -73,7 +74,7 @@ class Check:
 
     def describe_bound(self, baseline_value=None) -> str:
         if self.baseline_factor is not None:
-            base = "baseline" if baseline_value is None else f"baseline {format_value(baseline_value)}"
+            base = "baseline" if baseline_value is None else f"baseline {significant(baseline_value)}"
             return f"{self.op} {self.baseline_factor:g} x {base}"
         return f"{self.op} {self.threshold:g}"
 
@@ -203,15 +204,6 @@ def _number(value) -> float | None:
     return float(value)
 
 
-def format_value(v) -> str:
-    """A checked value for people: "missing", nan and inf spelled out, else 4 significant digits."""
-    if v is None:
-        return "missing"
-    if isinstance(v, float) and (math.isnan(v) or math.isinf(v)):
-        return str(v)
-    return f"{v:.4g}"
-
-
 def sequence_statistic(values, statistic: str, above: float | None) -> float | None:
     import numpy as np
 
@@ -312,7 +304,7 @@ def evaluate(
                         status="FAIL",
                         value=value,
                         bound=c.describe_bound(baseline_value),
-                        message=f"the baseline's value is {format_value(baseline_value)}; nothing to compare "
+                        message=f"the baseline's value is {significant(baseline_value)}; nothing to compare "
                         "against, so the check fails closed",
                         baseline_value=baseline_value,
                         **base,
@@ -329,7 +321,7 @@ def evaluate(
                     bound=shown_bound,
                     threshold=bound,
                     baseline_value=baseline_value,
-                    message=f"value is {format_value(value)}: the gate fails closed",
+                    message=f"value is {significant(value)}: the gate fails closed",
                     **base,
                 )
             )
@@ -340,9 +332,9 @@ def evaluate(
         ok = OPS[c.op](value, bound)
         status = "PASS" if ok else ("WARN" if c.severity == "warn" else "FAIL")
         message = (
-            f"{format_value(value)} {c.op} {format_value(bound)}"
+            f"{significant(value)} {c.op} {significant(bound)}"
             if ok
-            else f"{format_value(value)} is not {c.op} {format_value(bound)}"
+            else f"{significant(value)} is not {c.op} {significant(bound)}"
         )
         results.append(
             CheckResult(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 from typing import Literal
 
-from mismatch_probe.gate.checks import GateResult, format_value
+from mismatch_probe.gate.checks import GateResult, significant
 
 STATUS_STYLE = {"PASS": "green", "WARN": "yellow", "FAIL": "bold red", "ERROR": "bold magenta"}
 STATUS_ICON = {"PASS": "✅", "WARN": "⚠️", "FAIL": "❌", "ERROR": "⛔"}
@@ -33,7 +33,7 @@ def rich_table(result: GateResult):
         table.add_row(
             f"[{STATUS_STYLE[r.status]}]{r.status}[/]",
             escape(r.name),
-            format_value(r.value),
+            significant(r.value),
             escape(r.bound + (" (warn)" if r.severity == "warn" else "")),
             escape(r.message),
         )
@@ -99,7 +99,7 @@ def markdown(result: GateResult) -> str:
     ]
     for r in result.results:
         lines.append(
-            f"| {STATUS_ICON[r.status]} {r.status} | {_md(r.name)} | {format_value(r.value)} | "
+            f"| {STATUS_ICON[r.status]} {r.status} | {_md(r.name)} | {significant(r.value)} | "
             f"{_md(r.bound)}{' (warn)' if r.severity == 'warn' else ''} | {_md(r.message)} |"
         )
     described = [r for r in result.results if r.description or r.source]

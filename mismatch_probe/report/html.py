@@ -26,8 +26,8 @@ from mismatch_probe import __version__
 from mismatch_probe.analysis.metric_docs import CORRECTION_DOCS, METRIC_DOC, METRIC_DOCS, k3_context, rank
 from mismatch_probe.errors import ConfigError
 from mismatch_probe.files import portable_path, resolve_from_dir
+from mismatch_probe.numbers import fmt, pct
 from mismatch_probe.record import EngineInfo, Environment, Inputs, ReferenceInfo, RunRecord, read_record
-from mismatch_probe.report.summary import fmt as summary_fmt
 from mismatch_probe.report.summary import kv_cache_line, layout_label, plain_notes, short_dtype
 
 REPORT_HTML = "report.html"
@@ -151,20 +151,6 @@ def run_label(record: RunRecord, path: Path) -> str:
 
 
 # ---- formatting -----------------------------------------------------------------------------
-
-
-def fmt(value) -> str:
-    if isinstance(value, float) and math.isnan(value):
-        return "NaN"
-    if isinstance(value, float) and 0.9999 < abs(value) < 1.0001 and abs(value) != 1.0:
-        return f"{value:.7f}"  # ESS, Pearson r and the multiplicative error sit next to 1
-    return summary_fmt(value)
-
-
-def pct(value) -> str:
-    if value is None:
-        return "-"
-    return f"{100 * value:.3g}%"
 
 
 def _data_uri(png: bytes) -> str:

@@ -7,8 +7,9 @@ user (model paths, ids) is escaped for Markdown table cells.
 from __future__ import annotations
 
 from mismatch_probe.analysis.metric_docs import METRIC_DOCS
+from mismatch_probe.numbers import fmt
 from mismatch_probe.record import Environment, Inputs, LogprobSemanticsRecord, RunRecord, SemanticsSide
-from mismatch_probe.report.summary import fmt, kv_cache_line, plain_notes
+from mismatch_probe.report.summary import kv_cache_line, plain_notes
 
 
 def _cell(value) -> str:

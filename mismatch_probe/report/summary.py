@@ -10,6 +10,7 @@ from typing import Any
 from rich.table import Table
 
 from mismatch_probe.analysis.metric_docs import negative_chi2_note
+from mismatch_probe.numbers import fmt
 from mismatch_probe.record import ReferenceInfo, RunRecord
 
 SUMMARY_ROWS = (
@@ -34,22 +35,6 @@ SUMMARY_ROWS = (
     ("n_model_tokens", "model tokens"),
     ("n_sequences", "sequences"),
 )
-
-
-def fmt(value) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, str):
-        return value
-    if isinstance(value, bool):
-        return str(value)
-    if isinstance(value, int):
-        return f"{value:,}"
-    if value == 0:
-        return "0"
-    if abs(value) >= 1e4 or abs(value) < 1e-3:
-        return f"{value:.3e}"
-    return f"{value:.4f}"
 
 
 def metrics_table(record: RunRecord) -> Table:
