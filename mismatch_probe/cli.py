@@ -10,6 +10,7 @@ import functools
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -430,9 +431,20 @@ def report(
         ),
     ] = None,
 ) -> None:
-    """Render the HTML report of a run, or compare runs (grouped by GPU type); needs no engine and no GPU."""
+    """Render the report of a run again (figures, report.md, report.html), or compare runs (grouped
+    by GPU type); needs no engine and no GPU."""
     from mismatch_probe.report.html import write_report
 
+    if len(run_dirs) == 1 and out_file is None:  # the run's own report, as compare writes it
+        from mismatch_probe.pipeline import rerender
+
+        t0 = time.perf_counter()
+        path = rerender(run_dirs[0])
+        size, seconds = path.stat().st_size, time.perf_counter() - t0
+        out.print(
+            f"report: {escape(str(path))} ({size / 1e6:.2f} MB, rendered in {seconds:.1f} s), report.md, figures/"
+        )
+        return
     written = write_report(run_dirs, out_file)
     what = f"comparison of {written.n_runs} runs" if written.n_runs > 1 else "report"
     out.print(

@@ -439,6 +439,23 @@ def render(ctx: RunContext, dist: dict) -> None:
     ctx.save()
 
 
+def rerender(run_dir: str | Path) -> Path:
+    """Render a finished run's figures, report.md and report.html again from its directory, as
+    stage 4 does (after an upgrade, or a rendering that failed); returns report.html's path.
+    run.json is rewritten only when its list of figures changes."""
+    from mismatch_probe.report.html import REPORT_HTML, load_run
+    from mismatch_probe.report.plots import run_figures
+
+    data = load_run(run_dir)
+    figures = run_figures(data.record, data.dist)
+    listed = _write_figure_files(data.path, figures)
+    if [f.to_dict() for f in data.record.figures or []] != listed:
+        data.record.update_sections({"figures": listed})
+        data.record.write(data.path)
+    _write_reports(data.path, data.record, data.dist, figures)
+    return data.path / REPORT_HTML
+
+
 def _write_figure_files(run_dir: Path, figures: list[dict]) -> list[dict]:
     """The report's figures as PNG files too, for report.md and for slides."""
     d = run_dir / FIGURES_DIR

@@ -2,6 +2,7 @@
 # Regenerate the committed example runs from a clean tree (their run.json names the commit).
 #
 #   bash reports/regenerate.sh            # from the repository root, with .venv built as README says
+#   bash reports/regenerate.sh --render   # when only the rendering changed: re-render, no engine
 #
 # Refuses when the package code differs from the commit (the runs would say "-dirty"). run.json and
 # the reports record no absolute paths by themselves; the engines' own logs print the paths they
@@ -14,6 +15,13 @@ if [ -n "$(git status --porcelain --untracked-files=no -- mismatch_probe pyproje
   exit 2
 fi
 mp=.venv/bin/mismatch-probe
+if [ "${1:-}" = "--render" ]; then
+  # only the rendering changed: the same runs' figures, report.md and report.html, and the comparisons
+  for run in reports/example reports/example-fp32 reports/parallelism-tp2/learner-{tp2,sp2,tp1}; do $mp report "$run"; done
+  $mp report reports/example reports/example-fp32 --out reports/example-compare.html
+  $mp report reports/parallelism-tp2/learner-{tp2,sp2,tp1} --out reports/parallelism-tp2/compare.html
+  exit 0
+fi
 $mp compare probes/demo.toml --out reports/example --overwrite
 $mp compare probes/demo.toml --engine-dtype float32 --out reports/example-fp32 --overwrite
 $mp report reports/example reports/example-fp32 --out reports/example-compare.html
