@@ -1,0 +1,195 @@
+"""Sequence-level bootstrap intervals of a run's metrics, from sequences.parquet's rows.
+
+Tokens of one sequence are not independent (a token that moved shifts every later token's context),
+so the unit resampled is the sequence: a replicate draws the run's n sequences with replacement and
+recomputes each metric from the sequences' sufficient statistics (a token-mean metric is a ratio of
+per-sequence sums, e.g. k3_kl = sum(k3_sum) / sum(n_tokens)). A replicate is a vector of
+counts (how often each sequence was drawn); a chunk of them times the matrix of per-sequence values
+gives every metric of every replicate in one matrix product, and memory is ``chunk x n_sequences``
+whatever ``n_boot``.
+
+Paired intervals are for two runs that score the same token sequences (re-scored rollouts): both
+sides are resampled with the same counts, so the noise of which sequences were sampled cancels in
+their difference, and what is left is the effect of the setting. Pure functions, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from mismatch_probe.analysis.metrics import SEQ_LOG_RATIO_CLAMP, SequenceTerms
+
+Columns = Mapping[str, np.ndarray]
+
+
+class Interval(NamedTuple):
+    estimate: float  # the metric on the run's own sequences (every count 1)
+    low: float
+    high: float
+
+    def covers(self, value: float) -> bool:
+        return self.low <= value <= self.high
+
+
+class BootstrapMetric(NamedTuple):
+    """A metric as a mean of per-sequence values: sum of ``value`` over the drawn sequences, over
+    their tokens (``per = "token"``) or their count (``per = "sequence"``), plus ``offset``."""
+
+    value: Callable[[Columns], np.ndarray]
+    per: str
+    offset: float = 0.0
+
+
+def _seq_weight_sq(c: Columns) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return np.exp(2.0 * np.clip(c["log_ratio"], -SEQ_LOG_RATIO_CLAMP, SEQ_LOG_RATIO_CLAMP))
+
+
+# The metrics of run.json a sequence-level bootstrap can recompute from sequences.parquet's columns.
+# Each is exactly the metric the metrics pass reports when every sequence is drawn once.
+BOOTSTRAP_METRICS: dict[str, BootstrapMetric] = {
+    "k3_kl": BootstrapMetric(lambda c: c["k3_sum"], "token"),
+    "k1_kl": BootstrapMetric(lambda c: -c["log_ratio"], "token"),  # k1 = -delta; log_ratio = sum of delta
+    "prob_diff_mean": BootstrapMetric(lambda c: c["mean_mismatch"] * c["n_tokens"], "token"),
+    "seq_max_mismatch_mean": BootstrapMetric(lambda c: c["max_mismatch"], "sequence"),
+    "seq_max_mismatch_gt_0_5_share": BootstrapMetric(
+        lambda c: (c["max_mismatch"] > 0.5).astype(np.float64), "sequence"
+    ),
+    "seq_mean_mismatch_mean": BootstrapMetric(lambda c: c["mean_mismatch"], "sequence"),
+    "seq_log_ratio_mean": BootstrapMetric(lambda c: c["log_ratio"], "sequence"),
+    "seq_geo_ratio_mean": BootstrapMetric(lambda c: c["geo_ratio"], "sequence"),
+    "log_ppl_infer": BootstrapMetric(lambda c: c["log_ppl_infer"], "sequence"),
+    "log_ppl_train": BootstrapMetric(lambda c: c["log_ppl_train"], "sequence"),
+    "chi2_seq": BootstrapMetric(_seq_weight_sq, "sequence", -1.0),
+}
+
+
+def evaluate(weights: np.ndarray, columns: Columns, keys: list[str]) -> np.ndarray:
+    """Each metric of ``keys`` (columns) under each row of sequence counts ``weights`` (rows): one
+    matrix product for all of them. A value drawn 0 times contributes nothing even when it is
+    infinite or NaN (not 0 * inf = NaN); a replicate that draws +inf is +inf, one that draws NaN or
+    both infinities is NaN."""
+    values = np.column_stack([BOOTSTRAP_METRICS[k].value(columns) for k in keys] + [columns["n_tokens"]])
+    finite = np.isfinite(values)
+    sums = weights @ np.where(finite, values, 0.0)
+    for j in np.flatnonzero(~finite.all(axis=0)):
+        drawn = weights[:, ~finite[:, j]] > 0
+        bad = values[~finite[:, j], j]
+        pos, neg, nan = (
+            drawn[:, bad == np.inf].any(1),
+            drawn[:, bad == -np.inf].any(1),
+            drawn[:, np.isnan(bad)].any(1),
+        )
+        sums[:, j] = np.where(nan | (pos & neg), np.nan, np.where(pos, np.inf, np.where(neg, -np.inf, sums[:, j])))
+    per = np.array([BOOTSTRAP_METRICS[k].per == "token" for k in keys])
+    offset = np.array([BOOTSTRAP_METRICS[k].offset for k in keys])
+    with np.errstate(invalid="ignore", divide="ignore"):
+        denominator = np.where(per, sums[:, -1:], weights.sum(axis=1, keepdims=True))
+        return sums[:, :-1] / denominator + offset
+
+
+def sequence_columns(table: pa.Table, group: str = "all") -> dict[str, np.ndarray]:
+    """One group's rows of sequences.parquet as float64 arrays (plus ``sample_id`` and ``turn``),
+    in the table's order."""
+    rows = table.filter(pc.equal(table.column("group"), group))
+    out = {name: rows.column(name).to_numpy().astype(np.float64) for name in SequenceTerms._fields}
+    out["sample_id"] = rows.column("sample_id").to_numpy()
+    out["turn"] = rows.column("turn").fill_null(-1).to_numpy()
+    return out
+
+
+def _replicates(n: int, n_boot: int, seed: int, chunk: int):
+    """Count vectors of n draws with replacement (each row sums to n), ``chunk`` rows at a time."""
+    rng = np.random.default_rng(seed)
+    for start in range(0, n_boot, chunk):
+        size = min(chunk, n_boot - start)
+        draws = rng.integers(0, n, (size, n)) + (np.arange(size) * n)[:, None]
+        yield np.bincount(draws.ravel(), minlength=size * n).reshape(size, n).astype(np.float64)
+
+
+def _percentiles(values: np.ndarray, level: float) -> tuple[float, float]:
+    tail = (1.0 - level) / 2.0
+    # "nearest", not interpolation: between an infinite and a finite replicate, inf * 0 would be NaN
+    lo, hi = np.quantile(values, [tail, 1.0 - tail], method="nearest")
+    return float(lo), float(hi)
+
+
+def _check(n: int, n_boot: int, level: float) -> None:
+    if n_boot < 1:
+        raise ValueError(f"n_boot must be at least 1, got {n_boot}")
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+
+
+def bootstrap_intervals(
+    columns: Columns,
+    keys: list[str] | None = None,
+    *,
+    n_boot: int = 2000,
+    level: float = 0.95,
+    seed: int = 0,
+    chunk: int = 256,
+) -> dict[str, Interval | None]:
+    """Percentile bootstrap interval of each metric in ``keys`` (default: all of
+    :data:`BOOTSTRAP_METRICS`), resampling sequences; None for a metric of a run with no sequences.
+    The same ``seed`` gives the same intervals."""
+    keys = list(BOOTSTRAP_METRICS) if keys is None else keys
+    n = len(columns["n_tokens"])
+    _check(n, n_boot, level)
+    if n == 0:
+        return dict.fromkeys(keys)
+    estimate = evaluate(np.ones((1, n)), columns, keys)[0]
+    draws = np.concatenate([evaluate(w, columns, keys) for w in _replicates(n, n_boot, seed, chunk)])
+    return {k: Interval(float(estimate[j]), *_percentiles(draws[:, j], level)) for j, k in enumerate(keys)}
+
+
+class PairedInterval(NamedTuple):
+    difference: Interval  # metric(b) - metric(a)
+    ratio: Interval  # metric(b) / metric(a): the x-fold change
+
+
+def paired_intervals(
+    a: Columns,
+    b: Columns,
+    keys: list[str] | None = None,
+    *,
+    n_boot: int = 2000,
+    level: float = 0.95,
+    seed: int = 0,
+    chunk: int = 256,
+) -> dict[str, PairedInterval | None]:
+    """Intervals of the difference and the ratio of each metric between two runs that scored the
+    same sequences (row i of ``a`` and of ``b`` is the same sample and turn): both are resampled with
+    the same counts. "Within noise" is a difference interval that covers 0."""
+    keys = list(BOOTSTRAP_METRICS) if keys is None else keys
+    n = len(a["n_tokens"])
+    _check(n, n_boot, level)
+    if len(b["n_tokens"]) != n or any(
+        name in a and name in b and not np.array_equal(a[name], b[name]) for name in ("sample_id", "turn", "n_tokens")
+    ):
+        raise ValueError("paired intervals need the same sequences, in the same order, on both sides")
+    if n == 0:
+        return dict.fromkeys(keys)
+    ones = np.ones((1, n))
+    ea, eb = evaluate(ones, a, keys)[0], evaluate(ones, b, keys)[0]
+    diffs, ratios = [], []
+    for weights in _replicates(n, n_boot, seed, chunk):
+        ma, mb = evaluate(weights, a, keys), evaluate(weights, b, keys)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            diffs.append(mb - ma)
+            ratios.append(mb / ma)
+    diff, ratio = np.concatenate(diffs), np.concatenate(ratios)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        point_ratio = eb / ea
+    return {
+        k: PairedInterval(
+            Interval(float(eb[j] - ea[j]), *_percentiles(diff[:, j], level)),
+            Interval(float(point_ratio[j]), *_percentiles(ratio[:, j], level)),
+        )
+        for j, k in enumerate(keys)
+    }
