@@ -68,13 +68,15 @@ def _thin(a: np.ndarray, n: int) -> np.ndarray:
     return a[:: max(1, -(-len(a) // n))]
 
 
-EDGES = {
-    "prob_bins": PROB_BINS,
-    "log_ratio": LOG_RATIO_EDGES.tolist(),
-    "seq_max_mismatch": SEQ_MAX_MISMATCH_EDGES.tolist(),
-    "length": LENGTH_EDGES.tolist(),
-    "mismatch_log": MISMATCH_LOG_EDGES.tolist(),
-}
+def _edges() -> dict:
+    """The bin edges, stored with the histograms (a fresh dict each time: results are mutable)."""
+    return {
+        "prob_bins": PROB_BINS,
+        "log_ratio": LOG_RATIO_EDGES.tolist(),
+        "seq_max_mismatch": SEQ_MAX_MISMATCH_EDGES.tolist(),
+        "length": LENGTH_EDGES.tolist(),
+        "mismatch_log": MISMATCH_LOG_EDGES.tolist(),
+    }
 
 
 def sequence_distributions(sequences: pa.Table, max_points: int = 5_000) -> dict:
@@ -175,7 +177,7 @@ class DistributionAccumulator:
         order = np.lexsort((self._worst_sample, -self._worst_gap))  # worst first, ties by sample id
         self.result = {
             "version": DISTRIBUTIONS_VERSION,
-            "edges": EDGES,
+            "edges": _edges(),
             "groups": groups,
             "worst": [
                 {"sample_id": int(s), "max_prob_diff": float(g)}
