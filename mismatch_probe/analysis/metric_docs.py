@@ -43,7 +43,7 @@ METRIC_DOCS = (
     MetricDoc(
         "k2_kl",
         "K2 KL",
-        "mean of δ² / 2; ≥ 0, a biased KL estimate that is exact to second order",
+        "mean of δ² / 2; ≥ 0, a low-variance KL estimate, biased, that agrees with KL to second order in δ",
         "0 is perfect",
         "lower",
     ),
