@@ -83,24 +83,18 @@ def sequence_distributions(sequences: pa.Table, max_points: int = 5_000) -> dict
     """The sequence level of the report's distributions, from sequences.parquet's rows: histograms
     of the ``all`` group (one sequence per sample) and, per turn group, one log-ppl point per
     sample-turn, thinned by a deterministic stride to at most ``max_points``."""
-    import pyarrow.compute as pc
+    from mismatch_probe.analysis.sequences import group_columns
 
-    def group(name: str, *columns: str) -> list[np.ndarray]:
-        rows = sequences.filter(pc.equal(sequences.column("group"), name))
-        return [rows.column(c).to_numpy() for c in columns]
-
-    n_tokens, max_mismatch, log_ratio = group("all", "n_tokens", "max_mismatch", "log_ratio")
+    every = group_columns(sequences, "all")
+    n_tokens, max_mismatch, log_ratio = every["n_tokens"], every["max_mismatch"], every["log_ratio"]
     length_hist = np.zeros((len(LENGTH_EDGES) - 1, len(MISMATCH_LOG_EDGES) - 1), dtype=np.int64)
     np.add.at(length_hist, (bin_index(n_tokens, LENGTH_EDGES), bin_index(max_mismatch, MISMATCH_LOG_EDGES)), 1)
     with np.errstate(invalid="ignore"):
         seq_ratio_bin = bin_index(log_ratio, LOG_RATIO_EDGES)
     log_ppl = {}
     for g in GROUPS:
-        infer, train = group(g, "log_ppl_infer", "log_ppl_train")
-        log_ppl[g] = {
-            "log_ppl_infer": _thin(infer, max_points).tolist(),
-            "log_ppl_train": _thin(train, max_points).tolist(),
-        }
+        turns = group_columns(sequences, g)
+        log_ppl[g] = {key: _thin(turns[key], max_points).tolist() for key in ("log_ppl_infer", "log_ppl_train")}
     return {
         "sequences": {
             "n_sequences": len(n_tokens),

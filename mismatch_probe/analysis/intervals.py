@@ -19,11 +19,10 @@ from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 
-from mismatch_probe.analysis.metrics import SEQ_LOG_RATIO_CLAMP, SequenceTerms
+from mismatch_probe.analysis.metrics import SEQ_LOG_RATIO_CLAMP
 
+# one group of sequences.parquet (analysis.sequences.group_columns): n_tokens, k3_sum, log_ratio, ...
 Columns = Mapping[str, np.ndarray]
 
 
@@ -91,16 +90,6 @@ def evaluate(weights: np.ndarray, columns: Columns, keys: list[str]) -> np.ndarr
     with np.errstate(invalid="ignore", divide="ignore"):
         denominator = np.where(per, sums[:, -1:], weights.sum(axis=1, keepdims=True))
         return sums[:, :-1] / denominator + offset
-
-
-def sequence_columns(table: pa.Table, group: str = "all") -> dict[str, np.ndarray]:
-    """One group's rows of sequences.parquet as float64 arrays (plus ``sample_id`` and ``turn``),
-    in the table's order."""
-    rows = table.filter(pc.equal(table.column("group"), group))
-    out = {name: rows.column(name).to_numpy().astype(np.float64) for name in SequenceTerms._fields}
-    out["sample_id"] = rows.column("sample_id").to_numpy()
-    out["turn"] = rows.column("turn").fill_null(-1).to_numpy()
-    return out
 
 
 def _replicates(n: int, n_boot: int, seed: int, chunk: int):

@@ -82,13 +82,23 @@ def sequence_table(groups: dict[str, tuple[SequenceIds, MetricsAccumulator]]) ->
     return pa.concat_tables(parts) if parts else SCHEMA.empty_table()
 
 
+def group_columns(table: pa.Table, group: str) -> dict[str, np.ndarray]:
+    """One group's rows of a sequences table, in its order: every :class:`SequenceTerms` column plus
+    ``sample_id`` and ``turn`` (-1 where null, the ``all`` group)."""
+    import pyarrow.compute as pc
+
+    rows = table.filter(pc.equal(table.column("group"), group))
+    out = {name: rows.column(name).to_numpy() for name in SequenceTerms._fields}
+    out["sample_id"] = rows.column("sample_id").to_numpy()
+    out["turn"] = rows.column("turn").fill_null(-1).to_numpy()
+    return out
+
+
 def sequence_values(table: pa.Table) -> dict[str, dict[str, np.ndarray]]:
     """Per group, every value a gate check's ``sequence_metric`` may name, for every sequence."""
-    group = table.column("group").to_numpy(zero_copy_only=False)
     out = {}
     for g in SEQUENCE_GROUPS:
-        keep = group == g
-        col = {name: table.column(name).to_numpy(zero_copy_only=False)[keep] for name in SequenceTerms._fields}
+        col = group_columns(table, g)
         with np.errstate(invalid="ignore", over="ignore"):
             out[g] = {
                 "max_mismatch": col["max_mismatch"],

@@ -13,10 +13,9 @@ from mismatch_probe.analysis.intervals import (
     bootstrap_intervals,
     evaluate,
     paired_intervals,
-    sequence_columns,
 )
 from mismatch_probe.analysis.metrics import MetricsAccumulator, segment_starts
-from mismatch_probe.analysis.sequences import SequenceIds, sequence_table
+from mismatch_probe.analysis.sequences import SequenceIds, group_columns, sequence_table
 
 
 def tokens(seed: int, n_seq: int = 40, zero_prob: bool = False):
@@ -36,7 +35,7 @@ def columns_of(sample, lt, li):
     starts = segment_starts(sample)
     ids.add(sample, None, starts)
     acc.add(lt, li, starts)
-    return sequence_columns(sequence_table({"all": (ids, acc)})), acc.metrics()
+    return group_columns(sequence_table({"all": (ids, acc)}), "all"), acc.metrics()
 
 
 def test_with_every_sequence_drawn_once_each_metric_is_the_metrics_pass():
