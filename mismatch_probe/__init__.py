@@ -6,7 +6,7 @@ imported until a run needs it.
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "load_run"]
+__all__ = ["__version__", "load_run", "sweep"]
 
 
 def __getattr__(name: str):
@@ -15,4 +15,8 @@ def __getattr__(name: str):
         from mismatch_probe.api import load_run
 
         return load_run
+    if name == "sweep":  # mismatch_probe.sweep(spec) -> SweepResult
+        from mismatch_probe.sweeps import sweep
+
+        return sweep
     raise AttributeError(f"module 'mismatch_probe' has no attribute {name!r}")

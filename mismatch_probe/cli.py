@@ -93,7 +93,10 @@ class RichProgress:
     def stage(self, name: str, total: int) -> None:
         if not self.tasks:
             self.bars.start()
-        self.tasks[name] = self.bars.add_task(name, total=total)
+        if name in self.tasks:  # the next run of a sweep: the same bar again, not one more
+            self.bars.reset(self.tasks[name], total=total)
+        else:
+            self.tasks[name] = self.bars.add_task(name, total=total)
 
     def advance(self, name: str, amount: int) -> None:
         self.bars.advance(self.tasks[name], amount)
@@ -389,6 +392,74 @@ def _gate(run_dir, thresholds, baseline, gate=None, *, quiet=False, junit=None, 
 
 
 def _gate_exit(result) -> None:
+    if result.exit_code:
+        raise typer.Exit(result.exit_code)
+
+
+class RichSweepProgress(RichProgress):
+    """The stages' bars plus one for the sweep: points done, engine starts, time left."""
+
+    def __init__(self, console: Console):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        super().__init__(console)
+        self.points = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("runs · {task.fields[starts]} engine starts · left"),
+            TimeRemainingColumn(),
+            console=console,
+        )
+        self.points_task: int | None = None
+
+    def point(self, name: str, done: int, total: int, engine_starts: int) -> None:
+        if self.points_task is None:
+            self.points_task = self.points.add_task("sweep", total=total, starts=engine_starts)
+            self.points.start()
+        self.points.update(self.points_task, completed=done, starts=engine_starts)
+        self.log(f"sweep: {name} done ({done}/{total} runs, {engine_starts} engine starts)")
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        if self.points_task is not None:
+            self.points.stop()
+
+
+@app.command()
+@friendly_errors
+def sweep(
+    spec_file: Annotated[
+        Path,
+        typer.Argument(help="Probe spec (TOML) with a [sweep] table, e.g. probes/sweep-demo.toml.", show_default=False),
+    ],
+    out_dir: Annotated[Path | None, typer.Option("--out", help="Sweep directory (default: the spec's out).")] = None,
+    gate_file: Annotated[
+        Path | None,
+        typer.Option("--gate", help="Thresholds (TOML): check every point and name the cheapest change that passes."),
+    ] = None,
+    resume: Annotated[
+        bool, typer.Option("--resume/--no-resume", help="Keep the finished points of an earlier sweep in --out.")
+    ] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="Print sweep.json instead of a summary.")] = False,
+) -> None:
+    """Vary engine, reference and sampling settings around a spec, one run per point (one engine
+    start per engine configuration), and say which setting causes the mismatch, with intervals, the
+    noise floor, determinism and each change's throughput cost. Exit 0 when the baseline or a
+    recommended change passes --gate, 1 when none does, 2 on bad input."""
+    from mismatch_probe.config.spec import load_spec_file
+    from mismatch_probe.report.sweep import summary_lines
+    from mismatch_probe.sweeps import sweep as run_sweep
+
+    spec = load_spec_file(spec_file)
+    with RichSweepProgress(err) as progress:
+        result = run_sweep(spec, out=out_dir, gate=gate_file, resume=resume, progress=progress)
+    if as_json:
+        sys.stdout.write(json.dumps(result.record.to_dict(), indent=2) + "\n")
+    else:
+        for line in summary_lines(result.record):
+            out.print(escape(line))
+        out.print(f"sweep: {escape(portable_path(result.html))} (also sweep.md, sweep.json)")
     if result.exit_code:
         raise typer.Exit(result.exit_code)
 

@@ -226,6 +226,8 @@ def prepare(
     from mismatch_probe.rollout.prompts import tokenize_prompts
 
     t_start = time.perf_counter()
+    if spec.sweep is not None:
+        raise ConfigError("the spec has a [sweep] table", hint="run it with `mismatch-probe sweep SPEC`")
     spec.validate()
     model_path = check_model_dir(spec.model)
     entry = get_entry(spec.engine.name)

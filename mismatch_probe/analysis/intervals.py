@@ -37,11 +37,14 @@ class Interval(NamedTuple):
 
 class BootstrapMetric(NamedTuple):
     """A metric as a mean of per-sequence values: sum of ``value`` over the drawn sequences, over
-    their tokens (``per = "token"``) or their count (``per = "sequence"``), plus ``offset``."""
+    their tokens (``per = "token"``) or their count (``per = "sequence"``), plus ``offset``; or
+    (``per = "max"``) the largest ``value`` among the drawn sequences. ``needs`` names the columns
+    it reads, so a table written before a column existed skips the metric instead of failing."""
 
     value: Callable[[Columns], np.ndarray]
     per: str
     offset: float = 0.0
+    needs: tuple[str, ...] = ()
 
 
 def _seq_weight_sq(c: Columns) -> np.ndarray:
@@ -53,6 +56,11 @@ def _seq_weight_sq(c: Columns) -> np.ndarray:
 # Each is exactly the metric the metrics pass reports when every sequence is drawn once.
 BOOTSTRAP_METRICS: dict[str, BootstrapMetric] = {
     "k3_kl": BootstrapMetric(lambda c: c["k3_sum"], "token"),
+    # the max over tokens is the max over sequences of each one's max; a percentile bootstrap of a
+    # maximum is biased low (a replicate can only repeat the run's largest value), so its interval
+    # says "how much does the worst token depend on which sequences were sampled", nothing more
+    "prob_diff_max": BootstrapMetric(lambda c: c["max_mismatch"], "max"),
+    "mult_prob_error": BootstrapMetric(lambda c: c["mult_error_sum"], "token", needs=("mult_error_sum",)),
     "k1_kl": BootstrapMetric(lambda c: -c["log_ratio"], "token"),  # k1 = -delta; log_ratio = sum of delta
     "prob_diff_mean": BootstrapMetric(lambda c: c["mean_mismatch"] * c["n_tokens"], "token"),
     "seq_max_mismatch_mean": BootstrapMetric(lambda c: c["max_mismatch"], "sequence"),
@@ -68,11 +76,32 @@ BOOTSTRAP_METRICS: dict[str, BootstrapMetric] = {
 }
 
 
+def available(columns: Columns, keys: list[str] | None = None) -> list[str]:
+    """The metrics of ``keys`` (default: all) that ``columns`` has what it takes to recompute."""
+    keys = list(BOOTSTRAP_METRICS) if keys is None else keys
+    return [k for k in keys if all(name in columns for name in BOOTSTRAP_METRICS[k].needs)]
+
+
 def evaluate(weights: np.ndarray, columns: Columns, keys: list[str]) -> np.ndarray:
     """Each metric of ``keys`` (columns) under each row of sequence counts ``weights`` (rows): one
     matrix product for all of them. A value drawn 0 times contributes nothing even when it is
     infinite or NaN (not 0 * inf = NaN); a replicate that draws +inf is +inf, one that draws NaN or
     both infinities is NaN."""
+    maxima = [j for j, k in enumerate(keys) if BOOTSTRAP_METRICS[k].per == "max"]
+    if maxima:  # a maximum is not a sum: evaluate those apart, the rest in one product
+        means = [k for k in keys if BOOTSTRAP_METRICS[k].per != "max"]
+        out = np.empty((weights.shape[0], len(keys)))
+        rest = [j for j in range(len(keys)) if j not in maxima]
+        if means:
+            out[:, rest] = evaluate(weights, columns, means)
+        drawn = weights > 0
+        for j in maxima:
+            value = np.asarray(BOOTSTRAP_METRICS[keys[j]].value(columns), np.float64)
+            # NaN is a missing value here (a sequence with no scored tokens), as np.nanmax treats it
+            filled = np.where(drawn & ~np.isnan(value), value, -np.inf)
+            best = filled.max(axis=1) if filled.shape[1] else np.full(len(filled), -np.inf)
+            out[:, j] = np.where(np.isneginf(best), np.nan, best)
+        return out
     values = np.column_stack([BOOTSTRAP_METRICS[k].value(columns) for k in keys] + [columns["n_tokens"]])
     finite = np.isfinite(values)
     sums = weights @ np.where(finite, values, 0.0)
@@ -90,6 +119,11 @@ def evaluate(weights: np.ndarray, columns: Columns, keys: list[str]) -> np.ndarr
     with np.errstate(invalid="ignore", divide="ignore"):
         denominator = np.where(per, sums[:, -1:], weights.sum(axis=1, keepdims=True))
         return sums[:, :-1] / denominator + offset
+
+
+def _estimate(columns: Columns, keys: list[str]) -> np.ndarray:
+    """The metrics on the run's own sequences (every one drawn once)."""
+    return evaluate(np.ones((1, len(columns["n_tokens"]))), columns, keys)[0]
 
 
 def _replicates(n: int, n_boot: int, seed: int, chunk: int):
@@ -127,7 +161,7 @@ def bootstrap_intervals(
     """Percentile bootstrap interval of each metric in ``keys`` (default: all of
     :data:`BOOTSTRAP_METRICS`), resampling sequences; None for a metric of a run with no sequences.
     The same ``seed`` gives the same intervals."""
-    keys = list(BOOTSTRAP_METRICS) if keys is None else keys
+    keys = available(columns) if keys is None else keys
     n = len(columns["n_tokens"])
     _check(n, n_boot, level)
     if n == 0:
@@ -155,7 +189,7 @@ def paired_intervals(
     """Intervals of the difference and the ratio of each metric between two runs that scored the
     same sequences (row i of ``a`` and of ``b`` is the same sample and turn): both are resampled with
     the same counts. "Within noise" is a difference interval that covers 0."""
-    keys = list(BOOTSTRAP_METRICS) if keys is None else keys
+    keys = available(b, available(a)) if keys is None else keys
     n = len(a["n_tokens"])
     _check(n, n_boot, level)
     if len(b["n_tokens"]) != n or any(
@@ -175,6 +209,54 @@ def paired_intervals(
     diff, ratio = np.concatenate(diffs), np.concatenate(ratios)
     with np.errstate(invalid="ignore", divide="ignore"):
         point_ratio = eb / ea
+    return {
+        k: PairedInterval(
+            Interval(float(eb[j] - ea[j]), *_percentiles(diff[:, j], level)),
+            Interval(float(point_ratio[j]), *_percentiles(ratio[:, j], level)),
+        )
+        for j, k in enumerate(keys)
+    }
+
+
+def unpaired_intervals(
+    baselines: list[Columns],
+    b: Columns,
+    keys: list[str] | None = None,
+    *,
+    n_boot: int = 2000,
+    level: float = 0.95,
+    seed: int = 0,
+    chunk: int = 256,
+) -> dict[str, PairedInterval | None]:
+    """Intervals of the difference and ratio of each metric between run ``b`` and a baseline sampled
+    several times (``baselines``: its repeats, other seeds), when ``b`` sampled tokens of its own.
+
+    Nothing pairs the two, so each is resampled on its own: a baseline replicate first picks one of
+    the repeats at random, then resamples that repeat's sequences (a two-level bootstrap), so the
+    spread between repeats (seed, batch composition, a nondeterministic engine) widens the interval
+    as much as the sequences' own spread does. The estimate is ``metric(b)`` minus (or over) the
+    mean of the repeats' metrics."""
+    if not baselines:
+        raise ValueError("unpaired intervals need at least one baseline run")
+    keys = available(b, available(baselines[0])) if keys is None else keys
+    _check(len(b["n_tokens"]), n_boot, level)
+    if len(b["n_tokens"]) == 0 or any(len(c["n_tokens"]) == 0 for c in baselines):
+        return dict.fromkeys(keys)
+    rng = np.random.default_rng(seed)
+    pick = rng.integers(0, len(baselines), n_boot)
+    draws_b = np.concatenate([evaluate(w, b, keys) for w in _replicates(len(b["n_tokens"]), n_boot, seed + 1, chunk)])
+    draws_a = np.empty_like(draws_b)
+    for r, columns in enumerate(baselines):
+        rows = np.flatnonzero(pick == r)
+        if len(rows):
+            n = len(columns["n_tokens"])
+            draws_a[rows] = np.concatenate(
+                [evaluate(w, columns, keys) for w in _replicates(n, len(rows), seed + 2 + r, chunk)]
+            )
+    eb = _estimate(b, keys)
+    ea = np.mean([_estimate(c, keys) for c in baselines], axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        diff, ratio, point_ratio = draws_b - draws_a, draws_b / draws_a, eb / ea
     return {
         k: PairedInterval(
             Interval(float(eb[j] - ea[j]), *_percentiles(diff[:, j], level)),

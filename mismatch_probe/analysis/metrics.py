@@ -154,6 +154,7 @@ class SequenceTerms(NamedTuple):
     geo_ratio: np.ndarray
     min_token_log_ratio: np.ndarray
     k3_sum: np.ndarray  # sum of the tokens' K3: with n_tokens, the sufficient statistic of k3_kl
+    mult_error_sum: np.ndarray  # sum of the tokens' exp|delta|: with n_tokens, that of mult_prob_error
 
 
 def sequence_terms(
@@ -163,7 +164,7 @@ def sequence_terms(
     n = len(terms.delta)
     if len(starts) == 0:
         empty = np.zeros(0)
-        return SequenceTerms(np.zeros(0, dtype=np.int64), *([empty] * 8))
+        return SequenceTerms(np.zeros(0, dtype=np.int64), *([empty] * 9))
     n_tokens = np.diff(np.append(starts, n))
     lt = np.asarray(logp_train, dtype=np.float64)
     li = np.asarray(logp_infer, dtype=np.float64)
@@ -179,6 +180,7 @@ def sequence_terms(
             geo_ratio=np.exp(log_ratio / n_tokens),
             min_token_log_ratio=np.minimum.reduceat(terms.delta, starts),
             k3_sum=np.add.reduceat(terms.k3, starts),
+            mult_error_sum=np.add.reduceat(terms.mult_error, starts),
         )
 
 

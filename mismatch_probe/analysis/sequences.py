@@ -84,11 +84,12 @@ def sequence_table(groups: dict[str, tuple[SequenceIds, MetricsAccumulator]]) ->
 
 def group_columns(table: pa.Table, group: str) -> dict[str, np.ndarray]:
     """One group's rows of a sequences table, in its order: every :class:`SequenceTerms` column plus
-    ``sample_id`` and ``turn`` (-1 where null, the ``all`` group)."""
+    ``sample_id`` and ``turn`` (-1 where null, the ``all`` group). A column newer than the file
+    (``mult_error_sum``, added after 0.1.0's first tables) is absent rather than invented."""
     import pyarrow.compute as pc
 
     rows = table.filter(pc.equal(table.column("group"), group))
-    out = {name: rows.column(name).to_numpy() for name in SequenceTerms._fields}
+    out = {name: rows.column(name).to_numpy() for name in SequenceTerms._fields if name in rows.column_names}
     out["sample_id"] = rows.column("sample_id").to_numpy()
     out["turn"] = rows.column("turn").fill_null(-1).to_numpy()
     return out

@@ -29,6 +29,7 @@ from pydantic import (
 )
 
 from mismatch_probe.config.keys import KeyLines, unknown_key
+from mismatch_probe.config.sweep_spec import SweepSpec
 from mismatch_probe.config.validation import choices_of, first_error, is_rule, model_at, phrase, rule_error, rule_parts
 from mismatch_probe.errors import ConfigError
 from mismatch_probe.files import read_text
@@ -283,6 +284,8 @@ class ProbeSpec(_Settings):
     # [[variants]]: reference (and correction) settings to score the same rollouts with, one run
     # each; recorded as {"name": ..., "reference": {...}, "corrections": {...}} (the keys given)
     variants: list[VariantSpec] = Field(default_factory=list)
+    # [sweep]: the settings `mismatch-probe sweep` varies around this spec (a run of its own each)
+    sweep: SweepSpec | None = None
     # The run uses absolute paths; run.json records them as the user gave them (in a spec file:
     # relative to it; as flags: as typed), so a record carries no machine's directory layout.
     # {"model": "../fixtures/models/tiny-qwen2", "engine.python": ...}; not part of any fingerprint.
@@ -303,6 +306,23 @@ class ProbeSpec(_Settings):
         if len(variants) == 1:
             raise rule_error("one variant compares nothing", hint="give two or more [[variants]], or none")
         return variants
+
+    @model_validator(mode="after")
+    def _sweep_or_variants(self) -> ProbeSpec:
+        if self.sweep is not None and self.variants:
+            raise rule_error(
+                "a spec has [sweep] or [[variants]], not both",
+                hint="a sweep varies reference settings too: give them as [[sweep.axes]]",
+            )
+        return self
+
+    @model_serializer(mode="wrap")
+    def _without_empty_sweep(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # a spec without [sweep] dumps, records and fingerprints exactly as before [sweep] existed
+        d = handler(self)
+        if d.get("sweep") is None:
+            d.pop("sweep", None)
+        return d
 
     def _resolved_dict(self) -> dict[str, Any]:
         return self.model_dump()
@@ -578,8 +598,10 @@ def apply_overrides(spec: ProbeSpec, overrides: dict[str, Any]) -> ProbeSpec:
             continue
         section_name, _, leaf = dotted.rpartition(".")
         target: BaseModel = getattr(spec, section_name) if section_name else spec
-        if leaf not in type(target).model_fields or (not section_name and leaf in (*SECTIONS, "variants")):
-            settings = [k for k in type(target).model_fields if section_name or k not in (*SECTIONS, "variants")]
+        if leaf not in type(target).model_fields or (not section_name and leaf in (*SECTIONS, "variants", "sweep")):
+            settings = [
+                k for k in type(target).model_fields if section_name or k not in (*SECTIONS, "variants", "sweep")
+            ]
             raise unknown_key(leaf, settings, "override")
         flag = f"--{dotted.replace('.', '-').replace('_', '-')}"
         updated: BaseModel | None = None

@@ -1,0 +1,72 @@
+"""Where a sweep's time goes: engine and reference compute against the sweep's own overhead.
+
+    .venv/bin/python benchmarks/bench_sweep.py                      # the demo sweep (vLLM CPU), fresh
+    .venv/bin/python benchmarks/bench_sweep.py --spec SPEC.toml     # any sweep spec
+    .venv/bin/python benchmarks/bench_sweep.py --from reports/sweep-demo   # split a finished sweep
+
+Compute is what an engine or the reference does: engine start and stop, generation, the engine's
+prefill re-scoring, the determinism checks, reference load and scoring. Overhead is everything
+else the sweep adds around them: checking inputs and preparing each run directory, the metrics
+pass, each point's figures and report, the sweep's intervals and its own pages. The issue's bar:
+overhead under 10% of the total.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE = ("generation_s", "prefill_s")
+REFERENCE = ("reference_load_s", "scoring_s")
+OVERHEAD = ("setup_s", "metrics_s", "figures_s", "report_s")
+
+
+def split(sweep_dir: Path, wall: float | None = None) -> dict:
+    rec = json.loads((sweep_dir / "sweep.json").read_text())
+    t = rec["timings"]
+    runs = [json.loads(p.read_text())["timings"] for p in sorted((sweep_dir / "points").glob("*/run.json"))]
+
+    def total(keys):
+        return sum(r.get(k, 0.0) for r in runs for k in keys)
+
+    engine = t["engine_start_s"] + t["engine_stop_s"] + t["determinism_s"] + total(ENGINE)
+    reference = total(REFERENCE)
+    whole = wall if wall is not None else t["total_s"]
+    parts = {k: total((k,)) for k in OVERHEAD}
+    parts["summary_s"] = t.get("summary_s", 0.0)
+    return {
+        "runs": len(runs),
+        "engine_starts": rec["engine_starts"],
+        "total_s": round(whole, 1),
+        "engine_s": round(engine, 1),
+        "reference_s": round(reference, 1),
+        "overhead_s": round(whole - engine - reference, 1),
+        "overhead_share": round((whole - engine - reference) / whole, 4),
+        "overhead_parts_s": {k: round(v, 1) for k, v in parts.items()},
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--spec", default=str(ROOT / "probes" / "sweep-demo.toml"))
+    ap.add_argument("--from", dest="finished", help="a finished sweep directory: split its recorded timings")
+    args = ap.parse_args()
+    if args.finished:
+        print(json.dumps(split(Path(args.finished)), indent=2))
+        return
+    import mismatch_probe
+
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        mismatch_probe.sweep(args.spec, out=Path(tmp) / "sweep")
+        wall = time.perf_counter() - t0
+        print(json.dumps(split(Path(tmp) / "sweep", wall), indent=2))
+
+
+if __name__ == "__main__":  # vLLM's engine workers re-import the main module
+    sys.exit(main())

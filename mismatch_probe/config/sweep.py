@@ -1,0 +1,165 @@
+"""The points of a sweep: one probe spec per combination of settings a ``[sweep]`` table asks for.
+
+``one-at-a-time``: the baseline (the spec as written), then each axis value that differs from the
+baseline's own value, alone. ``grid``: every combination of the axes' values (the combination equal to
+the baseline is the baseline). Each point is a complete, validated :class:`ProbeSpec` without
+``[sweep]``; what decides how it runs is read from it:
+
+* :func:`engine_key`: points with the same key share one engine start;
+* ``rollout_fingerprint()``: points with the same one score the same tokens (a reference-only change),
+  so their difference from each other is paired.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mismatch_probe.config.keys import unknown_key
+from mismatch_probe.config.spec import ProbeSpec, apply_overrides
+from mismatch_probe.config.sweep_spec import AxisValue, SweepSpec
+from mismatch_probe.errors import ConfigError
+
+BASELINE = "baseline"
+
+
+@dataclass
+class SweepPoint:
+    name: str
+    settings: dict[str, AxisValue]  # what differs from the baseline, by dotted key
+    spec: ProbeSpec | None  # None: the settings are not a valid spec (refused, with ``refusal``)
+    run_dir: Path  # DIR/points/<name>: the spec's out
+    repeat: int = 0  # the baseline's repeats: 1, 2, ... (seed + repeat)
+    refusal: str | None = None
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.name == BASELINE
+
+
+@dataclass
+class SweepPlan:
+    baseline: SweepPoint
+    repeats: list[SweepPoint]  # the baseline again with other seeds (repeats - 1 of them)
+    points: list[SweepPoint]  # every other point, in the order the axes list them
+    sweep: SweepSpec
+    fingerprint: str  # of the whole sweep: the spec and the [sweep] table
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def runs(self) -> list[SweepPoint]:
+        return [self.baseline, *self.repeats, *self.points]
+
+
+def _value_name(value: AxisValue) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def point_name(settings: dict[str, AxisValue]) -> str:
+    """``engine.dtype=float32``; a grid point joins its settings with ``+``. Only characters a
+    directory name can hold safely everywhere."""
+    raw = "+".join(f"{k}={_value_name(v)}" for k, v in settings.items())
+    return re.sub(r"[^A-Za-z0-9._=+-]", "-", raw)
+
+
+def engine_key(spec: ProbeSpec) -> str:
+    """What one engine start serves: the model and every engine setting (sampling is per request)."""
+    d = {"model": spec.model, "trust_remote_code": spec.trust_remote_code, "engine": spec.engine.model_dump()}
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _current(spec: ProbeSpec, key: str) -> Any:
+    section, _, leaf = key.partition(".")
+    return getattr(getattr(spec, section), leaf)
+
+
+def _point(
+    base: ProbeSpec, settings: dict[str, AxisValue], out: Path, *, strict: bool, name: str | None = None
+) -> SweepPoint:
+    name = name or point_name(settings)
+    spec = base.model_copy(deep=True, update={"sweep": None, "out": str(out / name), "name": name})
+    spec._given_paths = {k: p for k, p in base.given_paths.items() if k != "out"}
+    try:
+        apply_overrides(spec, {k: v for k, v in settings.items()})
+        spec.validate()
+    except ConfigError as exc:
+        where = ", ".join(f"{k} = {_value_name(v)}" for k, v in settings.items())
+        if strict:
+            raise ConfigError(f"[sweep] {where}: {exc.message}", hint=exc.hint) from None
+        return SweepPoint(name, settings, None, out / name, refusal=f"not a valid setting: {exc}")
+    return SweepPoint(name, settings, spec, out / name)
+
+
+def sweep_points(spec: ProbeSpec, out: str | Path) -> SweepPlan:
+    """Every point of ``spec``'s ``[sweep]``, each writing to ``out/points/<name>``.
+
+    Raises :class:`ConfigError` for an axis that names no setting or a value the setting cannot
+    take; in a grid, a combination the spec's rules forbid (e.g. sequence parallelism without
+    packing) becomes a refused point instead, shown with its reason."""
+    sweep = spec.sweep
+    if sweep is None:
+        raise ConfigError(
+            "the spec has no [sweep] table", hint="add [sweep] and [[sweep.axes]] (see probes/sweep-demo.toml)"
+        )
+    points_dir = Path(out) / "points"
+    base = spec.model_copy(deep=True, update={"sweep": None})
+    base._given_paths = dict(spec.given_paths)
+    base.validate()
+    for axis in sweep.axes:
+        section, _, leaf = axis.key.partition(".")
+        if leaf not in type(getattr(base, section)).model_fields:
+            raise unknown_key(leaf, list(type(getattr(base, section)).model_fields), f"[sweep] axis [{section}]")
+    baseline = _point(base, {}, points_dir, strict=True, name=BASELINE)
+    assert baseline.spec is not None  # strict: a ConfigError otherwise
+    repeats = []
+    for r in range(1, sweep.repeats):
+        p = _point(
+            base, {"sampling.seed": base.sampling.seed + r}, points_dir, strict=True, name=f"{BASELINE}-repeat{r}"
+        )
+        p.repeat, p.settings = r, {}  # the seed is what a repeat is, not a setting it changes
+        repeats.append(p)
+    points: list[SweepPoint] = []
+    if sweep.mode == "grid":
+        keys = [a.key for a in sweep.axes]
+        for combo in itertools.product(*(a.values for a in sweep.axes)):
+            settings = {k: v for k, v in zip(keys, combo) if not _same(_current(baseline.spec, k), v, baseline.spec, k)}
+            if settings:
+                points.append(_point(base, settings, points_dir, strict=False))
+    else:
+        for axis in sweep.axes:
+            for value in axis.values:
+                if not _same(_current(baseline.spec, axis.key), value, baseline.spec, axis.key):
+                    points.append(_point(base, {axis.key: value}, points_dir, strict=True))
+    seen: dict[str, str] = {}
+    unique = []
+    for p in points:  # two spellings of one setting (bf16, bfloat16) are one point
+        fp = p.spec.fingerprint() if p.spec is not None else p.name
+        if fp == baseline.spec.fingerprint() or fp in seen:
+            continue
+        seen[fp] = p.name
+        unique.append(p)
+    d = spec.model_dump()
+    d.pop("out", None)
+    d.pop("name", None)
+    fingerprint = hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return SweepPlan(baseline, repeats, unique, sweep, fingerprint)
+
+
+def _same(current: Any, value: AxisValue, baseline: ProbeSpec, key: str) -> bool:
+    """Is ``value`` the baseline's own setting (after the spec's normalization: bf16 is bfloat16)?"""
+    if isinstance(current, bool) != isinstance(value, bool):  # true is not 1
+        return False
+    if current == value:
+        return True
+    probe = baseline.model_copy(deep=True)
+    try:
+        apply_overrides(probe, {key: value})
+        probe.validate()
+    except ConfigError:
+        return False
+    return _current(probe, key) == current

@@ -1,0 +1,85 @@
+"""``sweep.json``: the record of a sweep, the source of truth its sweep.md and sweep.html render.
+
+Each point is also a normal run directory (``points/<name>/run.json``); this record holds what
+only the sweep knows: which points share tokens or an engine, the effects against the baseline with
+their intervals, the noise floor, the determinism checks, cost and the recommendation.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from mismatch_probe.errors import ConfigError
+from mismatch_probe.record import json_safe
+
+SWEEP_JSON = "sweep.json"
+SWEEP_SCHEMA_VERSION = 1
+POINT_STATUSES = ("ok", "refused", "failed")
+
+
+class _Section(BaseModel):
+    # later versions may add keys; this one keeps them
+    model_config = ConfigDict(extra="allow")
+
+
+class SweepPointRecord(_Section):
+    name: str
+    status: str  # ok | refused | failed
+    settings: dict[str, Any] = Field(default_factory=dict)  # what differs from the baseline
+    run: str | None = None  # its run directory, relative to the sweep directory
+    reason: str | None = None  # refused or failed: the engine's (or the spec's) own message
+    engine_config: str | None = None  # points with the same one shared an engine start
+    rollouts_from: str | None = None  # the point whose tokens it re-scored (paired with it)
+    metrics: dict[str, Any] = Field(default_factory=dict)
+    intervals: dict[str, list[float | None]] = Field(default_factory=dict)  # [estimate, low, high]
+    delta_vs_baseline: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    cost: dict[str, Any] = Field(default_factory=dict)
+    gate: str | None = None  # PASS | WARN | FAIL | ERROR with --gate
+
+
+class SweepRecord(_Section):
+    schema_version: int = SWEEP_SCHEMA_VERSION
+    probe_version: str
+    status: str  # running | complete
+    spec_fingerprint: str
+    spec: dict[str, Any]
+    mode: str
+    repeats: int
+    level: float
+    points: list[SweepPointRecord]
+    noise_floor: dict[str, Any] = Field(default_factory=dict)
+    determinism: dict[str, Any] | None = None
+    recommendation: dict[str, Any] | None = None
+    attribution: dict[str, list[dict[str, Any]]] = Field(default_factory=dict)
+    engine_configs: int = 0  # distinct engine configurations among the points
+    engine_starts: int = 0  # engines this invocation started (a resumed sweep starts fewer)
+    gate: dict[str, Any] | None = None  # the thresholds file and what it checks
+    timings: dict[str, float] = Field(default_factory=dict)
+
+    def point(self, name: str) -> SweepPointRecord:
+        for p in self.points:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    def to_dict(self) -> dict[str, Any]:
+        return json_safe(self.model_dump())
+
+    def write(self, sweep_dir: Path) -> None:
+        tmp = sweep_dir / (SWEEP_JSON + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n")
+        tmp.replace(sweep_dir / SWEEP_JSON)
+
+
+def read_sweep(sweep_dir: str | Path) -> SweepRecord:
+    path = Path(sweep_dir) / SWEEP_JSON
+    if not path.is_file():
+        raise ConfigError(f"{sweep_dir} holds no sweep ({SWEEP_JSON} is missing)", hint="run mismatch-probe sweep")
+    try:
+        return SweepRecord.model_validate(json.loads(path.read_text()))
+    except (json.JSONDecodeError, ValidationError) as exc:
+        raise ConfigError(f"{path} is not a sweep record this version reads: {exc}") from None

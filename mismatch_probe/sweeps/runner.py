@@ -1,0 +1,435 @@
+"""``mismatch-probe sweep``: many runs around one spec, and what they say together.
+
+Each point of the ``[sweep]`` (:func:`config.sweep.sweep_points`) is a normal run directory under
+``DIR/points/<name>/``, made by the pipeline's own stages. What the sweep adds:
+
+* **one engine start per distinct engine configuration**: the points that share one (the baseline,
+  its repeats, sampling changes) sample with the same engine; it is closed before any of them
+  scores, so engine and reference never hold an accelerator's memory at once;
+* **paired re-scoring**: a point that changes only reference (or correction) settings scores the
+  tokens of the earlier point with the same rollouts (``rollouts_from``), so its effect is exact;
+* **refusals**: a setting the engine (or the spec's rules) will not run is recorded with its reason,
+  and the sweep goes on; a point that fails later is recorded as failed, and retried on a re-run;
+* **resume**: finished points are skipped, a half-finished one resumes from its shards;
+* ``sweep.json`` (:mod:`sweep_record`) with effects, noise floor, determinism, cost and the
+  recommendation (:mod:`analysis.sweep`), rendered to ``sweep.md`` and ``sweep.html``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mismatch_probe.config.spec import ProbeSpec, load_spec_file
+from mismatch_probe.config.sweep import BASELINE, SweepPlan, SweepPoint, engine_key, sweep_points
+from mismatch_probe.errors import ConfigError, ProbeError
+from mismatch_probe.files import portable_path
+from mismatch_probe.pipeline import Progress, RunContext, analyze_run, prepare, render, rerender, sample, score
+from mismatch_probe.record import find_record, json_safe, read_record
+from mismatch_probe.report.html import REPORT_HTML
+from mismatch_probe.sweep_record import SWEEP_JSON, SweepRecord
+from mismatch_probe.table.tokens import ROLLOUTS_DIR, read_rollout_shard
+
+POINTS_DIR = "points"
+ENGINES_DIR = "engines"  # one log per engine start (engines are shared between points)
+STATE_JSON = "sweep-state.json"  # the sweep's fingerprint and its refused points, for resume
+DETERMINISM_JSON = "determinism.json"
+# the run timings that are engine or reference compute; the rest of a sweep's time is its overhead
+COMPUTE_TIMINGS = ("generation_s", "prefill_s", "reference_load_s", "scoring_s")
+
+
+class SweepProgress(Progress):
+    """A progress sink that also hears about points; the CLI's shows points done, engine starts, ETA."""
+
+    def point(self, name: str, done: int, total: int, engine_starts: int) -> None: ...
+
+
+@dataclass
+class SweepResult:
+    out: Path
+    record: SweepRecord
+
+    @property
+    def exit_code(self) -> int:
+        """With a gate: 0 when the baseline or a recommended change passes, 1 when none does."""
+        rec = self.record.recommendation
+        if rec is None or rec.get("gate") is None:
+            return 0
+        return 0 if rec.get("passes") else 1
+
+    @property
+    def html(self) -> Path:
+        return self.out / "sweep.html"
+
+
+EngineFactory = Callable[..., Any]
+
+
+def _default_engine_factory(entry, model_path, engine_spec, *, log_path, trust_remote_code):
+    from mismatch_probe.engines.process import EngineProcess
+
+    return EngineProcess(entry, model_path, engine_spec, log_path=log_path, trust_remote_code=trust_remote_code)
+
+
+def sweep(
+    spec: ProbeSpec | str | Path,
+    *,
+    out: str | Path | None = None,
+    gate: str | Path | None = None,
+    resume: bool = True,
+    progress: SweepProgress | None = None,
+    engine_factory: EngineFactory | None = None,
+) -> SweepResult:
+    """Run every point of ``spec``'s ``[sweep]`` (a spec, or the path of a spec file) and write
+    ``sweep.json``, ``sweep.md`` and ``sweep.html`` under ``out`` (default: the spec's ``out``).
+
+    ``gate`` (a thresholds file) checks every point and names the cheapest passing change.
+    ``resume=False`` replaces an earlier sweep in ``out``; by default its finished points are kept.
+    ``engine_factory`` replaces the engine worker (tests script engines with it)."""
+    if not isinstance(spec, ProbeSpec):
+        spec = load_spec_file(spec)
+    return _Sweep(spec, out, gate, resume, progress or SweepProgress(), engine_factory or _default_engine_factory).run()
+
+
+class _Sweep:
+    def __init__(self, spec, out, gate, resume, progress, engine_factory):
+        from mismatch_probe.gate.checks import load_gate
+
+        self.t0 = time.perf_counter()
+        out = Path(out) if out is not None else (Path(spec.out) if spec.out else None)
+        if out is None:
+            raise ConfigError("no output directory for the sweep", hint="pass --out DIR or set out = ... in the spec")
+        self.out = out
+        self.plan: SweepPlan = sweep_points(spec, out)  # every setting checked before anything is written
+        self.gate_file = Path(gate) if gate is not None else None
+        self.gate = load_gate(gate) if gate is not None else None
+        self.spec, self.progress, self.factory = spec, progress, engine_factory
+        self.engine_starts = 0
+        self.timings: dict[str, float] = {"engine_start_s": 0.0, "engine_stop_s": 0.0, "determinism_s": 0.0}
+        self.compute_s = 0.0
+        self.failures: dict[str, str] = {}
+        # scored points whose figures and reports are still to draw (see _start_engine)
+        self.deferred: list[tuple[SweepPoint, RunContext, dict]] = []
+        self._prepare_dir(resume)
+
+    # ---- the directory -------------------------------------------------------------------
+    def _prepare_dir(self, resume: bool) -> None:
+        out, state_path = self.out, self.out / STATE_JSON
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"--out {str(out)!r} exists and is not a directory")
+        if out.is_dir() and any(out.iterdir()):
+            if not state_path.is_file():
+                raise ConfigError(f"--out {str(out)!r} is not empty and holds no sweep", hint="choose another --out")
+            state = json.loads(state_path.read_text())
+            if not resume:
+                for name in (POINTS_DIR, ENGINES_DIR):
+                    shutil.rmtree(out / name, ignore_errors=True)
+                for name in (STATE_JSON, SWEEP_JSON, DETERMINISM_JSON, "sweep.md", "sweep.html"):
+                    (out / name).unlink(missing_ok=True)
+            elif state.get("fingerprint") != self.plan.fingerprint:
+                raise ConfigError(
+                    f"--out {str(out)!r} holds a sweep of another spec",
+                    hint="use another --out, or --no-resume to replace it",
+                )
+        out.mkdir(parents=True, exist_ok=True)
+        self.state = json.loads(state_path.read_text()) if state_path.is_file() else {}
+        self.state.setdefault("fingerprint", self.plan.fingerprint)
+        self.state.setdefault("refused", {})
+        self._save_state()
+
+    def _save_state(self) -> None:
+        tmp = self.out / (STATE_JSON + ".tmp")
+        tmp.write_text(json.dumps(self.state, indent=2) + "\n")
+        tmp.replace(self.out / STATE_JSON)
+
+    def _refuse(self, point: SweepPoint, reason: str) -> None:
+        # a refusal is the engine's (or the spec's) answer to a setting: the same on a re-run
+        self.state["refused"][point.name] = reason
+        self._save_state()
+        self.progress.log(f"{point.name}: refused: {reason}")
+
+    def _is_complete(self, point: SweepPoint) -> bool:
+        assert point.spec is not None
+        rec = find_record(point.run_dir)
+        done = rec is not None and rec.is_complete and rec.spec_fingerprint == point.spec.fingerprint()
+        if done and not (point.run_dir / REPORT_HTML).is_file():
+            rerender(point.run_dir)  # stopped between its analysis and its pages
+        return done
+
+    # ---- running -------------------------------------------------------------------------
+    def run(self) -> SweepResult:
+        plan = self.plan
+        for p in plan.points:
+            if p.spec is None and p.name not in self.state["refused"]:
+                self._refuse(p, p.refusal or "not a valid setting")
+        runnable = [p for p in plan.runs if p.spec is not None and p.name not in self.state["refused"]]
+        self.total = len(plan.runs)
+        self.done = len(plan.runs) - len(runnable)
+        # the points that sample (one per distinct rollout fingerprint) and those that re-score their tokens
+        sampler_of: dict[str, SweepPoint] = {}
+        self.source: dict[str, SweepPoint] = {}
+        for p in runnable:
+            assert p.spec is not None
+            fp = p.spec.rollout_fingerprint()
+            if fp in sampler_of:
+                self.source[p.name] = sampler_of[fp]
+            else:
+                sampler_of[fp] = p
+        groups: dict[str, list[SweepPoint]] = {}
+        for p in runnable:
+            assert p.spec is not None
+            groups.setdefault(engine_key(p.spec), []).append(p)
+        self.engine_configs = len(groups)
+        try:
+            for key, members in groups.items():
+                self._run_group(key, members)
+            while self.deferred:
+                self._render_next()
+        finally:
+            self.timings["total_s"] = round(time.perf_counter() - self.t0, 3)
+        return self._finish()
+
+    def _tick(self, point: SweepPoint) -> None:
+        self.done += 1
+        self.progress.point(point.name, self.done, self.total, self.engine_starts)
+
+    def _run_group(self, key: str, members: list[SweepPoint]) -> None:
+        """Sample every point of one engine configuration with one engine, close it, then score."""
+        samplers = [p for p in members if p.name not in self.source]
+        rescorers = [p for p in members if p.name in self.source]
+        pending = [p for p in samplers if not self._is_complete(p)]
+        contexts: dict[str, RunContext] = {}
+        engine = None
+        with_baseline = any(p.is_baseline for p in members)
+        need_determinism = with_baseline and self.plan.sweep.determinism and not (self.out / DETERMINISM_JSON).is_file()
+        try:
+            for p in pending:
+                assert p.spec is not None
+                try:
+                    ctx = prepare(p.spec, progress=self.progress, engine=engine)
+                except ConfigError as exc:
+                    if p.is_baseline or p.repeat:
+                        raise  # no baseline, nothing to compare with: that is the user's to fix
+                    for q in members:
+                        self._refuse(q, str(exc))
+                        self._tick(q)
+                    return
+                contexts[p.name] = ctx
+                if ctx.missing(ROLLOUTS_DIR) and engine is None:
+                    engine = self._start_engine(key, p.spec, members, ctx.prompts[0].token_ids)
+                    if engine is None:
+                        return
+                try:
+                    sample(ctx, engine=engine)
+                except ProbeError as exc:
+                    self._fail(p, exc)
+                    contexts.pop(p.name)
+            if need_determinism and BASELINE not in self.failures:
+                baseline = self.plan.baseline
+                assert baseline.spec is not None
+                if engine is None:
+                    engine = self._start_engine(key, baseline.spec, members, None)
+                if engine is not None:
+                    self._determinism(engine, baseline.spec)
+        finally:
+            if engine is not None:
+                t = time.perf_counter()
+                engine.close()
+                self.timings["engine_stop_s"] += time.perf_counter() - t
+        for p in samplers:
+            if p.name in contexts:
+                self._score(p, contexts[p.name])
+            elif p.name not in self.failures and p.name not in self.state["refused"]:
+                self._tick(p)  # complete before this invocation
+        for p in rescorers:
+            self._rescore(p)
+
+    def _start_engine(self, key: str, spec: ProbeSpec, members: list[SweepPoint], warmup: np.ndarray | None):
+        """The engine of one configuration; None when it refuses to start (its points are refused).
+
+        While the engine starts (tens of seconds, mostly its worker importing and loading), the
+        points already scored have their figures and reports drawn here: CPU work that needs no
+        accelerator memory, so it can overlap the start. ``warmup`` (a prompt) is generated once
+        before any timing, so every point's throughput is the engine's steady state, not its
+        first batch's allocations and kernel selection."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from mismatch_probe.engines import GenerationRequest, get_entry
+
+        entry = get_entry(spec.engine.name)
+        log = self.out / ENGINES_DIR / f"{key}.log"
+        names = ", ".join(p.name for p in members)
+        self.progress.log(f"starting engine {entry.name} for {names} (log: {portable_path(log)})")
+        t = time.perf_counter()
+        try:
+            with ThreadPoolExecutor(1, thread_name_prefix="engine-start") as pool:
+                started = pool.submit(
+                    self.factory,
+                    entry,
+                    Path(str(spec.model)),  # validated: always set
+                    spec.engine,
+                    log_path=log,
+                    trust_remote_code=spec.trust_remote_code,
+                )
+                while not started.done() and self.deferred:
+                    self._render_next()
+                engine = started.result()
+            if warmup is not None:
+                engine.generate(
+                    [GenerationRequest(warmup, 8)], spec.sampling, stop_token_ids=[], seed=spec.sampling.seed
+                )
+        except ProbeError as exc:
+            if any(p.is_baseline or p.repeat for p in members):
+                raise  # no baseline, nothing to compare with: the user's to fix
+            for q in members:
+                self._refuse(q, str(exc))
+                self._tick(q)
+            return None
+        finally:
+            self.timings["engine_start_s"] += time.perf_counter() - t
+        self.engine_starts += 1
+        return engine
+
+    def _fail(self, point: SweepPoint, exc: BaseException) -> None:
+        if point.is_baseline or point.repeat:
+            raise exc
+        self.failures[point.name] = str(exc)
+        self.progress.log(f"{point.name}: failed: {exc}")
+        self._tick(point)
+
+    def _score(self, point: SweepPoint, ctx: RunContext) -> None:
+        """Score and analyze a sampled point; its figures and report are drawn later (deferred)."""
+        try:
+            score(ctx)
+            dist = analyze_run(ctx)
+        except ProbeError as exc:
+            self._fail(point, exc)
+            return
+        self.compute_s += sum(ctx.timings.get(k, 0.0) for k in COMPUTE_TIMINGS)
+        self.deferred.append((point, ctx, dist))
+        self._tick(point)
+
+    def _render_next(self) -> None:
+        point, ctx, dist = self.deferred.pop(0)
+        try:
+            render(ctx, dist)
+        except ProbeError as exc:  # the run is complete; only its pages are missing
+            self.progress.log(f"{point.name}: {exc}")
+
+    def _rescore(self, point: SweepPoint) -> None:
+        source = self.source[point.name]
+        if source.name in self.failures or source.name in self.state["refused"]:
+            self.failures[point.name] = f"the point whose tokens it re-scores ({source.name}) did not finish"
+            self._tick(point)
+            return
+        if self._is_complete(point):
+            self._tick(point)
+            return
+        assert point.spec is not None and source.spec is not None
+        try:
+            ctx = prepare(point.spec, progress=self.progress, rollouts_from=source.run_dir)
+            sample(ctx, rollouts_from=source.run_dir)
+        except ProbeError as exc:
+            self._fail(point, exc)
+            return
+        self._score(point, ctx)
+
+    def _determinism(self, engine, spec: ProbeSpec) -> None:
+        """Re-score the baseline's sequences in other batch compositions, and sample twice with one
+        seed: how far the engine is from giving the same log-probs for the same tokens. Reads only
+        the baseline's rollouts and record, so it also runs for a baseline finished earlier."""
+        from mismatch_probe.analysis.sweep import compare_logprobs
+        from mismatch_probe.engines import GenerationRequest, ScoreRequest
+
+        t = time.perf_counter()
+        k = self.plan.sweep.determinism_sequences
+        run_dir = self.plan.baseline.run_dir
+        inputs = read_record(run_dir, require_complete=False).inputs
+        stops = inputs.stop_token_ids if inputs is not None else []
+        rollouts = []
+        for path in sorted((run_dir / ROLLOUTS_DIR).glob("part-*.parquet")):
+            rollouts.extend(read_rollout_shard(path))
+            if len(rollouts) >= 2 * k:
+                break
+        chosen, others = rollouts[:k], rollouts[k : 2 * k]
+
+        def first_scored(r) -> int:
+            scored = np.flatnonzero(np.asarray(r.turn) >= 0)
+            return int(scored[0]) if len(scored) else len(r.token_ids) - 1
+
+        result: dict[str, Any] = {"n_sequences": len(chosen)}
+        if not getattr(engine, "supports_prefill", hasattr(engine, "prefill_logprobs")):
+            result["prefill"] = None
+            result["prefill_skipped"] = f"the {spec.engine.name} engine cannot re-score sequences with its own prefill"
+        elif chosen:
+            requests = [ScoreRequest(r.token_ids, first_scored(r)) for r in chosen]
+            neighbours = [ScoreRequest(r.token_ids, first_scored(r)) for r in others]
+            batched = engine.prefill_logprobs(requests)
+            again = engine.prefill_logprobs(requests)
+            alone = [engine.prefill_logprobs([q])[0] for q in requests]
+            # other neighbours: the batch reversed, interleaved with sequences that were not in it
+            mixed_requests: list[ScoreRequest] = []
+            for i, q in enumerate(reversed(requests)):
+                mixed_requests.append(q)
+                if i < len(neighbours):
+                    mixed_requests.append(neighbours[i])
+            mixed = engine.prefill_logprobs(mixed_requests)
+            position = {id(q): i for i, q in enumerate(mixed_requests)}
+            result["prefill"] = {
+                "same_batch_twice": compare_logprobs(batched, again),
+                "alone_vs_batched": compare_logprobs(batched, alone),
+                "other_neighbours_vs_batched": compare_logprobs(batched, [mixed[position[id(q)]] for q in requests]),
+            }
+            result["batch_sizes"] = {"batched": len(requests), "alone": 1, "other_neighbours": len(mixed_requests)}
+        # sampling twice with the same seed: the same tokens? their log-probs bitwise equal?
+        s = spec.sampling
+        prompts = [np.asarray(r.token_ids[: first_scored(r)], np.int32) for r in chosen]
+        if prompts:
+            gen = [GenerationRequest(p, s.max_tokens) for p in prompts]
+            first = engine.generate(gen, s, stop_token_ids=stops, seed=s.seed)
+            second = engine.generate(gen, s, stop_token_ids=stops, seed=s.seed)
+            pairs = [(a, b) for a, b in zip(first, second) if np.array_equal(a.token_ids, b.token_ids)]
+            info = engine.info()
+            if info.get("per_request_seeds") is False:  # vLLM's CPU build: one engine-wide generator
+                why = info.get("per_request_seeds_off_because") or "the engine does not seed requests"
+                result["same_seed_note"] = (
+                    "this engine draws every sample from one engine-wide generator, so a seed does not "
+                    f"repeat a sample ({why})"
+                )
+            result["same_seed"] = {
+                "n_samples": len(first),
+                "identical_tokens_share": len(pairs) / len(first),
+                **compare_logprobs([a.logprobs for a, _ in pairs], [b.logprobs for _, b in pairs]),
+            }
+        elapsed = time.perf_counter() - t
+        self.timings["determinism_s"] += elapsed
+        self.compute_s += elapsed
+        tmp = self.out / (DETERMINISM_JSON + ".tmp")
+        tmp.write_text(json.dumps(json_safe(result), indent=2) + "\n")
+        tmp.replace(self.out / DETERMINISM_JSON)
+
+    # ---- the record ----------------------------------------------------------------------
+    def _finish(self) -> SweepResult:
+        from mismatch_probe.sweeps.summary import summarize
+
+        t = time.perf_counter()
+        record = summarize(self)
+        self._save_state()  # with the throughputs measured, for a later resume
+        record.timings = {k: round(v, 3) for k, v in self.timings.items()}
+        compute = self.compute_s + self.timings["engine_start_s"] + self.timings["engine_stop_s"]
+        record.timings["compute_s"] = round(compute, 3)
+        record.timings["summary_s"] = round(time.perf_counter() - t, 3)
+        record.timings["total_s"] = round(time.perf_counter() - self.t0, 3)
+        record.timings["overhead_s"] = round(record.timings["total_s"] - compute, 3)
+        record.write(self.out)
+        from mismatch_probe.report.sweep import write_sweep_reports
+
+        write_sweep_reports(self.out, record)
+        return SweepResult(self.out, record)
