@@ -15,7 +15,7 @@ sweep's orchestration (``sweeps.py``) feeds them and writes what they return int
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -100,23 +100,32 @@ def throughput(n_tokens: int | None, seconds: float | None) -> float | None:
     return n_tokens / seconds
 
 
-def cost(point: Mapping[str, float | None], baselines: Sequence[Mapping[str, float | None]]) -> dict[str, Any]:
+def cost(
+    point: Mapping[str, float | None],
+    baselines: Sequence[Mapping[str, float | None]],
+    changed: Collection[str] = ("engine", "reference"),
+) -> dict[str, Any]:
     """A point's price: its engine and reference throughput (tokens/s) relative to the baseline's
     (the median of its repeats), and ``cost``, the larger of the two slowdowns (None when a side
     could not be timed).
 
     A throughput is timed once per run, so it is as noisy as the repeats show: a point no slower
-    than the slowest repeat (less :data:`COST_RESOLUTION`) costs 0 on that side."""
+    than the slowest repeat (less :data:`COST_RESOLUTION`) costs 0 on that side. A side the point
+    did not change (not in ``changed``: a reference-only change leaves the engine as it was) costs
+    0 too; its throughput is still shown, and differs from the baseline's by timing noise alone."""
     out: dict[str, Any] = {}
     slowdowns: list[float | None] = []
-    for side in ("engine_tokens_per_s", "reference_tokens_per_s"):
+    for name in ("engine", "reference"):
+        side = f"{name}_tokens_per_s"
         mine = point.get(side)
         theirs = [float(v) for b in baselines if (v := b.get(side))]
         base = float(np.median(theirs)) if theirs else None
         out[side] = mine
         relative = mine / base if mine and base else None
-        out[side.replace("_tokens_per_s", "_relative")] = relative
-        if relative is None or mine is None:
+        out[f"{name}_relative"] = relative
+        if name not in changed:
+            slowdowns.append(0.0)
+        elif relative is None or mine is None:
             slowdowns.append(None)
         elif mine >= min(theirs) * (1.0 - COST_RESOLUTION):
             slowdowns.append(0.0)

@@ -153,7 +153,14 @@ class _Sweep:
         # a refusal is the engine's (or the spec's) answer to a setting: the same on a re-run
         self.state["refused"][point.name] = reason
         self._save_state()
+        self._drop_unsampled(point)
         self.progress.log(f"{point.name}: refused: {reason}")
+
+    def _drop_unsampled(self, point: SweepPoint) -> None:
+        """A refused point's run directory holds only the record prepare wrote: remove it, so
+        points/ lists the runs that exist (sweep.json keeps the refusal and its reason)."""
+        if point.run_dir.is_dir() and not (point.run_dir / ROLLOUTS_DIR).exists():
+            shutil.rmtree(point.run_dir)
 
     def _is_complete(self, point: SweepPoint) -> bool:
         assert point.spec is not None
@@ -169,6 +176,8 @@ class _Sweep:
         for p in plan.points:
             if p.spec is None and p.name not in self.state["refused"]:
                 self._refuse(p, p.refusal or "not a valid setting")
+            elif p.name in self.state["refused"]:
+                self._drop_unsampled(p)  # refused by an earlier version that kept the directory
         runnable = [p for p in plan.runs if p.spec is not None and p.name not in self.state["refused"]]
         self.total = len(plan.runs)
         self.done = len(plan.runs) - len(runnable)

@@ -83,6 +83,18 @@ def gate_bounds(gate) -> dict[str, float]:
     }
 
 
+def changed_sides(point: SweepPoint, baseline: SweepPoint) -> set[str]:
+    """Which sides a point runs differently from the baseline: "engine" (engine or sampling
+    settings: another engine, or other requests to it), "reference" ([reference] settings)."""
+    assert point.spec is not None and baseline.spec is not None
+    sides = set()
+    if engine_key(point.spec) != engine_key(baseline.spec) or point.spec.sampling != baseline.spec.sampling:
+        sides.add("engine")
+    if point.spec.reference != baseline.spec.reference:
+        sides.add("reference")
+    return sides
+
+
 def summarize(sweep: _Sweep) -> SweepRecord:
     plan, out = sweep.plan, sweep.out
     settings = plan.sweep
@@ -154,7 +166,7 @@ def summarize(sweep: _Sweep) -> SweepRecord:
                 seed=BOOTSTRAP_SEED,
             )
         if sampled_by(p) is not None:
-            entry["cost"] = cost(speed(p), baseline_speeds)
+            entry["cost"] = cost(speed(p), baseline_speeds, changed_sides(p, baseline))
         if sweep.gate is not None:
             from mismatch_probe.gate.checks import evaluate
 

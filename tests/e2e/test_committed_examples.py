@@ -11,7 +11,7 @@ import pytest
 from conftest import ROOT, cli
 
 # the committed ones (reports/ also holds a user's own runs, e.g. reports/demo from the README demo)
-COMMITTED = ("example", "example-fp32", "parallelism-tp2")
+COMMITTED = ("example", "example-fp32", "parallelism-tp2", "sweep-demo")
 RUNS = sorted(p.parent for name in COMMITTED for p in (ROOT / "reports" / name).rglob("run.json"))
 # an absolute path of a developer's machine: /home/..., /root/..., /work/..., /Users/..., C:\...
 ABSOLUTE = re.compile(r"""(?<![\w.:/])(/(home|root|work|Users|opt|srv|mnt|data|tmp)/[\w.-]+|[A-Z]:\\\\)""")
@@ -37,7 +37,16 @@ def test_a_committed_run_is_portable_and_consistent(run):
             assert m["k3_kl"] >= 0
 
 
-@pytest.mark.parametrize("page", ["example-compare.html", "parallelism-tp2/compare.html"])
+@pytest.mark.parametrize(
+    "page",
+    [
+        "example-compare.html",
+        "parallelism-tp2/compare.html",
+        "sweep-demo/sweep.json",
+        "sweep-demo/sweep.md",
+        "sweep-demo/sweep.html",
+    ],
+)
 def test_committed_comparisons_are_portable(page):
     text = (ROOT / "reports" / page).read_text()
     assert not ABSOLUTE.search(text), ABSOLUTE.search(text).group(0)
@@ -52,3 +61,25 @@ def test_the_committed_example_re_renders(tmp_path):
     proc = cli("report", str(run))
     assert proc.returncode == 0, proc.stderr
     assert "K3 KL" in (run / "report.html").read_text()
+
+
+def test_the_committed_sweep_shows_what_its_spec_asks():
+    """probes/sweep-demo.toml's result: the bf16 engine far outside the noise floor of the fp32
+    engine, the refused setting shown with vLLM's reason, the determinism panel, a report per point,
+    and one engine start per engine configuration that ran."""
+    d = ROOT / "reports" / "sweep-demo"
+    rec = json.loads((d / "sweep.json").read_text())
+    points = {p["name"]: p for p in rec["points"]}
+    fp32 = points["engine.dtype=float32"]["delta_vs_baseline"]["k3_kl"]
+    assert not fp32["within_noise"] and fp32["ratio"][2] < 0.01
+    assert points["engine.cascade_attn=true"]["status"] == "refused"
+    assert "cascade" in points["engine.cascade_attn=true"]["reason"]
+    assert points["reference.logits_fp32=false"]["delta_vs_baseline"]["k3_kl"]["paired"]
+    assert rec["determinism"]["prefill"]["same_batch_twice"]["n_tokens"] > 0
+    assert rec["noise_floor"]["metrics"]["k3_kl"]["n_repeats"] == 3
+    ran = {p["engine_config"] for p in rec["points"] if p["status"] == "ok"}
+    assert rec["engine_starts"] == len(ran)
+    for p in rec["points"]:
+        if p["status"] == "ok":
+            assert (d / p["run"] / "report.html").is_file()
+    assert rec["recommendation"]["gate"] == "probes/gate-strict.toml"

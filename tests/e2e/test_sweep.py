@@ -96,6 +96,7 @@ def test_a_setting_the_engine_cannot_run_is_refused_with_its_reason(swept):
     assert "has no setting engine.kv_cache_dtype" in refused["reason"]
     assert "Refused: engine.kv_cache_dtype=fp8" in result.stdout
     assert "engine.kv_cache_dtype=fp8" in (out / "sweep.md").read_text()
+    assert not (out / "points" / "engine.kv_cache_dtype=fp8").exists()  # no run: no directory
 
 
 def k3(lt, li) -> float:

@@ -138,6 +138,10 @@ def test_cost_is_the_larger_slowdown_of_engine_and_reference():
     assert within["cost"] == 0.0 and within["engine_relative"] < 1.0
     assert cost({"engine_tokens_per_s": 400.0, "reference_tokens_per_s": 2000.0}, base)["cost"] == 0.0  # faster
     assert cost({"engine_tokens_per_s": None, "reference_tokens_per_s": 900.0}, base)["cost"] is None
+    # a reference-only change: the engine side is the baseline's own, whatever its timing says
+    ref_only = cost({"engine_tokens_per_s": 100.0, "reference_tokens_per_s": 500.0}, base, changed={"reference"})
+    assert ref_only["engine_relative"] == pytest.approx(0.5) and ref_only["cost"] == pytest.approx(0.5)
+    assert cost({"engine_tokens_per_s": 100.0, "reference_tokens_per_s": 500.0}, base, changed=())["cost"] == 0.0
 
 
 def _p(name, gate, c, k3=1e-5, status="ok", settings=None):
