@@ -34,11 +34,17 @@ def split(sweep_dir: Path, wall: float | None = None) -> dict:
     def total(keys):
         return sum(r.get(k, 0.0) for r in runs for k in keys)
 
-    engine = t["engine_start_s"] + t["engine_stop_s"] + t["determinism_s"] + total(ENGINE)
+    # a resumed sweep: its invocations together (each point's run.json covers the runs it made)
+    inv = [i["timings"] for i in rec.get("invocations") or [{"timings": t}]]
+
+    def across(key):
+        return sum(i.get(key, 0.0) for i in inv)
+
+    engine = across("engine_start_s") + across("engine_stop_s") + across("determinism_s") + total(ENGINE)
     reference = total(REFERENCE)
-    whole = wall if wall is not None else t["total_s"]
+    whole = wall if wall is not None else across("total_s")
     parts = {k: total((k,)) for k in OVERHEAD}
-    parts["summary_s"] = t.get("summary_s", 0.0)
+    parts["summary_s"] = across("summary_s")
     return {
         "runs": len(runs),
         "engine_starts": rec["engine_starts"],

@@ -56,9 +56,12 @@ class SweepRecord(_Section):
     recommendation: dict[str, Any] | None = None
     attribution: dict[str, list[dict[str, Any]]] = Field(default_factory=dict)
     engine_configs: int = 0  # distinct engine configurations among the points
-    engine_starts: int = 0  # engines this invocation started (a resumed sweep starts fewer)
+    # engines started, over every invocation that finished (a kill between start and summary is not counted)
+    engine_starts: int = 0
     gate: dict[str, Any] | None = None  # the thresholds file and what it checks
-    timings: dict[str, float] = Field(default_factory=dict)
+    timings: dict[str, float] = Field(default_factory=dict)  # of the last invocation
+    # each invocation that reached the summary: finished_at, engine_starts, timings
+    invocations: list[dict[str, Any]] = Field(default_factory=list)
 
     def point(self, name: str) -> SweepPointRecord:
         for p in self.points:

@@ -220,8 +220,8 @@ def render_markdown(record: SweepRecord) -> str:
     lines += [f"- {s}" for s in summary_lines(record)] + [""]
     overview = (
         f"{len(record.points)} points ({record.mode}), baseline sampled {record.repeats} times; "
-        f"{record.engine_configs} engine configurations, {record.engine_starts} engine starts in the last "
-        f"invocation; intervals: {record.level:.0%} sequence bootstrap."
+        f"{record.engine_configs} engine configurations, {record.engine_starts} engine starts over "
+        f"{len(record.invocations)} invocation(s); intervals: {record.level:.0%} sequence bootstrap."
     )
     lines += [
         overview,

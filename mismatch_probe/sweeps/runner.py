@@ -32,7 +32,7 @@ from mismatch_probe.config.sweep import BASELINE, SweepPlan, SweepPoint, engine_
 from mismatch_probe.errors import ConfigError, ProbeError
 from mismatch_probe.files import portable_path
 from mismatch_probe.pipeline import Progress, RunContext, analyze_run, prepare, render, rerender, sample, score
-from mismatch_probe.record import find_record, json_safe, read_record
+from mismatch_probe.record import find_record, json_safe, now, read_record
 from mismatch_probe.report.html import REPORT_HTML
 from mismatch_probe.sweep_record import SWEEP_JSON, SweepRecord
 from mismatch_probe.table.tokens import ROLLOUTS_DIR, read_rollout_shard
@@ -430,13 +430,19 @@ class _Sweep:
 
         t = time.perf_counter()
         record = summarize(self)
-        self._save_state()  # with the throughputs measured, for a later resume
-        record.timings = {k: round(v, 3) for k, v in self.timings.items()}
+        timings = {k: round(v, 3) for k, v in self.timings.items()}
         compute = self.compute_s + self.timings["engine_start_s"] + self.timings["engine_stop_s"]
-        record.timings["compute_s"] = round(compute, 3)
-        record.timings["summary_s"] = round(time.perf_counter() - t, 3)
-        record.timings["total_s"] = round(time.perf_counter() - self.t0, 3)
-        record.timings["overhead_s"] = round(record.timings["total_s"] - compute, 3)
+        timings["compute_s"] = round(compute, 3)
+        timings["summary_s"] = round(time.perf_counter() - t, 3)
+        timings["total_s"] = round(time.perf_counter() - self.t0, 3)
+        timings["overhead_s"] = round(timings["total_s"] - compute, 3)
+        # every invocation that reached the summary, so a resumed sweep still says what it cost
+        invocations = self.state.setdefault("invocations", [])
+        invocations.append({"finished_at": now(), "engine_starts": self.engine_starts, "timings": timings})
+        self._save_state()  # with the throughputs measured, for a later resume
+        record.timings = timings
+        record.invocations = invocations
+        record.engine_starts = sum(i["engine_starts"] for i in invocations)
         record.write(self.out)
         from mismatch_probe.report.sweep import write_sweep_reports
 
