@@ -502,10 +502,17 @@ def report(
         ),
     ] = None,
 ) -> None:
-    """Render the report of a run again (figures, report.md, report.html), or compare runs (grouped
-    by GPU type); needs no engine and no GPU."""
+    """Render the report of a run again (figures, report.md, report.html), a sweep's pages from its
+    sweep.json, or compare runs (grouped by GPU type); needs no engine and no GPU."""
     from mismatch_probe.report.html import write_report
 
+    if len(run_dirs) == 1 and out_file is None and (run_dirs[0] / "sweep.json").is_file():
+        from mismatch_probe.report.sweep import write_sweep_reports
+        from mismatch_probe.sweep_record import read_sweep
+
+        path = write_sweep_reports(run_dirs[0], read_sweep(run_dirs[0]))  # sweep.json is the source of truth
+        out.print(f"sweep: {escape(str(path))}, sweep.md (the points' own reports: mismatch-probe report POINT_DIR)")
+        return
     if len(run_dirs) == 1 and out_file is None:  # the run's own report, as compare writes it
         from mismatch_probe.pipeline import rerender
 

@@ -139,9 +139,11 @@ def forest_plot(record: SweepRecord, metric: str) -> bytes | None:
         est, lo, hi = e["ratio"]
         color = "#9aa3b2" if e["within_noise"] else "#1f5fbf"
         ax.errorbar([est], [i], xerr=[[est - lo], [hi - est]], fmt="o", color=color, capsize=3)
-    ax.set_yticks(range(len(rows)), [n for n, _ in rows])
+    ax.set_yticks(range(len(rows)), [n.replace("+", "\n+ ") for n, _ in rows])
     ax.invert_yaxis()
-    ax.set_xscale("log")
+    values = [v for _, e in rows for v in e["ratio"]]
+    if max(values) / min(values) > 10:  # orders of magnitude: a log axis; a few percent: a linear one
+        ax.set_xscale("log")
     ax.set_xlabel(f"{HEADLINES[metric]}: x-fold vs baseline ({record.level:.0%} interval; grey: within noise)")
     if floor.get("max_over_min"):
         ax.legend(loc="best", fontsize=8)

@@ -147,6 +147,11 @@ def test_determinism_panel_and_reports(swept):
             assert f'href="{p["run"]}/report.html"' in html
     assert "Determinism and batch invariance" in html and "Noise floor" in html
     assert "data:image/png;base64," in html  # the forest plots
+    (out / "sweep.html").unlink()
+    result = cli("report", str(out))  # the pages again, from sweep.json alone
+    assert result.returncode == 0 and (out / "sweep.html").read_text().count("data:image/png") == html.count(
+        "data:image/png"
+    )
 
 
 def thresholds(directory: Path, k3_max: float) -> Path:
