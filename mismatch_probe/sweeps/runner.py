@@ -291,9 +291,13 @@ class _Sweep:
                     self._render_next()
                 engine = started.result()
             if warmup is not None:
-                engine.generate(
-                    [GenerationRequest(warmup, 8)], spec.sampling, stop_token_ids=[], seed=spec.sampling.seed
-                )
+                try:
+                    engine.generate(
+                        [GenerationRequest(warmup, 8)], spec.sampling, stop_token_ids=[], seed=spec.sampling.seed
+                    )
+                except BaseException:
+                    engine.close()  # an engine that cannot generate must not hold its memory
+                    raise
         except ProbeError as exc:
             if any(p.is_baseline or p.repeat for p in members):
                 raise  # no baseline, nothing to compare with: the user's to fix

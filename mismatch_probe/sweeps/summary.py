@@ -100,9 +100,7 @@ def summarize(sweep: _Sweep) -> SweepRecord:
     settings = plan.sweep
     keys = list(BOOTSTRAP_METRICS)
     records = {p.name: _complete(p) for p in plan.runs}
-    columns = {
-        name: _columns(p.run_dir) for p in plan.runs if (name := p.name) and records[name] is not None and p.spec
-    }
+    columns = {p.name: _columns(p.run_dir) for p in plan.runs if records[p.name] is not None}
 
     baseline = plan.baseline
     repeats_ok = [p for p in plan.repeats if records[p.name] is not None]
@@ -140,6 +138,7 @@ def summarize(sweep: _Sweep) -> SweepRecord:
             "rollouts_from": sweep.source[p.name].name if p.name in sweep.source else None,
         }
         if p.name in sweep.state["refused"]:
+            entry["run"] = None  # nothing ran: no directory
             point_records.append(SweepPointRecord(**entry, status="refused", reason=sweep.state["refused"][p.name]))
             continue
         if rec is None or p.spec is None:
