@@ -396,6 +396,106 @@ def _gate_exit(result) -> None:
         raise typer.Exit(result.exit_code)
 
 
+def parse_settings(pairs: list[str] | None) -> dict[str, object]:
+    """``--set section.key=value`` flags as overrides; the value is read as TOML (2, 1e-3, true,
+    "text"), or taken as a string when it is not TOML (bfloat16)."""
+    import tomllib
+
+    from mismatch_probe.errors import ConfigError
+
+    out: dict[str, object] = {}
+    for pair in pairs or []:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {pair!r} is not KEY=VALUE", hint="e.g. --set reference.dtype=bfloat16")
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+        out[key.strip()] = value
+    return out
+
+
+SET_HELP = "A setting as section.key=value (repeatable), e.g. reference.dtype=bfloat16."
+
+
+@app.command()
+@friendly_errors
+def sample(
+    spec_file: Annotated[Path, typer.Argument(help="Probe spec (TOML).", show_default=False)],
+    out_dir: Annotated[
+        Path | None, typer.Option("--out", help="Run directory (default reports/<name>-<time>).")
+    ] = None,
+    settings: Annotated[list[str] | None, typer.Option("--set", help=SET_HELP)] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing run in --out.")] = False,
+) -> None:
+    """Stage 1 alone: the engine samples (and re-scores with its prefill) into a run directory;
+    `score` and `analyze` take it from there, later or on other machines. `compare` is exactly
+    sample + score + analyze."""
+    from mismatch_probe.config.spec import apply_overrides, load_spec_file
+    from mismatch_probe.pipeline import sample_run
+
+    spec = apply_overrides(
+        load_spec_file(spec_file), {"out": str(out_dir) if out_dir else None, **parse_settings(settings)}
+    )
+    with RichProgress(err) as progress:
+        ctx = sample_run(spec, progress=progress, overwrite=overwrite)
+    where = escape(portable_path(ctx.out))
+    out.print(f"sampled {ctx.record.inputs.n_samples} samples into {where}; next: mismatch-probe score {where}")
+
+
+@app.command()
+@friendly_errors
+def score(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory with rollouts (from sample).", show_default=False)],
+    out_dir: Annotated[
+        Path | None,
+        typer.Option("--out", help="Score into a new run directory that links RUN_DIR's rollouts (with --set)."),
+    ] = None,
+    settings: Annotated[
+        list[str] | None, typer.Option("--set", help=SET_HELP + " [reference] and [corrections] only.")
+    ] = None,
+    model: Annotated[Path | None, typer.Option(help="The checkpoint, when not where the run found it.")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing run in --out.")] = False,
+) -> None:
+    """Stage 2 alone: the reference scores the sampled tokens (the missing shards; a re-run resumes).
+    With --out and --set, another reference scores the same rollouts into a new run directory."""
+    from mismatch_probe.pipeline import score_run
+
+    with RichProgress(err) as progress:
+        ctx = score_run(
+            run_dir,
+            out=out_dir,
+            overrides=parse_settings(settings),
+            model=model,
+            progress=progress,
+            overwrite=overwrite,
+        )
+    where = escape(portable_path(ctx.out))
+    out.print(f"scored {ctx.out / 'tokens.parquet'}; next: mismatch-probe analyze {where}")
+
+
+@app.command()
+@friendly_errors
+def analyze(
+    run_dir: Annotated[Path, typer.Argument(help="A scored run directory (from score).", show_default=False)],
+    model: Annotated[Path | None, typer.Option(help="The checkpoint, when not where the run found it.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print run.json instead of the tables.")] = False,
+) -> None:
+    """Stages 3 and 4 alone: metrics, per-sequence rows and the report of a scored run."""
+    from mismatch_probe.pipeline import analyze_existing
+    from mismatch_probe.report.summary import corrections_table, metrics_table
+
+    with RichProgress(err) as progress:
+        result = analyze_existing(run_dir, progress=progress, model=model)
+    if as_json:
+        sys.stdout.write(json.dumps(result.record, indent=2) + "\n")
+        return
+    out.print(metrics_table(result.run))
+    out.print(corrections_table(result.run))
+    out.print(f"report: {escape(portable_path(result.run_dir / 'report.html'))} (also report.md)")
+
+
 class RichSweepProgress(RichProgress):
     """The stages' bars plus one for the sweep: points done, engine starts, time left."""
 

@@ -560,15 +560,18 @@ def _semantics_record(spec: ProbeSpec, engine: LogprobSemantics, *, prefill: boo
 ADOPTED_FIELDS = ("engine", "engine_process", "decode_vs_prefill", "tokenization_check")
 
 
-def _adopt_rollouts(spec: ProbeSpec, source: Path, record: RunRecord, n_shards: int, rollout_dir: Path) -> None:
+def _adopt_rollouts(
+    spec: ProbeSpec, source: Path, record: RunRecord, n_shards: int, rollout_dir: Path, *, check: bool = True
+) -> None:
     """Take ``source``'s rollout shards (hard links where the file system allows) and what it
-    recorded about its engine, after checking they were sampled exactly as ``spec`` would."""
+    recorded about its engine, after checking they were sampled exactly as ``spec`` would
+    (``check=False``: ``spec`` was derived from that run's own record, see :func:`score_run`)."""
     from mismatch_probe.config.spec import rollout_fingerprint
 
     theirs = read_record(source, "--rollouts-from", require_complete=False)
     # computed from absolute paths when that run started (older records: from their spec, which held them)
     theirs_fingerprint = theirs.rollout_fingerprint or rollout_fingerprint(theirs.spec.to_dict())
-    if theirs_fingerprint != spec.rollout_fingerprint():
+    if check and theirs_fingerprint != spec.rollout_fingerprint():
         raise ConfigError(
             f"--rollouts-from {source} was sampled with another model, prompt set, engine or sampling setting",
             hint="its spec must match this one everywhere but [reference] and [corrections]",
@@ -610,6 +613,194 @@ def _adopt_rollouts(spec: ProbeSpec, source: Path, record: RunRecord, n_shards: 
             },
         }
     )
+
+
+# ---- the stages as commands: sample here, score and analyze later, elsewhere -------------------
+
+
+def sample_run(spec: ProbeSpec, *, progress: Progress | None = None, overwrite: bool = False) -> RunContext:
+    """``mismatch-probe sample``: stage 1 alone (the engine only). The run directory then holds the
+    rollouts and the engine's half of the record; :func:`score_run` and :func:`analyze_existing`
+    take it from there, in another process or on another machine."""
+    ctx = prepare(spec, progress=progress, overwrite=overwrite)
+    sample(ctx)
+    ctx.timings["total_s"] = round(time.perf_counter() - ctx.t_start, 3)  # the later stages add to it
+    ctx.save()
+    return ctx
+
+
+def open_run(run_dir: str | Path, *, progress: Progress | None = None, model: str | Path | None = None) -> RunContext:
+    """The context of an existing run directory, from its record alone (no prompts file, no engine):
+    what ``score`` and ``analyze`` run on. ``model`` replaces the checkpoint path the record names
+    (relative to the working directory it ran in), e.g. when scoring on another machine."""
+    from mismatch_probe.modeling.loading import check_model_dir, load_tokenizer, max_model_len
+
+    out = Path(run_dir)
+    record = read_record(out, "run directory", require_complete=False)
+    spec = _recorded_spec(record, out, model)
+    try:
+        model_path = check_model_dir(str(spec.model))
+    except ConfigError as exc:
+        if model is not None:
+            raise
+        raise ConfigError(
+            f"{exc.message}: the checkpoint {out} was sampled from is not there from here",
+            hint="pass --model PATH (the same checkpoint)",
+        ) from None
+    inputs = record.inputs
+    if inputs is None or inputs.n_samples is None or inputs.n_shards is None:
+        raise ConfigError(f"{out}/run.json does not say how many samples the run has", hint="sample it again")
+    n = spec.sampling.n
+    samples = [_Sample(sid, sid // n) for sid in range(inputs.n_samples)]
+    shards = [samples[i : i + spec.shard_size] for i in range(0, len(samples), spec.shard_size)]
+    if len(shards) != inputs.n_shards:
+        raise DataError(
+            f"{out}/run.json: {inputs.n_samples} samples in shards of {spec.shard_size} are not {inputs.n_shards} shards"
+        )
+    tokenizer = load_tokenizer(model_path, trust_remote_code=spec.trust_remote_code)
+    return RunContext(
+        spec=spec,
+        out=out,
+        record=record,
+        progress=progress or Progress(),
+        entry=None,
+        model_path=model_path,
+        tokenizer=tokenizer,
+        model_len=max_model_len(model_path, tokenizer),
+        prompts=[],  # the sampling stage's input; the later stages read the rollouts
+        stops=list(inputs.stop_token_ids),
+        shards=shards,
+        t_start=time.perf_counter() - record.timings.get("total_s", 0.0),
+        resuming=True,
+    )
+
+
+def _recorded_spec(record: RunRecord, out: Path, model: str | Path | None) -> ProbeSpec:
+    """The spec a run was made with, as run.json records it, with its paths found again: the model
+    and prompts as ``inputs`` names them (relative to the working directory), ``out`` the directory."""
+    from pydantic import ValidationError
+
+    d = record.spec.to_dict()
+    inputs = record.inputs
+    d["model"] = (
+        str(Path(model).resolve()) if model is not None else str(Path(inputs.model or "").resolve()) if inputs else None
+    )
+    d["prompts"] = str(Path(inputs.prompts).resolve()) if inputs is not None and inputs.prompts else d.get("prompts")
+    d["out"] = str(out)
+    if isinstance(d.get("engine"), dict):
+        d["engine"] = {**d["engine"], "python": None}  # where the engine ran; the later stages start none
+    try:
+        return ProbeSpec.model_validate(d)
+    except ValidationError as exc:
+        raise ConfigError(
+            f"{out}/run.json records a spec this version cannot read ({exc.errors()[0]['msg']})",
+            hint=f"score it with the mismatch-probe that sampled it ({record.probe_version})",
+        ) from None
+
+
+def _require_shards(ctx: RunContext, directory: str, what: str, stage: str) -> None:
+    missing = ctx.missing(directory)
+    if missing:
+        raise ConfigError(
+            f"{ctx.out} has {len(ctx.shards) - len(missing)} of {len(ctx.shards)} {what} shards",
+            hint=f"finish it first: {stage}",
+        )
+
+
+def score_run(
+    run_dir: str | Path,
+    *,
+    out: str | Path | None = None,
+    overrides: dict[str, Any] | None = None,
+    model: str | Path | None = None,
+    progress: Progress | None = None,
+    overwrite: bool = False,
+) -> RunContext:
+    """``mismatch-probe score``: stage 2 alone, on a sampled run. With ``out``, a new run directory
+    that links ``run_dir``'s rollouts and scores them with ``overrides`` of its ``[reference]`` and
+    ``[corrections]``; without, the missing token shards of ``run_dir`` itself."""
+    from mismatch_probe.config.spec import apply_overrides
+
+    source = open_run(run_dir, progress=progress, model=model)
+    _require_shards(source, ROLLOUTS_DIR, "rollout", f"mismatch-probe sample (its spec, --out {run_dir})")
+    overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+    bad = [k for k in overrides if k.partition(".")[0] not in ("reference", "corrections")]
+    if bad:
+        raise ConfigError(
+            f"score sets {', '.join(bad)}: only [reference] and [corrections] settings score the same rollouts",
+            hint="sample again with another spec for other settings",
+        )
+    if out is None:
+        if overrides:
+            raise ConfigError(
+                "other reference settings score into a new run directory, next to this one",
+                hint=f"add --out NEW_DIR (it links the rollouts of {run_dir})",
+            )
+        ctx = source
+    else:
+        spec = source.spec.model_copy(deep=True)
+        apply_overrides(spec, overrides)
+        spec.out = str(out)
+        spec.name = None
+        spec.validate()
+        ctx = _derived_run(source, spec, Path(out), overwrite=overwrite)
+    score(ctx)
+    ctx.timings["total_s"] = round(time.perf_counter() - ctx.t_start, 3)
+    ctx.save()
+    return ctx
+
+
+def _derived_run(source: RunContext, spec: ProbeSpec, out: Path, *, overwrite: bool) -> RunContext:
+    """A new run directory scoring ``source``'s rollouts with ``spec`` (its reference settings)."""
+    from mismatch_probe.environment import fingerprint
+
+    previous = prepare_run_dir(spec, out, overwrite=overwrite)
+    inputs = source.record.inputs.to_dict() if source.record.inputs is not None else {}
+    record = parse_record(
+        {
+            "schema_version": SCHEMA_VERSION,
+            "probe_version": __version__,
+            "status": "running",
+            "created_at": previous.created_at if previous is not None and previous.created_at else now(),
+            "spec": spec.to_dict(),
+            "spec_fingerprint": spec.fingerprint(),
+            "rollout_fingerprint": source.record.rollout_fingerprint,
+            "environment": fingerprint(),
+            "inputs": inputs,
+            **{key: getattr(previous, key, None) for key in CARRIED_SECTIONS},
+            "timings": {},
+        }
+    )
+    ctx = RunContext(
+        spec=spec,
+        out=out,
+        record=record,
+        progress=source.progress,
+        entry=None,
+        model_path=source.model_path,
+        tokenizer=source.tokenizer,
+        model_len=source.model_len,
+        prompts=[],
+        stops=source.stops,
+        shards=source.shards,
+        t_start=time.perf_counter(),
+        resuming=previous is not None,
+    )
+    _adopt_rollouts(spec, source.out, record, len(ctx.shards), out / ROLLOUTS_DIR, check=False)
+    ctx.save()
+    return ctx
+
+
+def analyze_existing(
+    run_dir: str | Path, *, progress: Progress | None = None, model: str | Path | None = None
+) -> RunResult:
+    """``mismatch-probe analyze``: stages 3 and 4 on a scored run (metrics, sequences, the report)."""
+    ctx = open_run(run_dir, progress=progress, model=model)
+    _require_shards(ctx, ROLLOUTS_DIR, "rollout", f"mismatch-probe sample (its spec, --out {run_dir})")
+    _require_shards(ctx, TOKENS_DIR, "scored token", f"mismatch-probe score {run_dir}")
+    dist = analyze_run(ctx)
+    render(ctx, dist)
+    return RunResult(ctx.out, ctx.record)
 
 
 @dataclass

@@ -99,3 +99,20 @@ def test_a_bad_spec_is_one_line_and_exit_2(tmp_path, spec_text, message):
 def test_a_directory_that_is_not_a_run_is_exit_2(tmp_path):
     result = invoke("report", tmp_path)
     assert result.exit_code == 2 and "not a run directory" in result.output
+
+
+def test_set_flags_read_their_values_as_toml():
+    from mismatch_probe.cli import parse_settings
+    from mismatch_probe.errors import ConfigError
+
+    assert parse_settings(["a.b=2", "c.d=1e-3", "e.f=true", "g.h=bfloat16", 'i.j="x=y"', "k.l = 3"]) == {
+        "a.b": 2,
+        "c.d": 1e-3,
+        "e.f": True,
+        "g.h": "bfloat16",
+        "i.j": "x=y",
+        "k.l": 3,
+    }
+    assert parse_settings(None) == {}
+    with pytest.raises(ConfigError, match="is not KEY=VALUE"):
+        parse_settings(["reference.dtype"])
