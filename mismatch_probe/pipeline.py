@@ -743,6 +743,10 @@ def score_run(
         spec.out = str(out)
         spec.name = None
         spec.validate()
+        if spec.reference.sequence_parallel_size * spec.reference.tensor_parallel_size > 1:
+            from mismatch_probe.reference.distributed import check_reference_layout
+
+            check_reference_layout(source.model_path, spec.reference, trust_remote_code=spec.trust_remote_code)
         ctx = _derived_run(source, spec, Path(out), overwrite=overwrite)
     score(ctx)
     ctx.timings["total_s"] = round(time.perf_counter() - ctx.t_start, 3)

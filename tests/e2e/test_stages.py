@@ -78,6 +78,10 @@ def test_score_out_rescores_the_same_rollouts_with_another_reference(staged, tmp
         (("--out", "X", "--set", "engine.dtype=float32"), "only [reference] and [corrections]"),
         (("--out", "X", "--set", "reference.dtype"), "is not KEY=VALUE"),
         (("--out", "X", "--set", "reference.dtype=fp33"), "unknown dtype"),
+        (
+            ("--out", "X", "--set", "reference.tensor_parallel_size=3"),
+            "divides 4 and 2",
+        ),  # checked before a rank starts
     ],
 )
 def test_score_refuses_what_cannot_score_the_same_rollouts(staged, tmp_path, args, message):
