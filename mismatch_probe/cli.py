@@ -453,7 +453,7 @@ def score(
         typer.Option("--out", help="Score into a new run directory that links RUN_DIR's rollouts (with --set)."),
     ] = None,
     settings: Annotated[
-        list[str] | None, typer.Option("--set", help=SET_HELP + " [reference] and [corrections] only.")
+        list[str] | None, typer.Option("--set", help=SET_HELP + " Only \\[reference] and \\[corrections] settings.")
     ] = None,
     model: Annotated[Path | None, typer.Option(help="The checkpoint, when not where the run found it.")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing run in --out.")] = False,
@@ -531,7 +531,9 @@ class RichSweepProgress(RichProgress):
 def sweep(
     spec_file: Annotated[
         Path,
-        typer.Argument(help="Probe spec (TOML) with a [sweep] table, e.g. probes/sweep-demo.toml.", show_default=False),
+        typer.Argument(
+            help="Probe spec (TOML) with a \\[sweep] table, e.g. probes/sweep-demo.toml.", show_default=False
+        ),
     ],
     out_dir: Annotated[Path | None, typer.Option("--out", help="Sweep directory (default: the spec's out).")] = None,
     gate_file: Annotated[
