@@ -99,7 +99,15 @@ def sweep(
 
 
 class _Sweep:
-    def __init__(self, spec, out, gate, resume, progress, engine_factory):
+    def __init__(
+        self,
+        spec: ProbeSpec,
+        out: str | Path | None,
+        gate: str | Path | None,
+        resume: bool,
+        progress: SweepProgress,
+        engine_factory: EngineFactory,
+    ) -> None:
         from mismatch_probe.gate.checks import load_gate
 
         self.t0 = time.perf_counter()

@@ -176,11 +176,12 @@ def summarize(sweep: _Sweep) -> SweepRecord:
     floor = noise_floor(repeat_metrics, keys) if repeat_metrics else {}
     floor_speeds = noise_floor(baseline_speeds, ["engine_tokens_per_s", "reference_tokens_per_s"])
     determinism_path = out / "determinism.json"
+    gate_file = portable_path(sweep.gate_file) if sweep.gate_file is not None else None
     dumped = [p.model_dump() for p in point_records]
     recommendation: dict[str, Any]
     if sweep.gate is not None and base_record is not None:
         candidates = [{**p, "cost": (p.get("cost") or {}).get("cost")} for p in dumped]
-        recommendation = recommend(candidates) | {"gate": portable_path(sweep.gate_file)}
+        recommendation = recommend(candidates) | {"gate": gate_file}
         if recommendation.get("point"):
             chosen = next(p for p in dumped if p["name"] == recommendation["point"])
             recommendation["evidence"] = {
@@ -209,7 +210,5 @@ def summarize(sweep: _Sweep) -> SweepRecord:
         attribution={m: attribution(dumped[1:], m) for m in HEADLINE_METRICS},
         engine_configs=sweep.engine_configs,
         engine_starts=sweep.engine_starts,
-        gate={"thresholds": portable_path(sweep.gate_file), "bounds": gate_bounds(sweep.gate)}
-        if sweep.gate is not None
-        else None,
+        gate={"thresholds": gate_file, "bounds": gate_bounds(sweep.gate)} if sweep.gate is not None else None,
     )
