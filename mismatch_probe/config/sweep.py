@@ -16,7 +16,7 @@ import hashlib
 import itertools
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +49,6 @@ class SweepPlan:
     points: list[SweepPoint]  # every other point, in the order the axes list them
     sweep: SweepSpec
     fingerprint: str  # of the whole sweep: the spec and the [sweep] table
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def runs(self) -> list[SweepPoint]:
@@ -85,7 +84,7 @@ def _point(
     spec = base.model_copy(deep=True, update={"sweep": None, "out": str(out / name), "name": name})
     spec._given_paths = {k: p for k, p in base.given_paths.items() if k != "out"}
     try:
-        apply_overrides(spec, {k: v for k, v in settings.items()})
+        apply_overrides(spec, dict(settings))
         spec.validate()
     except ConfigError as exc:
         where = ", ".join(f"{k} = {_value_name(v)}" for k, v in settings.items())
