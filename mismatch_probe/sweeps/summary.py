@@ -169,7 +169,9 @@ def summarize(sweep: _Sweep) -> SweepRecord:
         if sweep.gate is not None:
             from mismatch_probe.gate.checks import evaluate
 
-            entry["gate"] = evaluate(sweep.gate, rec, p.run_dir).status
+            # baseline_factor checks compare each point with the sweep's own baseline
+            against = (base_record, baseline.run_dir) if sweep.gate.needs_baseline else (None, None)
+            entry["gate"] = evaluate(sweep.gate, rec, p.run_dir, *against).status
         point_records.append(SweepPointRecord(**entry, status="ok"))
 
     repeat_metrics = [rec.metrics or {} for p in [baseline, *repeats_ok] if (rec := records[p.name]) is not None]

@@ -179,6 +179,14 @@ def test_gate_names_the_change_that_passes_and_exits_by_it(swept, tmp_path):
     result = cli("sweep", str(spec), "--out", str(copy), "--gate", str(thresholds(tmp_path, -1.0)))
     assert result.returncode == 1, result.stderr[-2000:]
     assert "Recommendation: none" in result.stdout
+    # baseline_factor checks compare every point with the sweep's own baseline (which passes them)
+    result = cli(
+        "sweep", str(spec), "--out", str(copy), "--gate", str(ROOT / "probes" / "gate-regression.toml"), "--json"
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    regression = json.loads(result.stdout)
+    assert regression["recommendation"]["point"] == "baseline"
+    assert "ERROR" not in {p["gate"] for p in regression["points"] if p["status"] == "ok"}
     # a baseline that passes needs no change
     result = cli("sweep", str(spec), "--out", str(copy), "--gate", str(thresholds(tmp_path, 1.0)), "--json")
     assert result.returncode == 0 and json.loads(result.stdout)["recommendation"]["point"] == "baseline"
