@@ -459,10 +459,17 @@ def score(
     overwrite: Annotated[bool, typer.Option(help="Replace an existing run in --out.")] = False,
 ) -> None:
     """Stage 2 alone: the reference scores the sampled tokens (the missing shards; a re-run resumes).
-    With --out and --set, another reference scores the same rollouts into a new run directory."""
-    from mismatch_probe.pipeline import score_run
+    With --out and --set, another reference scores the same rollouts into a new run directory.
+    Under torchrun (one node or several), the ranks score as data-parallel groups of
+    reference.sequence_parallel_size x tensor_parallel_size; RUN_DIR must be on a shared filesystem."""
+    from contextlib import nullcontext
 
-    with RichProgress(err) as progress:
+    from mismatch_probe.pipeline import Progress, score_run
+    from mismatch_probe.reference.launch import torchrun_launch
+
+    launch = torchrun_launch()  # under torchrun, rank 0 alone shows progress and the result
+    lead = launch is None or launch.is_lead
+    with RichProgress(err) if lead else nullcontext(Progress()) as progress:
         ctx = score_run(
             run_dir,
             out=out_dir,
@@ -471,6 +478,8 @@ def score(
             progress=progress,
             overwrite=overwrite,
         )
+    if not lead:
+        return
     where = escape(portable_path(ctx.out))
     out.print(f"scored {ctx.out / 'tokens.parquet'}; next: mismatch-probe analyze {where}")
 

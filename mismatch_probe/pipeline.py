@@ -223,11 +223,18 @@ def prepare(
     from mismatch_probe.engines import get_entry
     from mismatch_probe.environment import fingerprint
     from mismatch_probe.modeling.loading import check_model_dir, load_tokenizer, max_model_len, stop_token_ids
+    from mismatch_probe.reference.launch import torchrun_launch
     from mismatch_probe.rollout.prompts import tokenize_prompts
 
     t_start = time.perf_counter()
     if spec.sweep is not None:
         raise ConfigError("the spec has a [sweep] table", hint="run it with `mismatch-probe sweep SPEC`")
+    if (launch := torchrun_launch()) is not None and launch.world_size > 1:
+        raise ConfigError(
+            f"torchrun started {launch.world_size} copies of a command that runs the engine (which starts its own "
+            "processes): only `score` runs under torchrun",
+            hint="run `mismatch-probe sample` once, then `torchrun ... mismatch-probe score RUN_DIR`",
+        )
     spec.validate()
     model_path = check_model_dir(spec.model)
     entry = get_entry(spec.engine.name)
@@ -355,13 +362,7 @@ def score(ctx: RunContext) -> None:
     if not missing:
         return
     out, record, progress = ctx.out, ctx.record, ctx.progress
-    semantics_record = record.logprob_semantics
-    if semantics_record is None or semantics_record.reference is None:
-        raise ConfigError(
-            f"{out} has rollouts but its run.json does not say what their log-probs are",
-            hint="re-run with --overwrite",
-        )
-    semantics = LogprobSemantics.from_record(semantics_record.reference.to_dict())
+    semantics = _reference_semantics(ctx)
     with _timed(ctx.timings, "reference_load_s"):
         scorer = open_reference_scorer(
             ctx.model_path,
@@ -383,6 +384,16 @@ def score(ctx: RunContext) -> None:
                 write_table_atomic(table, out / TOKENS_DIR / shard_name(i))
     finally:
         scorer.close()
+
+
+def _reference_semantics(ctx: RunContext) -> LogprobSemantics:
+    semantics_record = ctx.record.logprob_semantics
+    if semantics_record is None or semantics_record.reference is None:
+        raise ConfigError(
+            f"{ctx.out} has rollouts but its run.json does not say what their log-probs are",
+            hint="re-run with --overwrite",
+        )
+    return LogprobSemantics.from_record(semantics_record.reference.to_dict())
 
 
 def analyze_run(ctx: RunContext) -> dict:
@@ -718,9 +729,14 @@ def score_run(
 ) -> RunContext:
     """``mismatch-probe score``: stage 2 alone, on a sampled run. With ``out``, a new run directory
     that links ``run_dir``'s rollouts and scores them with ``overrides`` of its ``[reference]`` and
-    ``[corrections]``; without, the missing token shards of ``run_dir`` itself."""
-    from mismatch_probe.config.spec import apply_overrides
+    ``[corrections]``; without, the missing token shards of ``run_dir`` itself.
 
+    Under torchrun every rank calls this: the ranks join torchrun's process group and score as
+    data-parallel groups (:mod:`mismatch_probe.reference.data_parallel`); rank 0 alone writes the record."""
+    from mismatch_probe.config.spec import apply_overrides
+    from mismatch_probe.reference.launch import torchrun_launch
+
+    launch = torchrun_launch()
     source = open_run(run_dir, progress=progress, model=model)
     _require_shards(source, ROLLOUTS_DIR, "rollout", f"mismatch-probe sample (its spec, --out {run_dir})")
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
@@ -730,28 +746,58 @@ def score_run(
             f"score sets {', '.join(bad)}: only [reference] and [corrections] settings score the same rollouts",
             hint="sample again with another spec for other settings",
         )
-    if out is None:
-        if overrides:
-            raise ConfigError(
-                "other reference settings score into a new run directory, next to this one",
-                hint=f"add --out NEW_DIR (it links the rollouts of {run_dir})",
-            )
-        ctx = source
-    else:
+    spec = source.spec
+    if out is not None:
         spec = source.spec.model_copy(deep=True)
         apply_overrides(spec, overrides)
         spec.out = str(out)
         spec.name = None
         spec.validate()
-        if spec.reference.sequence_parallel_size * spec.reference.tensor_parallel_size > 1:
+        if launch is None and spec.reference.sequence_parallel_size * spec.reference.tensor_parallel_size > 1:
             from mismatch_probe.reference.distributed import check_reference_layout
 
             check_reference_layout(source.model_path, spec.reference, trust_remote_code=spec.trust_remote_code)
-        ctx = _derived_run(source, spec, Path(out), overwrite=overwrite)
+    elif overrides:
+        raise ConfigError(
+            "other reference settings score into a new run directory, next to this one",
+            hint=f"add --out NEW_DIR (it links the rollouts of {run_dir})",
+        )
+    if launch is not None:
+        return _score_run_launched(source, spec, launch, out, model=model, overwrite=overwrite)
+    ctx = source if out is None else _derived_run(source, spec, Path(out), overwrite=overwrite)
     score(ctx)
     ctx.timings["total_s"] = round(time.perf_counter() - ctx.t_start, 3)
     ctx.save()
     return ctx
+
+
+def _score_run_launched(
+    source: RunContext, spec: ProbeSpec, launch, out: str | Path | None, *, model, overwrite: bool
+) -> RunContext:
+    """:func:`score_run` on one rank of a torchrun launch."""
+    import torch.distributed as dist
+
+    from mismatch_probe.modeling.loading import resolve_device
+    from mismatch_probe.reference.data_parallel import score_data_parallel
+    from mismatch_probe.reference.distributed import check_reference_layout
+    from mismatch_probe.reference.launch import data_parallel_size, join, on_lead
+
+    check_reference_layout(source.model_path, spec.reference, trust_remote_code=spec.trust_remote_code, gpus=False)
+    data_parallel_size(launch.world_size, spec.reference.sequence_parallel_size, spec.reference.tensor_parallel_size)
+    join(launch, resolve_device(spec.reference.device))
+    try:
+        ctx = source
+        if out is not None:  # rank 0 makes the new run directory; the others then open it
+            made: list[RunContext] = []
+            on_lead(lambda: made.append(_derived_run(source, spec, Path(out), overwrite=overwrite)))
+            ctx = made[0] if made else open_run(out, progress=source.progress, model=model)
+        score_data_parallel(ctx, launch, _reference_semantics(ctx))
+        if launch.is_lead:
+            ctx.timings["total_s"] = round(time.perf_counter() - ctx.t_start, 3)
+            ctx.save()
+        return ctx
+    finally:
+        dist.destroy_process_group()
 
 
 def _derived_run(source: RunContext, spec: ProbeSpec, out: Path, *, overwrite: bool) -> RunContext:

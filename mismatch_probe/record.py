@@ -215,6 +215,7 @@ class ReferenceInfo(Section):
     attn_implementation: str | None = None
     packing: str | None = None
     device: str | None = None
+    data_parallel_size: int = 1
     sequence_parallel_size: int = 1
     tensor_parallel_size: int = 1
     versions: dict[str, str | None] = Field(default_factory=dict)  # None: not installed

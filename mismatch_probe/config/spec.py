@@ -37,6 +37,7 @@ from mismatch_probe.files import read_text
 __all__ = [
     "ATTN_IMPLEMENTATIONS",
     "DEVICES",
+    "DISTRIBUTED_EXECUTOR_BACKENDS",
     "DTYPE_ALIASES",
     "LOGPROBS_MODES",
     "SP_ATTN_IMPLEMENTATIONS",
@@ -53,6 +54,7 @@ __all__ = [
     "normalize_dtype",
     "rollout_fingerprint",
     "spec_from_dict",
+    "split_address",
     "unknown_key",
 ]
 
@@ -136,6 +138,13 @@ def normalize_dtype(value: str, *, field_name: str, allow_auto: bool) -> str:
     raise ConfigError(f"unknown dtype {value!r} for {field_name}; choose {choices}")
 
 
+def added_later(default: Any) -> Any:
+    """A setting added after runs were first recorded: dumped (so recorded and fingerprinted)
+    only when it differs from ``default``, so the specs of earlier runs, and their fingerprints,
+    stay what they were and those runs still resume and share rollouts."""
+    return Field(default, exclude_if=lambda value: value == default)
+
+
 class EngineSpec(_Settings):
     """The inference side (behavior policy).
 
@@ -160,6 +169,13 @@ class EngineSpec(_Settings):
     batch_size: int | None = None  # hf default: 32
     # vllm / sglang
     tensor_parallel_size: int = 1
+    # across GPUs and machines (docs/engines-multinode.md); one name means one thing in both engines
+    pipeline_parallel_size: int = added_later(1)  # SGLang: pp_size
+    data_parallel_size: int = added_later(1)  # engine replicas; SGLang: dp_size
+    nnodes: int = added_later(1)  # machines the engine spans (the other nodes are started by hand)
+    node_rank: int = added_later(0)  # this machine's rank; mismatch-probe drives rank 0
+    dist_init_addr: str | None = added_later(None)  # "HOST:PORT" of node rank 0; vLLM: master_addr, master_port
+    distributed_executor_backend: str | None = added_later(None)  # vLLM: mp, ray, uni (None: vLLM's choice)
     enforce_eager: bool | None = None  # True: no torch.compile, no CUDA graphs
     cascade_attn: bool | None = None
     chunked_prefill: bool | None = None
@@ -207,6 +223,14 @@ class ReferenceSpec(_Settings):
     # (DTensor, the model's own column/row-wise plan). world size = sequence x tensor.
     sequence_parallel_size: int = 1
     tensor_parallel_size: int = 1
+    # FSDP2 (fully_shard) over the data- and sequence-parallel ranks with a MixedPrecisionPolicy,
+    # so the forward runs an FSDP learner's numerics. The defaults are verl's FSDP2 actor's:
+    # weights gathered and computed in bfloat16, gradients reduced in float32 (no effect on a
+    # forward), outputs left as computed. ``dtype`` is then the master (sharded) weights' dtype.
+    fsdp: bool = added_later(False)
+    fsdp_param_dtype: str = added_later("bfloat16")
+    fsdp_reduce_dtype: str = added_later("float32")
+    fsdp_output_dtype: str | None = added_later(None)
     # which distribution the reference scores under: "engine" (the same as the engine's log-probs,
     # the only comparable choice), or deliberately "raw", "temperature" (logits / T only, as
     # verl's actor does), "processed" (temperature, top-k, top-p)
@@ -241,6 +265,10 @@ class ReferencePatch(_Patch):
     device: str | None = None
     sequence_parallel_size: int | None = None
     tensor_parallel_size: int | None = None
+    fsdp: bool | None = None
+    fsdp_param_dtype: str | None = None
+    fsdp_reduce_dtype: str | None = None
+    fsdp_output_dtype: str | None = None
     logprobs: str | None = None
 
 
@@ -393,6 +421,9 @@ class ProbeSpec(_Settings):
         e, s, r = self.engine, self.sampling, self.reference
         e.dtype = normalize_dtype(e.dtype, field_name="the engine (--engine-dtype)", allow_auto=True)
         r.dtype = normalize_dtype(r.dtype, field_name="the reference (--train-dtype)", allow_auto=False)
+        for name in ("fsdp_param_dtype", "fsdp_reduce_dtype", "fsdp_output_dtype"):
+            if getattr(r, name) is not None:
+                setattr(r, name, normalize_dtype(getattr(r, name), field_name=f"reference.{name}", allow_auto=False))
         for side, spec in (("engine", e), ("reference", r)):
             if spec.attn_implementation is not None:
                 _choice(spec.attn_implementation, ATTN_IMPLEMENTATIONS, f"{side}.attn_implementation")
@@ -419,6 +450,7 @@ class ProbeSpec(_Settings):
             value = getattr(e, name)
             _check(value is None or value >= 1, f"engine.{name} must be >= 1, got {value}")
         _check(e.tensor_parallel_size >= 1, f"engine.tensor_parallel_size must be >= 1, got {e.tensor_parallel_size}")
+        _check_engine_layout(e)
         _check(
             e.gpu_memory_utilization is None or 0 < e.gpu_memory_utilization <= 1,
             f"engine.gpu_memory_utilization must be in (0, 1], got {e.gpu_memory_utilization}",
@@ -480,6 +512,45 @@ def rollout_fingerprint(spec_dict: dict[str, Any]) -> str:
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
+
+
+# vLLM 0.32's ParallelConfig.distributed_executor_backend choices (docs/engines-multinode.md)
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray", "uni", "external_launcher")
+
+
+def split_address(address: str, name: str = "engine.dist_init_addr") -> tuple[str, int]:
+    """``HOST:PORT`` (an IPv6 host in brackets: ``[fd00::1]:29500``) as ``(host, port)``."""
+    host, sep, port = address.strip().rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        host = ""  # an IPv6 host without brackets: which colon starts the port is ambiguous
+    if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+        raise ConfigError(
+            f"{name} {address!r} is not HOST:PORT",
+            hint="give node rank 0's address and a free port there, e.g. 10.0.0.1:29500 ([fd00::1]:29500 for IPv6)",
+        )
+    return host, int(port)
+
+
+def _check_engine_layout(e: EngineSpec) -> None:
+    """The engine's multi-GPU / multi-node settings, as far as they hold whatever the engine."""
+    for name in ("pipeline_parallel_size", "data_parallel_size", "nnodes"):
+        _check(getattr(e, name) >= 1, f"engine.{name} must be >= 1, got {getattr(e, name)}")
+    _check(
+        0 <= e.node_rank < e.nnodes,
+        f"engine.node_rank must be in [0, nnodes = {e.nnodes}), got {e.node_rank}",
+    )
+    if e.distributed_executor_backend is not None:
+        _choice(e.distributed_executor_backend, DISTRIBUTED_EXECUTOR_BACKENDS, "engine.distributed_executor_backend")
+    if e.dist_init_addr is not None:
+        split_address(e.dist_init_addr)
+    elif e.nnodes > 1:
+        raise ConfigError(
+            f"engine.nnodes = {e.nnodes} needs engine.dist_init_addr, the HOST:PORT where the other nodes reach "
+            "node rank 0",
+            hint='set dist_init_addr = "10.0.0.1:29500" in [engine] (node rank 0\'s address and a free port)',
+        )
 
 
 def _choice(value: str, choices: tuple[str, ...], name: str) -> None:

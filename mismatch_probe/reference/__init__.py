@@ -15,8 +15,9 @@ if TYPE_CHECKING:
 def open_reference_scorer(
     model_path: str | Path, spec: ReferenceSpec, *, trust_remote_code: bool = False, log_path: str | Path | None = None
 ):
-    """A scorer for ``spec``'s layout: in this process, or over ``sp * tp`` rank processes."""
-    if spec.sequence_parallel_size * spec.tensor_parallel_size == 1:
+    """A scorer for ``spec``'s layout: in this process, or over ``sp * tp`` rank processes (FSDP
+    needs a process group, even of one rank)."""
+    if spec.sequence_parallel_size * spec.tensor_parallel_size == 1 and not spec.fsdp:
         from mismatch_probe.reference.scorer import ReferenceScorer
 
         return ReferenceScorer(model_path, spec, trust_remote_code=trust_remote_code)

@@ -42,9 +42,12 @@ class ReferenceRankError(ProbeError):
         self.remote_traceback = remote_traceback
 
 
-def check_reference_layout(model_path: Path, spec: ReferenceSpec, *, trust_remote_code: bool = False) -> str:
+def check_reference_layout(
+    model_path: Path, spec: ReferenceSpec, *, trust_remote_code: bool = False, gpus: bool = True
+) -> str:
     """Fail early (before the engine samples anything) when the model's heads do not split over
-    the layout or there are too few GPUs; returns the device type the ranks will use."""
+    the layout or (``gpus``: all ranks on this machine) there are too few GPUs; returns the device
+    type the ranks will use."""
     import torch
 
     from mismatch_probe.reference.parallel import check_layout
@@ -61,7 +64,7 @@ def check_reference_layout(model_path: Path, spec: ReferenceSpec, *, trust_remot
                 hint="score it with --train-sp 1 (--train-tp is fine)",
             )
     device_type = resolve_device(spec.device)
-    if device_type == "cuda" and torch.cuda.device_count() < sp * tp:
+    if gpus and device_type == "cuda" and torch.cuda.device_count() < sp * tp:
         raise ConfigError(
             f"the reference layout needs {sp * tp} GPUs (sp {sp} x tp {tp}), and torch "
             f"sees {torch.cuda.device_count()}",

@@ -17,8 +17,9 @@ one process per rank over a torch.distributed process group (gloo on CPU, NCCL o
   attention block and MLP ends in one all-reduce of partial sums. Fused MoE expert weights are
   not ``nn.Linear`` modules; they stay replicated, and ``info()`` says so.
 
-The device mesh is ``(sp, tp)``, tensor parallelism innermost (adjacent ranks), as trainers lay
-it out on a node.
+The device mesh is ``(dp, sp, tp)``, tensor parallelism innermost (adjacent ranks), as trainers
+lay it out on a node. Data parallelism (``dp`` > 1 only under torchrun, see
+:mod:`mismatch_probe.reference.launch`) gives each group of ``sp * tp`` ranks its own sequences.
 """
 
 from __future__ import annotations
@@ -43,11 +44,23 @@ class ParallelContext:
     sp: int
     tp: int
     device: str  # "cpu" or "cuda:<local rank>"
-    mesh: object  # torch.distributed DeviceMesh with dims ("sp", "tp")
+    mesh: object  # torch.distributed DeviceMesh with dims ("dp", "sp", "tp")
+    dp: int = 1
+    launcher: str = "torch.multiprocessing spawn, one process per rank"
 
     @property
     def world_size(self) -> int:
-        return self.sp * self.tp
+        return self.dp * self.sp * self.tp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh.get_local_rank("dp")
+
+    @property
+    def leads_dp_group(self) -> bool:
+        """The first rank of its data-parallel group: the one that writes the group's scores
+        (every rank of the group holds the same ones)."""
+        return self.mesh.get_local_rank("sp") == 0 and self.mesh.get_local_rank("tp") == 0
 
     @property
     def sp_rank(self) -> int:
@@ -63,9 +76,7 @@ class ParallelContext:
 
 
 def init_rank(rank: int, sp: int, tp: int, init_method: str, device_type: str) -> ParallelContext:
-    """Join the process group and build the ``(sp, tp)`` device mesh."""
-    from torch.distributed.device_mesh import init_device_mesh
-
+    """Join the process group (one spawned rank of ``sp * tp``) and build the device mesh."""
     device = "cpu"
     if device_type == "cuda":
         torch.cuda.set_device(rank)
@@ -73,8 +84,20 @@ def init_rank(rank: int, sp: int, tp: int, init_method: str, device_type: str) -
     dist.init_process_group(
         "nccl" if device_type == "cuda" else "gloo", init_method=init_method, rank=rank, world_size=sp * tp
     )
-    mesh = init_device_mesh(device_type, (sp, tp), mesh_dim_names=("sp", "tp"))
-    return ParallelContext(rank=rank, sp=sp, tp=tp, device=device, mesh=mesh)
+    return build_context(1, sp, tp, device_type, device)
+
+
+def build_context(
+    dp: int, sp: int, tp: int, device_type: str, device: str, launcher: str | None = None
+) -> ParallelContext:
+    """The ``(dp, sp, tp)`` device mesh over the initialized default process group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist.get_world_size() != dp * sp * tp:
+        raise ConfigError(f"{dist.get_world_size()} ranks cannot be laid out as dp {dp} x sp {sp} x tp {tp}")
+    mesh = init_device_mesh(device_type, (dp, sp, tp), mesh_dim_names=("dp", "sp", "tp"))
+    extra = {"launcher": launcher} if launcher else {}
+    return ParallelContext(rank=dist.get_rank(), sp=sp, tp=tp, device=device, mesh=mesh, dp=dp, **extra)
 
 
 def check_layout(config: dict, sp: int, tp: int) -> dict:
@@ -227,3 +250,75 @@ def gather_rows(parts: list[torch.Tensor], counts: list[int], group) -> list[tor
         dist.all_gather(chunks, padded, group=group)
         out.append(torch.cat([c[:k] for c, k in zip(chunks, counts)]))
     return out
+
+
+# ---- FSDP2 -----------------------------------------------------------------------------------
+
+
+class FsdpRoot(torch.nn.Module):
+    """The root FSDP unit around the whole model: it holds what the decoder layers' own units do
+    not (embeddings, final norm, LM head, tied or not), gathered for the whole of one micro-batch,
+    whose scoring runs as this module's forward (``root(fn)`` calls ``fn()``). The reference
+    calls the decoder and the LM head separately (the head in chunks), so it cannot use the
+    model's own ``forward`` as the root's."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, fn):
+        return fn()
+
+
+def _dtype(name: str | None):
+    return None if name is None else getattr(torch, name)
+
+
+def apply_fsdp(model: torch.nn.Module, ctx: ParallelContext, spec) -> tuple[FsdpRoot, dict]:
+    """``fully_shard`` each decoder layer and a root around the model (as verl's ``apply_fsdp2``
+    groups them, the embeddings and LM head kept in the root) over the data- and
+    sequence-parallel ranks (tensor parallelism, if any, stays inside each shard: 2-D)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if ctx.sp == 1:
+        mesh, over = ctx.mesh["dp"], "dp"
+    elif ctx.dp == 1:
+        mesh, over = ctx.mesh["sp"], "sp"
+    else:
+        mesh, over = ctx.mesh["dp", "sp"]._flatten("dp_sp"), "dp x sp"
+    policy = MixedPrecisionPolicy(
+        param_dtype=_dtype(spec.fsdp_param_dtype),
+        reduce_dtype=_dtype(spec.fsdp_reduce_dtype),
+        output_dtype=_dtype(spec.fsdp_output_dtype),
+        cast_forward_inputs=True,
+    )
+    layer_classes = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+    if not layers:
+        raise ConfigError(
+            f"{type(model).__name__} names no decoder layer class (_no_split_modules) to shard with FSDP",
+            hint="score it without reference.fsdp",
+        )
+    layer_class = type(layers[0]).__name__  # before fully_shard renames it FSDP<class>
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
+    root = FsdpRoot(model)
+    # the root's outputs are the scores: never cast them to output_dtype
+    root_policy = MixedPrecisionPolicy(
+        param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype, cast_forward_inputs=True
+    )
+    fully_shard(root, mesh=mesh, mp_policy=root_policy, reshard_after_forward=True)
+    return root, {
+        "api": "torch.distributed.fsdp.fully_shard (FSDP2)",
+        "mesh": over,
+        "shards": mesh.size(),
+        "mixed_precision": {
+            "param_dtype": spec.fsdp_param_dtype,
+            "reduce_dtype": spec.fsdp_reduce_dtype,
+            "output_dtype": spec.fsdp_output_dtype,
+            "cast_forward_inputs": True,
+        },
+        "master_weights_dtype": spec.dtype,
+        "units": f"{len(layers)} x {layer_class}, then a root with the rest (embeddings, norm, LM head)",
+        "reshard_after_forward": True,
+    }

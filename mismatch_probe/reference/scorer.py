@@ -40,6 +40,7 @@ from mismatch_probe.modeling.varlen_attention import register as register_varlen
 from mismatch_probe.reference.parallel import (
     ParallelContext,
     UlyssesAttention,
+    apply_fsdp,
     apply_tensor_parallel,
     check_layout,
     gather_rows,
@@ -88,6 +89,7 @@ class ReferenceScorer:
         self.model_path = Path(model_path)
         self.spec = spec
         self.parallel = parallel
+        self.fsdp = False
         self.device = parallel.device if parallel else resolve_device(spec.device)
         self.attention = choose_attention(
             self.model_path, spec.attn_implementation, trust_remote_code=trust_remote_code
@@ -124,10 +126,16 @@ class ReferenceScorer:
         if spec.packing and not self.varlen and self.ulysses is None:
             self.packed_masks = self._check_packed_isolation()
         self.layout: dict = {}
+        self._fsdp_root = None
         if parallel:
             self.layout = check_layout(read_config(self.model_path), parallel.sp, parallel.tp)
             if parallel.tp > 1:
                 self.layout["tensor_parallel"] = apply_tensor_parallel(self.decoder, parallel)
+            if spec.fsdp:
+                self._fsdp_root, self.layout["fsdp"] = apply_fsdp(self.model, parallel, spec)
+                self.fsdp = True
+        elif spec.fsdp:
+            raise ConfigError("reference.fsdp shards the model over ranks: it needs a process group")
 
     def info(self) -> dict:
         import transformers
@@ -140,8 +148,10 @@ class ReferenceScorer:
             **({"packed_attention_mask": PACKED_MASKS[self.packed_masks]} if self.packed_masks else {}),
             "packing": "padding-free" if self.spec.packing else "padded",
             "micro_batch_size": self.spec.micro_batch_size,
+            "fsdp": self.fsdp,
             "max_tokens_per_micro_batch": self.spec.max_tokens_per_micro_batch if self.spec.packing else None,
             "device": self.device,
+            "data_parallel_size": self.parallel.dp if self.parallel else 1,
             "sequence_parallel_size": self.parallel.sp if self.parallel else 1,
             "tensor_parallel_size": self.parallel.tp if self.parallel else 1,
             **({"parallel": self._parallel_info()} if self.parallel else {}),
@@ -157,8 +167,8 @@ class ReferenceScorer:
         info = {
             "world_size": p.world_size,
             "backend": p.backend,
-            "mesh": {"sp": p.sp, "tp": p.tp},
-            "launcher": "torch.multiprocessing spawn, one process per rank",
+            "mesh": {"dp": p.dp, "sp": p.sp, "tp": p.tp},
+            "launcher": p.launcher,
         }
         if p.sp > 1:
             info["ulysses"] = {
@@ -168,6 +178,8 @@ class ReferenceScorer:
             }
         if p.tp > 1:
             info["tensor_parallel"] = self.layout["tensor_parallel"]
+        if self.fsdp:
+            info["fsdp"] = self.layout["fsdp"]
         return info
 
     # ---- logits ----------------------------------------------------------------------------
@@ -270,16 +282,32 @@ class ReferenceScorer:
         rollouts: Sequence[Rollout],
         semantics: LogprobSemantics,
         on_progress: Callable[[int], None] | None = None,
+        *,
+        min_forwards: int = 0,
     ) -> Scores:
-        """Score every model token of ``rollouts``; routing too when the engine recorded it."""
+        """Score every model token of ``rollouts``; routing too when the engine recorded it.
+
+        ``min_forwards``: run filler forwards (scores discarded) up to that many, so this rank
+        joins as many collectives as a data-parallel peer with more to score (FSDP)."""
         record = self.routing.active and all(r.experts_infer is not None for r in rollouts) and bool(rollouts)
         if not record:
-            return self._score(rollouts, semantics, on_progress, None)
-        with self.routing:
-            return self._score(rollouts, semantics, on_progress, self.routing)
+            scores = self._score(rollouts, semantics, on_progress, None)
+        else:
+            with self.routing:
+                scores = self._score(rollouts, semantics, on_progress, self.routing)
+        filler = Rollout(
+            -1, "", np.array([1, 2]), np.zeros(2, np.int16), np.array([False, True]), np.zeros(2, np.float32), ""
+        )
+        for _ in range(min_forwards - sum(1 for _ in self.micro_batches(rollouts))):
+            self._score([filler], semantics, None, None)
+        return scores
 
-    @torch.inference_mode()
     def _score(self, rollouts, semantics, on_progress, routing: RouterRecorder | None) -> Scores:
+        # FSDP2 writes the gathered weights into buffers made outside inference mode, which it forbids
+        with torch.no_grad() if self.fsdp else torch.inference_mode():
+            return self._score_all(rollouts, semantics, on_progress, routing)
+
+    def _score_all(self, rollouts, semantics, on_progress, routing: RouterRecorder | None) -> Scores:
         logps = [np.full(len(r.token_ids), np.nan, dtype=np.float32) for r in rollouts]
         ents = [np.full(len(r.token_ids), np.nan, dtype=np.float32) for r in rollouts]
         experts: list[np.ndarray | None] = [None] * len(rollouts)
@@ -291,16 +319,11 @@ class ReferenceScorer:
                         f"sample {r.sample_id}: its first token is marked as a model token, "
                         "but nothing precedes it to predict it"
                     )
-            fwd = self._forward_packed(group) if self.spec.packing else self._forward_padded(group)
-            # the routing of the scored rows: the inputs whose hidden states give each token's logits
-            group_experts = routing.take().index_select(0, fwd.src).to(torch.int32) if routing else None
-            targets = np.concatenate([r.token_ids[r.is_model_token] for r in group]).astype(np.int64)
-            targets = torch.from_numpy(targets[fwd.part]).to(self.device)
-            parts = [*self._score_hidden(fwd.hidden, fwd.src, targets, semantics)]
-            if group_experts is not None:
-                parts.append(group_experts.to(self.device))
-            if fwd.counts is not None:  # sequence-parallel: every rank scored its slice of the row
-                parts = gather_rows(parts, fwd.counts, self.parallel.sp_group)
+            if self._fsdp_root is None:
+                parts = self._micro_batch(group, semantics, routing)
+            else:  # FSDP gathers the root's weights for the call, the layers' as each runs
+                parts = self._fsdp_root(lambda group=group: self._micro_batch(group, semantics, routing))
+                self._head_fp32 = None  # a copy of weights that are sharded again
             lp, ent = parts[0].cpu().numpy(), parts[1].cpu().numpy()
             group_experts = parts[2].cpu().numpy().astype(np.int16) if routing else None
             start = 0
@@ -314,6 +337,21 @@ class ReferenceScorer:
             if on_progress:
                 on_progress(len(group))
         return Scores(logps, ents, experts if routing else None)
+
+    def _micro_batch(self, group: list[Rollout], semantics, routing: RouterRecorder | None) -> list[torch.Tensor]:
+        """One micro-batch through the decoder and the LM head: its scored tokens' log-probs and
+        entropies (and routing), in order, on every rank of the layout."""
+        fwd = self._forward_packed(group) if self.spec.packing else self._forward_padded(group)
+        # the routing of the scored rows: the inputs whose hidden states give each token's logits
+        group_experts = routing.take().index_select(0, fwd.src).to(torch.int32) if routing else None
+        targets = np.concatenate([r.token_ids[r.is_model_token] for r in group]).astype(np.int64)
+        target_ids = torch.from_numpy(targets[fwd.part]).to(self.device)
+        parts = [*self._score_hidden(fwd.hidden, fwd.src, target_ids, semantics)]
+        if group_experts is not None:
+            parts.append(group_experts.to(self.device))
+        if fwd.counts is not None:  # sequence-parallel: every rank scored its slice of the row
+            parts = gather_rows(parts, fwd.counts, self.parallel.sp_group)
+        return parts
 
     def _forward_packed(self, group: list[Rollout]) -> _Forward:
         lengths = np.array([len(r.token_ids) for r in group])

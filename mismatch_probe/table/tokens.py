@@ -224,6 +224,26 @@ def token_table(
     )
 
 
+def piece_name(index: int, group: int, groups: int) -> str:
+    """The scores one data-parallel group wrote for shard ``index`` (merged by :func:`merge_pieces`)."""
+    return f"part-{index:05d}.dp{group}of{groups}.parquet"
+
+
+def merge_pieces(pieces: list[pa.Table], sample_ids: list[int]) -> pa.Table:
+    """One shard's token table from its data-parallel pieces, in the shard's own sample order
+    (each piece holds whole samples, their rows in position order): the table one process writes."""
+    table = pa.concat_tables(pieces)
+    ids = np.asarray(sample_ids, dtype=np.int64)
+    by_id = np.argsort(ids, kind="stable")
+    sids = table.column("sample_id").to_numpy()
+    at = np.minimum(np.searchsorted(ids[by_id], sids), max(len(ids) - 1, 0))
+    held = sum(len(np.unique(t.column("sample_id").to_numpy())) for t in pieces)  # a sample in two pieces counts twice
+    if len(ids) == 0 or not np.array_equal(ids[by_id][at], sids) or held != len(ids):
+        raise ValueError(f"the pieces hold {held} samples, not the shard's {len(ids)}")
+    key = by_id[at]  # each row's sample's place in the shard
+    return table.take(pa.array(np.argsort(key, kind="stable")))
+
+
 def shard_paths(run_dir: Path, subdir: str) -> list[Path]:
     d = Path(run_dir) / subdir
     return sorted(d.glob("part-*.parquet")) if d.is_dir() else []

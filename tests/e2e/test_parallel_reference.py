@@ -98,7 +98,7 @@ def test_moe_experts_stay_replicated_under_tensor_parallel():
 def test_two_dimensional_layout_repeats_kv_heads():
     # sp 2 x tp 2: each tp rank has 1 key/value head, which Ulysses repeats to split it over 2 sp ranks
     logp, info = scored(DENSE, "float32", 2, 2)
-    assert info["parallel"]["mesh"] == {"sp": 2, "tp": 2}
+    assert info["parallel"]["mesh"] == {"dp": 1, "sp": 2, "tp": 2}
     assert info["parallel"]["ulysses"]["kv_head_repeats"] == 2
     assert np.abs(logp - scored(DENSE, "float32", 1, 2)[0]).max() < 2e-6
     assert np.abs(logp - scored(DENSE, "float32", 1, 1)[0]).max() < 2e-5
@@ -198,7 +198,7 @@ reference.tensor_parallel_size = 2
         gap = np.abs(other.column("logp_train").to_numpy() - one.column("logp_train").to_numpy())
         assert gap.max() < 2e-5
         rec = json.loads((runs / name / "run.json").read_text())
-        assert rec["reference"]["parallel"]["mesh"] == {"sp": sp, "tp": tp}
+        assert rec["reference"]["parallel"]["mesh"] == {"dp": 1, "sp": sp, "tp": tp}
         assert rec["rollouts_from"]["run"] == "../one"  # relative to the run directory: the pair moves together
         assert (runs / name / "reference.log").is_file()
 

@@ -161,3 +161,24 @@ def test_engine_spec_copies_and_fields():
     e = EngineSpec(name="vllm")
     assert e.model_copy(update={"logprobs_mode": "raw"}).logprobs_mode == "raw" and e.logprobs_mode is None
     assert EngineSpec(**e.model_dump()) == e  # what the engine worker rebuilds from the wire
+
+
+def test_fsdp_policy_defaults_are_verls_and_its_dtypes_are_checked():
+    spec = spec_from_dict({"model": "m", "prompts": "p"})
+    fingerprint = spec.fingerprint()
+    r = spec.reference
+    assert (r.fsdp, r.fsdp_param_dtype, r.fsdp_reduce_dtype, r.fsdp_output_dtype) == (
+        False,
+        "bfloat16",
+        "float32",
+        None,
+    )
+    # settings added later are recorded only when set: earlier runs keep their spec and fingerprint
+    assert "fsdp" not in spec.to_dict()["reference"]
+    apply_overrides(spec, {"reference.fsdp": True, "reference.fsdp_param_dtype": "fp32"})
+    spec.validate()
+    assert spec.reference.fsdp and spec.reference.fsdp_param_dtype == "float32"
+    assert spec.to_dict()["reference"]["fsdp_param_dtype"] == "float32" and spec.fingerprint() != fingerprint
+    apply_overrides(spec, {"reference.fsdp_output_dtype": "fp33"})
+    with pytest.raises(ConfigError, match="unknown dtype 'fp33' for reference.fsdp_output_dtype"):
+        spec.validate()
