@@ -145,3 +145,26 @@ def fingerprint() -> dict:
         "packages": {p: v for p in PACKAGES if (v := _version(p)) is not None},
         "mismatch_probe": {"version": __version__, "git_commit": git_commit()},
     }
+
+
+def peak_memory(device: str = "cpu") -> dict[str, int]:
+    """This process's peak memory so far: resident set (Linux VmHWM; ru_maxrss elsewhere) and,
+    on a GPU, the most torch has allocated on it. What a layout costs per rank."""
+    rss = None
+    try:
+        with open("/proc/self/status") as status:
+            rss = next((int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:")), None)
+    except OSError:
+        pass
+    if rss is None:
+        import resource
+        import sys
+
+        scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+    out = {"rss_bytes": rss}
+    if device.startswith("cuda"):
+        import torch
+
+        out["gpu_allocated_bytes"] = int(torch.cuda.max_memory_allocated(device))
+    return out

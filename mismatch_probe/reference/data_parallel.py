@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow.parquet as pq
 
+from mismatch_probe.environment import peak_memory
 from mismatch_probe.errors import DataError
 from mismatch_probe.table.tokens import (
     ROLLOUTS_DIR,
@@ -93,9 +94,12 @@ def score_data_parallel(ctx: Any, launch: Launch, semantics: LogprobSemantics) -
                 _merge(out, i, names, [r.sample_id for r in rollouts])
                 progress.advance("score", len(rollouts))
         ctx.timings["scoring_s"] = round(time.perf_counter() - t0, 3)
+        peaks: list = [None] * launch.world_size
+        dist.all_gather_object(peaks, peak_memory(parallel.device))
         if lead:
             info = scorer.info()
             info["parallel"]["pieces"] = {"scored": scored, "reused_from_an_earlier_launch": reused}
+            info["parallel"]["peak_memory_per_rank"] = peaks
             record.update_sections({"reference": info})
             ctx.save()
         dist.barrier()

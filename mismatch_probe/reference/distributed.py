@@ -28,6 +28,7 @@ from mismatch_probe.config.spec import SP_ATTN_IMPLEMENTATIONS, ReferenceSpec
 from mismatch_probe.errors import ConfigError, DataError, ProbeError
 from mismatch_probe.modeling.loading import check_model_dir, choose_attention, read_config, resolve_device
 from mismatch_probe.modeling.logprobs import LogprobSemantics
+from mismatch_probe.reference.parallel import CPU_MALLOC_ENV
 from mismatch_probe.table.tokens import Rollout
 
 STOP_TIMEOUT_S = 60
@@ -94,24 +95,32 @@ class DistributedReferenceScorer:
         self._results = ctx.Queue()
         self._store_dir = tempfile.mkdtemp(prefix="mismatch-probe-ranks-")
         init_method = f"file://{self._store_dir}/store"
-        self._procs = mp.start_processes(
-            _rank_main,
-            nprocs=self.world_size,
-            join=False,
-            start_method="spawn",
-            args=(
-                sp,
-                tp,
-                init_method,
-                device_type,
-                str(model_path),
-                spec,
-                trust_remote_code,
-                self._tasks,
-                self._results,
-                str(log_path) if log_path else None,
-            ),
-        )
+        name, value = CPU_MALLOC_ENV
+        # read by each rank's allocator at its start (see CPU_MALLOC_ENV): set for the ranks only
+        child_env = {name: value} if device_type == "cpu" and spec.fsdp and name not in os.environ else {}
+        os.environ.update(child_env)
+        try:
+            self._procs = mp.start_processes(
+                _rank_main,
+                nprocs=self.world_size,
+                join=False,
+                start_method="spawn",
+                args=(
+                    sp,
+                    tp,
+                    init_method,
+                    device_type,
+                    str(model_path),
+                    spec,
+                    trust_remote_code,
+                    self._tasks,
+                    self._results,
+                    str(log_path) if log_path else None,
+                ),
+            )
+        finally:
+            for key in child_env:
+                os.environ.pop(key, None)
         try:
             self._info = self._wait("ready")[1]
         except BaseException:

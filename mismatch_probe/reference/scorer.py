@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -36,6 +37,8 @@ from mismatch_probe.modeling.loading import (
 )
 from mismatch_probe.modeling.logprobs import LogprobSemantics, entropy_from_logprobs, logprobs_under
 from mismatch_probe.modeling.routing import RouterRecorder
+from mismatch_probe.modeling.sharded_loading import METHOD as SHARDED_LOADING
+from mismatch_probe.modeling.sharded_loading import NeedsFullLoad, build_on_meta, check_loadable, load_local_shards
 from mismatch_probe.modeling.varlen_attention import register as register_varlen_sdpa
 from mismatch_probe.reference.parallel import (
     ParallelContext,
@@ -48,6 +51,7 @@ from mismatch_probe.reference.parallel import (
 from mismatch_probe.table.tokens import Rollout
 
 LM_HEAD_CHUNK_TOKENS = 2048
+T = TypeVar("T")
 PACKED_MASKS = {
     "model": "built by the model from the position ids",
     "precomputed": "built from the position ids by mismatch-probe (the model's own mask ignores them)",
@@ -101,13 +105,9 @@ class ReferenceScorer:
         if parallel and parallel.sp > 1:
             self.ulysses = UlyssesAttention(inner=attn)
             attn = self.ulysses.register()
-        self.model = load_causal_lm(
-            self.model_path,
-            dtype=spec.dtype,
-            attn_implementation=attn,
-            device=self.device,
-            trust_remote_code=trust_remote_code,
-        )
+        if spec.fsdp and parallel is None:
+            raise ConfigError("reference.fsdp shards the model over ranks: it needs a process group")
+        self.loading = self._load(attn, trust_remote_code)
         self.decoder = self.model.base_model
         self.lm_head = self.model.get_output_embeddings()
         if self.decoder is self.model or self.lm_head is None:
@@ -120,11 +120,6 @@ class ReferenceScorer:
         self._logits_scaling = getattr(cfg, "logits_scaling", None)  # Granite divides
         self._head_fp32: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.routing = RouterRecorder(self.model)
-        self._self_check()  # before any sharding: it checks the architecture, on each rank alone
-        # how packed rows keep their sequences apart, when attention is not per sequence (varlen)
-        self.packed_masks: str | None = None
-        if spec.packing and not self.varlen and self.ulysses is None:
-            self.packed_masks = self._check_packed_isolation()
         self.layout: dict = {}
         self._fsdp_root = None
         if parallel:
@@ -134,8 +129,52 @@ class ReferenceScorer:
             if spec.fsdp:
                 self._fsdp_root, self.layout["fsdp"] = apply_fsdp(self.model, parallel, spec)
                 self.fsdp = True
-        elif spec.fsdp:
-            raise ConfigError("reference.fsdp shards the model over ranks: it needs a process group")
+        if self.loading["method"] == SHARDED_LOADING:  # the layout is in place: read this rank's slices
+            self.loading.update(load_local_shards(self.model, self.model_path, self.device))
+        # the checks run on the model as laid out, the same inputs on every rank (collectives included)
+        self._with_all_weights(self._self_check)  # the architecture: decoder + LM head = its own logits
+        # how packed rows keep their sequences apart, when attention is not per sequence (varlen)
+        self.packed_masks: str | None = None
+        if spec.packing and not self.varlen and self.ulysses is None:
+            self.packed_masks = self._with_all_weights(self._check_packed_isolation)
+
+    def _load(self, attn: str, trust_remote_code: bool) -> dict:
+        """Set ``self.model``. A layout that shards the weights (TP, FSDP) builds it on the meta
+        device, each rank to read its own slices once laid out; otherwise, or when the checkpoint
+        does not map one to one onto the model, every rank loads it whole."""
+        p = self.parallel
+        if p is not None and p.world_size > 1 and (p.tp > 1 or self.spec.fsdp):
+            model = build_on_meta(
+                self.model_path, dtype=self.spec.dtype, attn_implementation=attn, trust_remote_code=trust_remote_code
+            )
+            try:
+                check_loadable(model, self.model_path)
+            except NeedsFullLoad as exc:
+                why = str(exc)
+            else:
+                self.model = model
+                return {"method": SHARDED_LOADING}
+        else:
+            why = "every rank holds the whole model" if p is not None and p.world_size > 1 else None
+        self.model = load_causal_lm(
+            self.model_path,
+            dtype=self.spec.dtype,
+            attn_implementation=attn,
+            device=self.device,
+            trust_remote_code=trust_remote_code,
+        )
+        return {"method": "from_pretrained", **({"why_not_sharded": why} if why else {})}
+
+    def _with_all_weights(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` (a forward outside :meth:`score`) where every weight can be read: under
+        FSDP inside the root unit (which gathers them), without autograd."""
+        with torch.no_grad() if self.fsdp else torch.inference_mode():
+            if self._fsdp_root is None:
+                return fn()
+            try:
+                return self._fsdp_root(fn)
+            finally:
+                self._head_fp32 = None
 
     def info(self) -> dict:
         import transformers
@@ -149,6 +188,7 @@ class ReferenceScorer:
             "packing": "padding-free" if self.spec.packing else "padded",
             "micro_batch_size": self.spec.micro_batch_size,
             "fsdp": self.fsdp,
+            "loading": self.loading,
             "max_tokens_per_micro_batch": self.spec.max_tokens_per_micro_batch if self.spec.packing else None,
             "device": self.device,
             "data_parallel_size": self.parallel.dp if self.parallel else 1,
@@ -201,7 +241,6 @@ class ReferenceScorer:
             logits = torch.tanh(logits / self._softcap) * self._softcap
         return logits.float()
 
-    @torch.inference_mode()
     def _self_check(self) -> None:
         vocab = self.lm_head.weight.shape[0]
         ids = torch.arange(1, 9, device=self.device)[None] % vocab
@@ -216,7 +255,6 @@ class ReferenceScorer:
                 "in a way the reference does not implement"
             )
 
-    @torch.inference_mode()
     def _check_packed_isolation(self) -> str:
         """Packed rows rely on the model building a block-diagonal mask from the position ids.
         Some architectures ignore them (transformers' gpt-oss builds its masks without them), so a

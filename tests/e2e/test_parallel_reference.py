@@ -87,12 +87,21 @@ def test_info_describes_the_layout():
     # 4 layers: q, k, v, gate, up column-wise; o, down row-wise
     assert plan["sharded_linear_layers"] == {"colwise": 20, "rowwise": 8}
     assert scored(DENSE, "float32", 1, 1)[1]["sequence_parallel_size"] == 1
+    # TP shards weights, so each rank built the model on meta and read only its slices;
+    # SP replicates them, so each rank loads the whole model
+    loading = tp_info["loading"]
+    assert loading["method"] == "meta device + per-rank safetensors slices"
+    assert 0 < loading["bytes_read"] < loading["bytes_total"]
+    assert sp_info["loading"] == {"method": "from_pretrained", "why_not_sharded": "every rank holds the whole model"}
 
 
 def test_moe_experts_stay_replicated_under_tensor_parallel():
     plan = scored(MOE, "float32", 1, 2)[1]["parallel"]["tensor_parallel"]
     assert plan["sharded_linear_layers"] == {"colwise": 12, "rowwise": 4}  # attention only
     assert any("experts" in r for r in plan["replicated"])
+    # transformers fuses the checkpoint's per-expert tensors at load time: no one-to-one slices
+    loading = scored(MOE, "float32", 1, 2)[1]["loading"]
+    assert loading["method"] == "from_pretrained" and "experts" in loading["why_not_sharded"]
 
 
 def test_two_dimensional_layout_repeats_kv_heads():

@@ -137,6 +137,12 @@ def test_two_nodes_reproduce_the_single_process_reference(request, sampled, layo
     assert parallel["launcher"].startswith("torchrun: 2 ranks on 2 node(s)")
     assert rec["reference"]["data_parallel_size"] == mesh["dp"]
     assert not (out / "tokens.parquet" / ".pieces").exists()  # merged and removed
+    sharded = mesh["tp"] > 1 or layout == FSDP32  # the layouts that shard weights read only their slices
+    assert rec["reference"]["loading"]["method"] == ("meta device + per-rank" if sharded else "from_pretrained") + (
+        " safetensors slices" if sharded else ""
+    )
+    peaks = parallel["peak_memory_per_rank"]
+    assert len(peaks) == 2 and all(p["rss_bytes"] > 2**20 for p in peaks)
     if layout == FSDP32:
         fsdp = parallel["fsdp"]
         assert fsdp["shards"] == 2 and fsdp["mesh"] == "dp" and fsdp["mixed_precision"]["param_dtype"] == "float32"
