@@ -37,7 +37,6 @@ from mismatch_probe.files import read_text
 __all__ = [
     "ATTN_IMPLEMENTATIONS",
     "DEVICES",
-    "DISTRIBUTED_EXECUTOR_BACKENDS",
     "DTYPE_ALIASES",
     "LOGPROBS_MODES",
     "SP_ATTN_IMPLEMENTATIONS",
@@ -54,7 +53,6 @@ __all__ = [
     "normalize_dtype",
     "rollout_fingerprint",
     "spec_from_dict",
-    "split_address",
     "unknown_key",
 ]
 
@@ -197,6 +195,44 @@ class EngineSpec(_Settings):
     max_total_tokens: int | None = None  # KV-cache size in tokens (a memory cap)
     # any other engine argument, by the engine's own name (vLLM: EngineArgs fields; SGLang: ServerArgs fields)
     extra_args: dict[str, Any] = Field(default_factory=dict)
+
+    def dist_init_host_port(self) -> tuple[str, int] | None:
+        """``dist_init_addr`` as ``(host, port)``: ``HOST:PORT``, an IPv6 host in brackets
+        (``[fd00::1]:29500``); None when unset. Raises :class:`ConfigError` when malformed."""
+        if self.dist_init_addr is None:
+            return None
+        host, sep, port = self.dist_init_addr.strip().rpartition(":")
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]
+        elif ":" in host:
+            host = ""  # an IPv6 host without brackets: which colon starts the port is ambiguous
+        if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+            raise ConfigError(
+                f"engine.dist_init_addr {self.dist_init_addr!r} is not HOST:PORT",
+                hint="give node rank 0's address and a free port there, e.g. 10.0.0.1:29500 ([fd00::1]:29500 for IPv6)",
+            )
+        return host, int(port)
+
+    def check_layout(self) -> None:
+        """The multi-GPU / multi-node settings (docs/engines-multinode.md), as far as they hold
+        whatever the engine; what one engine cannot run its adapter's ``check_spec`` refuses."""
+        for name in ("pipeline_parallel_size", "data_parallel_size", "nnodes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"engine.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"engine.node_rank must be in [0, nnodes = {self.nnodes}), got {self.node_rank}")
+        backends = ("mp", "ray", "uni", "external_launcher")  # vLLM 0.32's ParallelConfig choices
+        if self.distributed_executor_backend not in (None, *backends):
+            raise ConfigError(
+                f"engine.distributed_executor_backend is {self.distributed_executor_backend!r}; "
+                f"choose one of {', '.join(backends)}"
+            )
+        if self.dist_init_host_port() is None and self.nnodes > 1:
+            raise ConfigError(
+                f"engine.nnodes = {self.nnodes} needs engine.dist_init_addr, the HOST:PORT where the other "
+                "nodes reach node rank 0",
+                hint='set dist_init_addr = "10.0.0.1:29500" in [engine] (node rank 0\'s address and a free port)',
+            )
 
 
 class SamplingSpec(_Settings):
@@ -450,7 +486,7 @@ class ProbeSpec(_Settings):
             value = getattr(e, name)
             _check(value is None or value >= 1, f"engine.{name} must be >= 1, got {value}")
         _check(e.tensor_parallel_size >= 1, f"engine.tensor_parallel_size must be >= 1, got {e.tensor_parallel_size}")
-        _check_engine_layout(e)
+        e.check_layout()
         _check(
             e.gpu_memory_utilization is None or 0 < e.gpu_memory_utilization <= 1,
             f"engine.gpu_memory_utilization must be in (0, 1], got {e.gpu_memory_utilization}",
@@ -504,53 +540,15 @@ VARIANT_SECTIONS = ("reference", "corrections")
 def rollout_fingerprint(spec_dict: dict[str, Any]) -> str:
     """:meth:`ProbeSpec.rollout_fingerprint` of a stored spec (a run.json's ``spec``)."""
     d = {k: spec_dict.get(k) for k in ROLLOUT_KEYS}
-    # where the engine ran from does not change what it sampled (run.json records its versions)
-    d["engine"] = {k: v for k, v in (d["engine"] or {}).items() if k != "python"}
+    # where the engine ran from, and where its nodes met, do not change what it sampled (run.json
+    # records its versions and its layout)
+    d["engine"] = {k: v for k, v in (d["engine"] or {}).items() if k not in ("python", "dist_init_addr", "node_rank")}
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
-
-
-# vLLM 0.32's ParallelConfig.distributed_executor_backend choices (docs/engines-multinode.md)
-DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray", "uni", "external_launcher")
-
-
-def split_address(address: str, name: str = "engine.dist_init_addr") -> tuple[str, int]:
-    """``HOST:PORT`` (an IPv6 host in brackets: ``[fd00::1]:29500``) as ``(host, port)``."""
-    host, sep, port = address.strip().rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    elif ":" in host:
-        host = ""  # an IPv6 host without brackets: which colon starts the port is ambiguous
-    if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
-        raise ConfigError(
-            f"{name} {address!r} is not HOST:PORT",
-            hint="give node rank 0's address and a free port there, e.g. 10.0.0.1:29500 ([fd00::1]:29500 for IPv6)",
-        )
-    return host, int(port)
-
-
-def _check_engine_layout(e: EngineSpec) -> None:
-    """The engine's multi-GPU / multi-node settings, as far as they hold whatever the engine."""
-    for name in ("pipeline_parallel_size", "data_parallel_size", "nnodes"):
-        _check(getattr(e, name) >= 1, f"engine.{name} must be >= 1, got {getattr(e, name)}")
-    _check(
-        0 <= e.node_rank < e.nnodes,
-        f"engine.node_rank must be in [0, nnodes = {e.nnodes}), got {e.node_rank}",
-    )
-    if e.distributed_executor_backend is not None:
-        _choice(e.distributed_executor_backend, DISTRIBUTED_EXECUTOR_BACKENDS, "engine.distributed_executor_backend")
-    if e.dist_init_addr is not None:
-        split_address(e.dist_init_addr)
-    elif e.nnodes > 1:
-        raise ConfigError(
-            f"engine.nnodes = {e.nnodes} needs engine.dist_init_addr, the HOST:PORT where the other nodes reach "
-            "node rank 0",
-            hint='set dist_init_addr = "10.0.0.1:29500" in [engine] (node rank 0\'s address and a free port)',
-        )
 
 
 def _choice(value: str, choices: tuple[str, ...], name: str) -> None:

@@ -22,7 +22,13 @@ SWEEP_MODES = ("one-at-a-time", "grid")
 # sections whose settings an axis may vary; a key is "section.setting"
 SWEEP_SECTIONS = ("engine", "reference", "sampling", "corrections")
 # not axes: the seed is what the repeats vary; the others are a table or where the engine runs from
-NOT_AXES = {"sampling.seed": "the repeats vary the seed", "engine.extra_args": "it is a table"}
+NOT_AXES = {
+    "sampling.seed": "the repeats vary the seed",
+    "engine.extra_args": "it is a table",
+    # where the engine's nodes meet (docs/engines-multinode.md), not what they compute
+    "engine.node_rank": "mismatch-probe runs node rank 0",
+    "engine.dist_init_addr": "it is where the nodes meet, not what they compute",
+}
 
 AxisValue = bool | int | float | str
 

@@ -34,6 +34,9 @@ class EngineEntry:
     settings: frozenset[str] = frozenset()  # EngineSpec fields beyond COMMON_SETTINGS it honors
     # how to size its memory in mismatch-probe's own flags, for when it refuses to start for memory
     memory_hint: str | None = None
+    # "module:function" checking an EngineSpec before the engine process starts (raises ConfigError):
+    # what the engine cannot do whatever the platform; imported only when a run asks for the engine
+    check: str | None = None
 
     def missing(self) -> list[str]:
         return [pkg for pkg in self.requires if importlib.util.find_spec(pkg) is None]
@@ -50,6 +53,9 @@ class EngineEntry:
                     f"engine {self.name!r} has no setting engine.{name} ({_flag(name)})",
                     hint=f"it applies to: {', '.join(users)}" if users else "remove it from the spec",
                 )
+        if self.check is not None:
+            module_name, _, function = self.check.partition(":")
+            getattr(importlib.import_module(module_name), function)(spec)
 
 
 # CLI flags whose names differ from the field's
@@ -62,6 +68,17 @@ FLAG_NAMES = {
     "device": "engine.device in the spec",
     "extra_args": "[engine.extra_args] in the spec",
     "logits_fp32": "--engine-logits-fp32",
+    **{
+        name: f"engine.{name} in the spec"
+        for name in (
+            "pipeline_parallel_size",
+            "data_parallel_size",
+            "nnodes",
+            "node_rank",
+            "dist_init_addr",
+            "distributed_executor_backend",
+        )
+    },
 }
 
 
@@ -88,6 +105,12 @@ BUILTIN_ENGINES = {
         settings=frozenset(
             {
                 "tensor_parallel_size",
+                "pipeline_parallel_size",
+                "data_parallel_size",
+                "nnodes",
+                "node_rank",
+                "dist_init_addr",
+                "distributed_executor_backend",
                 "enforce_eager",
                 "cascade_attn",
                 "chunked_prefill",
@@ -106,6 +129,7 @@ BUILTIN_ENGINES = {
         memory_hint="size the KV cache with --kv-cache-memory-bytes N (engine.kv_cache_memory_bytes) or "
         "--gpu-memory-utilization F (engine.gpu_memory_utilization), or shorten it with --max-model-len N "
         "(engine.max_model_len)",
+        check="mismatch_probe.engines.vllm:check_spec",
     ),
     "sglang": EngineEntry(
         name="sglang",
@@ -118,6 +142,11 @@ BUILTIN_ENGINES = {
             {
                 "device",
                 "tensor_parallel_size",
+                "pipeline_parallel_size",
+                "data_parallel_size",
+                "nnodes",
+                "node_rank",
+                "dist_init_addr",
                 "enforce_eager",
                 "chunked_prefill",
                 "prefix_caching",
@@ -137,6 +166,7 @@ BUILTIN_ENGINES = {
         memory_hint="size the KV cache with --max-total-tokens N (engine.max_total_tokens) or "
         "--gpu-memory-utilization F (engine.gpu_memory_utilization, SGLang's mem_fraction_static), or shorten it "
         "with --max-model-len N (engine.max_model_len)",
+        check="mismatch_probe.engines.sglang:check_spec",
     ),
 }
 

@@ -36,6 +36,11 @@ from mismatch_probe.modeling.logprobs import LogprobSemantics
 SETTINGS = {
     "dtype": ("dtype", lambda v: v),
     "tensor_parallel_size": ("tp_size", lambda v: v),
+    "pipeline_parallel_size": ("pp_size", lambda v: v),
+    "data_parallel_size": ("dp_size", lambda v: v),
+    "nnodes": ("nnodes", lambda v: v),
+    "node_rank": ("node_rank", lambda v: v),
+    "dist_init_addr": ("dist_init_addr", lambda v: v),
     "device": ("device", lambda v: v),
     "enforce_eager": ("disable_cuda_graph", lambda v: v),
     "prefix_caching": ("disable_radix_cache", lambda v: not v),
@@ -50,10 +55,25 @@ SETTINGS = {
     "logits_fp32": ("enable_fp32_lm_head", lambda v: v),
     "max_total_tokens": ("max_total_tokens", lambda v: v),
 }
+# Passed only when they differ from these (SGLang's own defaults too): an older SGLang may lack them
+ONLY_WHEN_SET = {
+    "tensor_parallel_size": 1,
+    "pipeline_parallel_size": 1,
+    "data_parallel_size": 1,
+    "nnodes": 1,
+    "node_rank": 0,
+}
+# the layout settings (docs/engines-multinode.md), refused by name where the installed SGLang lacks them
+MULTINODE = ("pipeline_parallel_size", "data_parallel_size", "nnodes", "node_rank", "dist_init_addr")
 # Read back from get_server_info() into run.json (beside the mapped settings above).
 RECORDED = (
     "dtype",
     "tp_size",
+    "pp_size",
+    "dp_size",
+    "nnodes",
+    "node_rank",
+    "dist_init_addr",
     "device",
     "attention_backend",
     "prefill_attention_backend",
@@ -109,13 +129,16 @@ class SGLangEngine:
                 "engine.device is cuda, but this torch sees no CUDA device",
                 hint="drop engine.device (auto), or run on a GPU machine",
             )
+        check_spec(spec)
         # Read when SGLang is first imported, here and in its scheduler processes (they inherit the
         # environment), so they are set before the import (this worker has never imported SGLang).
         if self.device == "cpu":
             os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
-            if spec.tensor_parallel_size > 1 and not os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"):
+            # SGLang binds each rank to a NUMA node unless told otherwise, and refuses when all
+            # dp x tp x pp ranks (over every node) outnumber this node's NUMA nodes
+            if world_size(spec) > 1 and not os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"):
                 os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(
-                    spec.tensor_parallel_size, "SGLANG_CPU_OMP_THREADS_BIND"
+                    local_world_size(spec), "SGLANG_CPU_OMP_THREADS_BIND", layout=layout_phrase(spec)
                 )
         os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1" if spec.logprobs_mode == "raw" else "0"
         import sglang
@@ -140,42 +163,14 @@ class SGLangEngine:
     def _server_args(self, spec: EngineSpec, trust_remote_code: bool) -> tuple[dict, dict]:
         from sglang.srt.server_args import ServerArgs
 
-        known = set(inspect.signature(ServerArgs).parameters)
-        args: dict = {
-            "model_path": str(self.model_path),
-            "skip_tokenizer_init": True,  # token ids in, token ids out: nothing is re-tokenized
-            "trust_remote_code": trust_remote_code,
-            "log_level": "warning",
-        }
-        for field_name, (arg, convert) in SETTINGS.items():
-            value = getattr(spec, field_name)
-            if field_name == "dtype" and value == "auto":
-                value = None
-            if field_name == "tensor_parallel_size" and value == 1:
-                value = None
-            if field_name == "batch_invariant" and not value:
-                value = None
-            if field_name == "device":
-                value = self.device
-            if value is not None:
-                args[arg] = convert(value)
-        if spec.chunked_prefill is False:
-            args["chunked_prefill_size"] = -1  # SGLang's switch for "no chunked prefill"
-        elif spec.chunked_prefill:
-            args["chunked_prefill_size"] = None  # its default size, chosen per device
-        # sampling is seeded per request where SGLang allows it (see info()); elsewhere it draws from
-        # this engine seed, fixed so that runs repeat, and [engine.extra_args] random_seed varies it
-        defaults = {"random_seed": 0}
-        if self.device == "cpu":
-            for key, value in CPU_DEFAULTS.items():
-                if key not in args:
-                    defaults[key] = value
-            if spec.max_total_tokens is None and spec.gpu_memory_utilization is None:
-                defaults["max_total_tokens"] = CPU_MAX_TOTAL_TOKENS
-        check_extra_args(spec.extra_args, known, args, f"SGLang {self.version}", "sglang.srt.server_args.ServerArgs")
-        # the user's own value wins over a CPU default
-        defaults = {k: v for k, v in defaults.items() if k not in spec.extra_args}
-        return {**args, **spec.extra_args, **defaults}, defaults
+        return server_args(
+            spec,
+            self.model_path,
+            device=self.device,
+            trust_remote_code=trust_remote_code,
+            version=self.version,
+            known=set(inspect.signature(ServerArgs).parameters),
+        )
 
     def _check_effective(self) -> None:
         """A setting SGLang resolved to something else is an error, not a footnote."""
@@ -315,6 +310,83 @@ class SGLangEngine:
         engine, self.engine = getattr(self, "engine", None), None
         if engine is not None:
             engine.shutdown()
+
+
+def server_args(
+    spec: EngineSpec, model_path: str | Path, *, device: str, trust_remote_code: bool, version: str, known: set[str]
+) -> tuple[dict, dict]:
+    """The ``sglang.Engine`` / ``ServerArgs`` keyword arguments for ``spec`` on ``device``, and the
+    CPU defaults mismatch-probe set among them; ``known`` are the installed SGLang's ServerArgs fields."""
+    args: dict = {
+        "model_path": str(model_path),
+        "skip_tokenizer_init": True,  # token ids in, token ids out: nothing is re-tokenized
+        "trust_remote_code": trust_remote_code,
+        "log_level": "warning",
+    }
+    for field_name, (arg, convert) in SETTINGS.items():
+        value = getattr(spec, field_name)
+        if field_name == "dtype" and value == "auto":
+            value = None
+        if field_name in ONLY_WHEN_SET and value == ONLY_WHEN_SET[field_name]:
+            value = None
+        if field_name == "batch_invariant" and not value:
+            value = None
+        if field_name == "device":
+            value = device
+        if value is not None:
+            if field_name in MULTINODE and arg not in known:
+                raise ConfigError(
+                    f"SGLang {version} has no server argument {arg!r}, so engine.{field_name} cannot be honored",
+                    hint="upgrade SGLang in the engine's python, or remove the setting",
+                )
+            args[arg] = convert(value)
+    if spec.chunked_prefill is False:
+        args["chunked_prefill_size"] = -1  # SGLang's switch for "no chunked prefill"
+    elif spec.chunked_prefill:
+        args["chunked_prefill_size"] = None  # its default size, chosen per device
+    # sampling is seeded per request where SGLang allows it (see info()); elsewhere it draws from
+    # this engine seed, fixed so that runs repeat, and [engine.extra_args] random_seed varies it
+    defaults: dict = {"random_seed": 0}
+    if device == "cpu":
+        for key, value in CPU_DEFAULTS.items():
+            if key not in args:
+                defaults[key] = value
+        if spec.max_total_tokens is None and spec.gpu_memory_utilization is None:
+            defaults["max_total_tokens"] = CPU_MAX_TOTAL_TOKENS
+    check_extra_args(spec.extra_args, known, args, f"SGLang {version}", "sglang.srt.server_args.ServerArgs")
+    # the user's own value wins over a CPU default
+    defaults = {k: v for k, v in defaults.items() if k not in spec.extra_args}
+    return {**args, **spec.extra_args, **defaults}, defaults
+
+
+def world_size(spec: EngineSpec) -> int:
+    """SGLang's ranks over every node: data x tensor x pipeline parallel."""
+    return spec.data_parallel_size * spec.tensor_parallel_size * spec.pipeline_parallel_size
+
+
+def local_world_size(spec: EngineSpec) -> int:
+    """SGLang's ranks on this node: its world shared out over the nodes."""
+    return max(1, world_size(spec) // spec.nnodes)
+
+
+def layout_phrase(spec: EngineSpec) -> str:
+    names = ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size")
+    parts = [f"{name} {getattr(spec, name)}" for name in names]
+    return " x ".join(parts) + (f" over {spec.nnodes} nodes" if spec.nnodes > 1 else "")
+
+
+def check_spec(spec: EngineSpec) -> None:
+    """What SGLang's offline engine cannot run for mismatch-probe whatever the platform; raises
+    :class:`ConfigError` before any engine process starts (``EngineEntry.check``)."""
+    if spec.node_rank > 0:
+        raise ConfigError(
+            f"engine.node_rank = {spec.node_rank}: mismatch-probe runs SGLang's node rank 0, the only one with a "
+            "tokenizer manager to take requests; the other nodes run SGLang's schedulers only",
+            hint=f"run mismatch-probe on node rank 0; on node R run: python -m sglang.launch_server --model-path "
+            f"MODEL --nnodes {spec.nnodes} --node-rank R --dist-init-addr {spec.dist_init_addr or 'HOST:PORT'} "
+            f"--tp-size {spec.tensor_parallel_size} --pp-size {spec.pipeline_parallel_size} "
+            f"--dp-size {spec.data_parallel_size}",
+        )
 
 
 def finish_reason(meta: dict, what: str) -> str:

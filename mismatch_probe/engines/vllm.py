@@ -14,7 +14,9 @@ which vLLM always computes from the raw logits.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -33,6 +35,14 @@ LOGPROBS_MODE = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
 SETTINGS = {
     "dtype": ("dtype", lambda c: str(c.model_config.dtype).removeprefix("torch.")),
     "tensor_parallel_size": ("tensor_parallel_size", lambda c: c.parallel_config.tensor_parallel_size),
+    "pipeline_parallel_size": ("pipeline_parallel_size", lambda c: c.parallel_config.pipeline_parallel_size),
+    "data_parallel_size": ("data_parallel_size", lambda c: c.parallel_config.data_parallel_size),
+    "nnodes": ("nnodes", lambda c: c.parallel_config.nnodes),
+    "node_rank": ("node_rank", lambda c: c.parallel_config.node_rank),
+    "distributed_executor_backend": (
+        "distributed_executor_backend",
+        lambda c: _backend_name(c.parallel_config.distributed_executor_backend),
+    ),
     "enforce_eager": ("enforce_eager", lambda c: c.model_config.enforce_eager),
     "chunked_prefill": ("enable_chunked_prefill", lambda c: c.scheduler_config.enable_chunked_prefill),
     "prefix_caching": ("enable_prefix_caching", lambda c: c.cache_config.enable_prefix_caching),
@@ -44,8 +54,13 @@ SETTINGS = {
     "max_model_len": ("max_model_len", lambda c: c.model_config.max_model_len),
     "kv_cache_memory_bytes": ("kv_cache_memory_bytes", lambda c: c.cache_config.kv_cache_memory_bytes),
 }
+# EngineSpec fields passed only when set (older vLLMs lack the arguments; a default changes nothing)
+ONLY_WHEN_SET = {"pipeline_parallel_size": 1, "data_parallel_size": 1, "nnodes": 1, "node_rank": 0}
+# engine.dist_init_addr "HOST:PORT" -> EngineArgs master_addr and master_port (vLLM's multi-node mp
+# rendezvous), read back from the ParallelConfig as "HOST:PORT" again
+ADDRESS_ARGS = ("master_addr", "master_port")
 # The share of the KV cache's budget a default may take on vLLM's CPU build: of the memory the
-# NUMA node has available, less the weights, split over the TP ranks on that node.
+# NUMA node has available, less the weights, split over the model's ranks on that node.
 CPU_KV_CACHE_SHARE = 0.5
 KV_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
 ENV_RECORDED = (
@@ -57,6 +72,149 @@ ENV_RECORDED = (
     "VLLM_ENABLE_V1_MULTIPROCESSING",
     "CUDA_VISIBLE_DEVICES",
 )
+
+
+def engine_args(
+    spec: EngineSpec, model_path: str | Path, *, trust_remote_code: bool, version: str, known: set[str]
+) -> dict:
+    """The ``vllm.LLM`` / ``EngineArgs`` keyword arguments for ``spec``; ``known`` are the installed
+    vLLM's ``EngineArgs`` fields. A setting this vLLM has no argument for is refused."""
+    args: dict = {
+        "model": str(model_path),
+        "logprobs_mode": LOGPROBS_MODE[spec.logprobs_mode or "raw"],
+        "trust_remote_code": trust_remote_code,
+    }
+    for field_name, (arg, _) in SETTINGS.items():
+        value = getattr(spec, field_name)
+        if value is None or (field_name == "dtype" and value == "auto"):
+            continue
+        if field_name in ONLY_WHEN_SET and value == ONLY_WHEN_SET[field_name]:
+            continue
+        args[arg] = value
+    if spec.dtype == "auto":
+        args["dtype"] = "auto"
+    if (address := spec.dist_init_host_port()) is not None:
+        args.update(zip(ADDRESS_ARGS, address))
+    for field_name, arg in [(f, a) for f, (a, _) in SETTINGS.items()] + [("dist_init_addr", a) for a in ADDRESS_ARGS]:
+        if arg in args and arg not in known:
+            raise ConfigError(
+                f"vLLM {version} has no engine argument {arg!r}, so engine.{field_name} cannot be honored",
+                hint="upgrade vLLM in the engine's python, or remove the setting",
+            )
+    if spec.cascade_attn is not None:
+        if _version_tuple(version) >= (0, 32):
+            # vLLM 0.32 removed cascade attention (disable_cascade_attn is kept but ignored).
+            if spec.cascade_attn:
+                raise ConfigError(
+                    f"vLLM {version} has no cascade attention (it was removed in 0.32), "
+                    "so --cascade-attn cannot be honored",
+                    hint="drop --cascade-attn, or use a vLLM older than 0.32 to measure it",
+                )
+        else:
+            args["disable_cascade_attn"] = not spec.cascade_attn
+    check_extra_args(spec.extra_args, known, args, f"vLLM {version}", "vllm.engine.arg_utils.EngineArgs")
+    # Sampling is seeded per request where vLLM allows it; elsewhere (its CPU build) it draws
+    # from this engine seed, fixed so that runs repeat; [engine.extra_args] seed varies it.
+    return {"seed": 0, **args, **spec.extra_args}
+
+
+def local_world_size(spec: EngineSpec) -> int:
+    """The model's ranks on this node: tensor x pipeline parallel, shared out over the nodes."""
+    return max(1, spec.tensor_parallel_size * spec.pipeline_parallel_size // spec.nnodes)
+
+
+def layout_phrase(spec: EngineSpec) -> str:
+    """``"tensor_parallel_size 2 x pipeline_parallel_size 2 over 2 nodes"``, for messages."""
+    parts = [f"{name} {getattr(spec, name)}" for name in ("tensor_parallel_size", "pipeline_parallel_size")]
+    return " x ".join(parts) + (f" over {spec.nnodes} nodes" if spec.nnodes > 1 else "")
+
+
+def check_spec(spec: EngineSpec) -> None:
+    """What vLLM's offline engine cannot run whatever the platform; raises :class:`ConfigError`
+    before any engine process starts (``EngineEntry.check``)."""
+    backend = spec.distributed_executor_backend
+    ranks = spec.tensor_parallel_size * spec.pipeline_parallel_size
+    if spec.data_parallel_size > 1:
+        raise ConfigError(
+            f"vLLM's offline engine (vllm.LLM, which mismatch-probe drives) refuses data_parallel_size="
+            f"{spec.data_parallel_size}: it runs one replica per process",
+            hint="run one probe per replica, or spread one replica with tensor_parallel_size / "
+            "pipeline_parallel_size; SGLang's engine runs data_parallel_size replicas",
+        )
+    if backend == "external_launcher":
+        raise ConfigError(
+            "distributed_executor_backend 'external_launcher' runs one vLLM engine in every torchrun rank, "
+            "each a copy of the calling program; mismatch-probe runs one engine process",
+            hint="use 'mp' on one node or several (engine.nnodes, engine.dist_init_addr), or 'ray'",
+        )
+    if backend == "uni" and ranks > 1:
+        raise ConfigError(
+            f"distributed_executor_backend 'uni' runs the model in one process; {layout_phrase(spec)} is {ranks} ranks",
+            hint="drop engine.distributed_executor_backend (vLLM then picks 'mp'), or use 'ray'",
+        )
+    if spec.nnodes > 1 and backend not in (None, "mp"):
+        raise ConfigError(
+            f"vLLM spans nodes with engine.nnodes only under its 'mp' backend, not {backend!r}",
+            hint="with 'ray' leave nnodes, node_rank and dist_init_addr out, the Ray cluster places the ranks; "
+            "see docs/engines-multinode.md",
+        )
+    if spec.node_rank > 0:
+        host, port = spec.dist_init_host_port() or ("HOST", "PORT")
+        raise ConfigError(
+            f"engine.node_rank = {spec.node_rank}: mismatch-probe runs vLLM's node rank 0, which schedules and "
+            "samples; the other nodes run vLLM headless",
+            hint=f"run mismatch-probe on node rank 0; on node R run: vllm serve MODEL --headless --nnodes "
+            f"{spec.nnodes} --node-rank R --master-addr {host} --master-port {port} --tensor-parallel-size "
+            f"{spec.tensor_parallel_size} --pipeline-parallel-size {spec.pipeline_parallel_size}",
+        )
+    if ranks % spec.nnodes:
+        raise ConfigError(
+            f"engine.nnodes = {spec.nnodes} must divide the {ranks} ranks of tensor_parallel_size "
+            f"{spec.tensor_parallel_size} x pipeline_parallel_size {spec.pipeline_parallel_size}: vLLM puts the "
+            "same number of ranks on every node",
+            hint="change nnodes, tensor_parallel_size or pipeline_parallel_size",
+        )
+
+
+def cpu_eager_pipeline_refusal(version: str) -> ConfigError:
+    return ConfigError(
+        f"vLLM {version}'s CPU runner cannot run pipeline parallelism eagerly: it allocates the buffers that "
+        "carry activations between stages only in its compile warm-up, which enforce_eager skips (the second "
+        "stage then fails on 'assert self.intermediate_tensors is not None')",
+        hint="drop --enforce-eager (and any compilation mode 0 in [engine.extra_args]): pipeline_parallel_size > 1 "
+        "runs compiled on CPU",
+    )
+
+
+def check_platform(spec: EngineSpec, *, on_cpu: bool, version: str, ray_installed: bool) -> None:
+    """What the installed vLLM cannot run on this machine; raises :class:`ConfigError` before the
+    engine starts (in the engine worker, where vLLM is installed)."""
+    if spec.distributed_executor_backend == "ray" and not ray_installed:
+        raise ConfigError(
+            f"distributed_executor_backend 'ray' needs Ray, which is not installed in the engine's python "
+            f"({sys.executable})",
+            hint="pip install ray there (vLLM's extra: pip install 'vllm[ray]'), start the cluster (ray start "
+            "--head; ray start --address HEAD:6379 on the others), or use 'mp'",
+        )
+    if not on_cpu:
+        return
+    if spec.pipeline_parallel_size > 1 and spec.enforce_eager:
+        raise cpu_eager_pipeline_refusal(version)
+    if spec.distributed_executor_backend == "uni" and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "1":
+        raise ConfigError(
+            f"vLLM {version}'s CPU build runs the model in worker processes ('mp') so that it can bind their "
+            "OpenMP threads; it replaces distributed_executor_backend 'uni' with 'mp'",
+            hint="drop engine.distributed_executor_backend on CPU",
+        )
+
+
+def _backend_name(backend) -> str | None:
+    """ParallelConfig.distributed_executor_backend: a name, or an executor class given in its place."""
+    return backend if backend is None or isinstance(backend, str) else getattr(backend, "__name__", str(backend))
+
+
+def join_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
@@ -93,9 +251,14 @@ class VLLMEngine:
                 f"this vLLM {self.version} runs on CPU, where the switch has no effect",
                 hint="drop --batch-invariant on CPU; on a GPU machine install mismatch-probe[vllm]",
             )
-        if on_cpu and spec.tensor_parallel_size > 1 and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+        check_spec(spec)
+        check_platform(
+            spec, on_cpu=on_cpu, version=self.version, ray_installed=importlib.util.find_spec("ray") is not None
+        )
+        local_ranks = local_world_size(spec)
+        if on_cpu and local_ranks > 1 and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(
-                spec.tensor_parallel_size, "VLLM_CPU_OMP_THREADS_BIND"
+                local_ranks, "VLLM_CPU_OMP_THREADS_BIND", layout=layout_phrase(spec)
             )
 
         self.kv_cache_sizing = self._default_kv_cache(spec) if on_cpu else None
@@ -106,38 +269,21 @@ class VLLMEngine:
         self.config = self.llm.llm_engine.vllm_config
         self.effective = self._effective()
         self._check_effective(spec)
+        if on_cpu and spec.pipeline_parallel_size > 1 and self.effective.get("compilation_mode") == "NONE":
+            # enforce_eager is refused before the start; a compilation mode set in extra_args lands here
+            raise cpu_eager_pipeline_refusal(self.version)
 
     # ---- settings ------------------------------------------------------------------------
     def _engine_args(self, spec: EngineSpec, trust_remote_code: bool) -> dict:
         from vllm.engine.arg_utils import EngineArgs
 
-        known = {f for f in EngineArgs.__dataclass_fields__}
-        args: dict = {
-            "model": str(self.model_path),
-            "logprobs_mode": LOGPROBS_MODE[spec.logprobs_mode],
-            "trust_remote_code": trust_remote_code,
-        }
-        for field_name, (arg, _) in SETTINGS.items():
-            value = getattr(spec, field_name)
-            if value is not None and not (field_name == "dtype" and value == "auto"):
-                args[arg] = value
-        if spec.dtype == "auto":
-            args["dtype"] = "auto"
-        if spec.cascade_attn is not None:
-            if _version_tuple(self.version) >= (0, 32):
-                # vLLM 0.32 removed cascade attention (disable_cascade_attn is kept but ignored).
-                if spec.cascade_attn:
-                    raise ConfigError(
-                        f"vLLM {self.version} has no cascade attention (it was removed in 0.32), "
-                        "so --cascade-attn cannot be honored",
-                        hint="drop --cascade-attn, or use a vLLM older than 0.32 to measure it",
-                    )
-            else:
-                args["disable_cascade_attn"] = not spec.cascade_attn
-        check_extra_args(spec.extra_args, known, args, f"vLLM {self.version}", "vllm.engine.arg_utils.EngineArgs")
-        # Sampling is seeded per request where vLLM allows it; elsewhere (its CPU build) it draws
-        # from this engine seed, fixed so that runs repeat; [engine.extra_args] seed varies it.
-        return {"seed": 0, **args, **spec.extra_args}
+        return engine_args(
+            spec,
+            self.model_path,
+            trust_remote_code=trust_remote_code,
+            version=self.version,
+            known=set(EngineArgs.__dataclass_fields__),
+        )
 
     def _default_kv_cache(self, spec: EngineSpec) -> dict | None:
         """vLLM's CPU build sizes its KV cache as a share (0.92 by default) of the NUMA node's total
@@ -166,7 +312,10 @@ class VLLMEngine:
             read_config(self.model_path),
             dtype_bytes=1 if str(dtype).startswith("fp8") else KV_DTYPE_BYTES.get(str(dtype), 2),
             tp=spec.tensor_parallel_size,
-            max_num_seqs=spec.max_num_seqs or 256 * spec.tensor_parallel_size,  # vLLM's CPU default
+            pp=spec.pipeline_parallel_size,
+            ranks_on_node=local_world_size(spec),
+            # vLLM's CPU default: 256 per rank of the model's world (tensor x pipeline)
+            max_num_seqs=spec.max_num_seqs or 256 * spec.tensor_parallel_size * spec.pipeline_parallel_size,
             max_model_len=spec.max_model_len,
             available_bytes=available,
             weights_bytes=sum(f.stat().st_size for f in self.model_path.glob("*.safetensors")),
@@ -179,6 +328,11 @@ class VLLMEngine:
                 out[field_name] = read(self.config)
             except AttributeError:
                 out[field_name] = None
+        pc = self.config.parallel_config
+        try:
+            out["dist_init_addr"] = join_address(pc.master_addr, pc.master_port)
+        except AttributeError:  # a vLLM without multi-node mp
+            out["dist_init_addr"] = None
         cc = self.config.compilation_config
         out["compilation_mode"] = getattr(getattr(cc, "mode", None), "name", str(getattr(cc, "mode", None)))
         out["cudagraph_mode"] = getattr(getattr(cc, "cudagraph_mode", None), "name", None)
@@ -190,11 +344,16 @@ class VLLMEngine:
 
     def _check_effective(self, spec: EngineSpec) -> None:
         """A setting vLLM silently changed on this platform is an error, not a footnote."""
-        for field_name, value in ((f, getattr(spec, f)) for f in SETTINGS if getattr(spec, f) is not None):
+        fields = [*SETTINGS, "dist_init_addr"]
+        for field_name, value in ((f, getattr(spec, f)) for f in fields if getattr(spec, f) is not None):
             if field_name == "dtype" and value == "auto":
                 continue
             got = self.effective.get(field_name)
-            if got is not None and got != value:
+            if got is None:
+                continue
+            if field_name == "dist_init_addr":
+                value = join_address(*spec.dist_init_host_port())  # as read back: "[v6 host]:port"
+            if got != value:
                 raise ConfigError(
                     f"vLLM {self.version} on {self.platform} runs with {field_name}={got!r}, not the requested {value!r}",
                     hint="this build or platform overrides the setting; remove it to measure vLLM's default",
@@ -308,13 +467,15 @@ class VLLMEngine:
             del llm
 
 
-def kv_bytes_per_token(config: dict, dtype_bytes: int, tp: int = 1) -> int | None:
-    """KV-cache bytes one token takes on one TP rank, from a Hugging Face config (K and V per
-    layer; MLA caches one latent vector and the rope key); None when the config does not say."""
+def kv_bytes_per_token(config: dict, dtype_bytes: int, tp: int = 1, pp: int = 1) -> int | None:
+    """KV-cache bytes one token takes on one rank, from a Hugging Face config (K and V per layer;
+    MLA caches one latent vector and the rope key): the KV heads split over ``tp`` ranks, the
+    layers over ``pp`` pipeline stages (the largest stage); None when the config does not say."""
     c = config.get("text_config") or config
     layers = c.get("num_hidden_layers")
     if not isinstance(layers, int) or layers < 1:
         return None
+    layers = -(-layers // pp)
     if c.get("kv_lora_rank"):  # DeepSeek-style multi-head latent attention, replicated on every rank
         return layers * (int(c["kv_lora_rank"]) + int(c.get("qk_rope_head_dim") or 0)) * dtype_bytes
     heads = c.get("num_attention_heads")
@@ -334,13 +495,17 @@ def cpu_kv_cache_budget(
     max_model_len: int | None,
     available_bytes: int,
     weights_bytes: int,
+    pp: int = 1,
+    ranks_on_node: int | None = None,
 ) -> dict:
     """The KV cache a run needs (every sequence slot at the full context length) capped by
-    :data:`CPU_KV_CACHE_SHARE` of what the node has free once the weights are loaded, per TP rank."""
+    :data:`CPU_KV_CACHE_SHARE` of what the node has free once the weights are loaded, per rank
+    (``ranks_on_node``, by default all ``tp x pp`` of them)."""
     c = config.get("text_config") or config
     length = max_model_len or c.get("max_position_embeddings") or 4096
-    per_token = kv_bytes_per_token(config, dtype_bytes, tp)
-    cap = int(CPU_KV_CACHE_SHARE * max(0, available_bytes - weights_bytes) / tp)
+    per_token = kv_bytes_per_token(config, dtype_bytes, tp, pp)
+    ranks = ranks_on_node or tp * pp
+    cap = int(CPU_KV_CACHE_SHARE * max(0, available_bytes - weights_bytes) / ranks)
     need = per_token * max_num_seqs * length if per_token else None
     chosen = max(1, min(need, cap) if need else cap)
     return {
@@ -352,7 +517,8 @@ def cpu_kv_cache_budget(
         "cap_bytes": cap,
         "node_available_bytes": available_bytes,
         "rule": f"min(max_num_seqs {max_num_seqs} x max_model_len {length} tokens, "
-        f"{CPU_KV_CACHE_SHARE:g} x (available - weights) / tp {tp})",
+        f"{CPU_KV_CACHE_SHARE:g} x (available - weights) / "
+        + (f"tp {tp})" if ranks == tp else f"{ranks} ranks on the node)"),
     }
 
 

@@ -117,6 +117,14 @@ def engine_label(record: RunRecord) -> str:
     ]
     if eng.tensor_parallel_size:
         parts.append(f"TP{eng.tensor_parallel_size}")
+    # the multi-GPU / multi-node layout, by mismatch-probe's name (vLLM) or SGLang's own
+    settings = eng.settings()
+    for short, names in (("PP", ("pipeline_parallel_size", "pp_size")), ("DP", ("data_parallel_size", "dp_size"))):
+        size = next((settings[n] for n in names if isinstance(settings.get(n), int)), 1)
+        if size > 1:
+            parts.append(f"{short}{size}")
+    if isinstance(settings.get("nnodes"), int) and settings["nnodes"] > 1:
+        parts.append(f"{settings['nnodes']} nodes")
     if eng.enforce_eager is True:
         parts.append("eager")
     elif eng.enforce_eager is False:
