@@ -356,9 +356,7 @@ def sample(ctx: RunContext, *, engine: Engine | None = None, rollouts_from: str 
 
 def score(ctx: RunContext) -> None:
     """Stage 2: the reference scores the missing token shards, the exact ids the engine sampled."""
-    from mismatch_probe.environment import peak_memory
     from mismatch_probe.reference import open_reference_scorer
-    from mismatch_probe.reference.scorer import ReferenceScorer
 
     missing = ctx.missing(TOKENS_DIR)
     if not missing:
@@ -384,9 +382,13 @@ def score(ctx: RunContext) -> None:
                 scores = scorer.score(rollouts, semantics, on_progress=lambda k: progress.advance("score", k))
                 table = token_table(rollouts, scores.logp, scores.entropy, scores.experts)
                 write_table_atomic(table, out / TOKENS_DIR / shard_name(i))
-        if isinstance(scorer, ReferenceScorer):  # in this process (spawned ranks keep theirs)
-            record.update_sections({"reference": {**scorer.info(), "peak_memory": peak_memory(scorer.device)}})
-            ctx.save()
+        info, peaks = scorer.info(), scorer.peak_memory()
+        if "parallel" in info:
+            info["parallel"]["peak_memory_per_rank"] = peaks
+        else:
+            info["peak_memory"] = peaks[0]
+        record.update_sections({"reference": info})
+        ctx.save()
     finally:
         scorer.close()
 

@@ -86,6 +86,7 @@ class DistributedReferenceScorer:
         import torch.multiprocessing as mp
 
         self.log_path = log_path
+        self._peaks: list[dict] = []
         sp, tp = spec.sequence_parallel_size, spec.tensor_parallel_size
         self.world_size = sp * tp
         model_path = check_model_dir(model_path)
@@ -130,6 +131,11 @@ class DistributedReferenceScorer:
     def info(self) -> dict:
         return self._info
 
+    def peak_memory(self) -> list[dict]:
+        """Each rank's peak memory (:func:`~mismatch_probe.environment.peak_memory`), in rank order,
+        as of the last :meth:`score`."""
+        return list(self._peaks)
+
     def score(
         self,
         rollouts: Sequence[Rollout],
@@ -140,7 +146,8 @@ class DistributedReferenceScorer:
         for tasks in self._tasks:
             tasks.put(("score", rollouts, semantics))
         try:
-            return self._wait("scores", on_progress)[1]
+            _, scores, self._peaks = self._wait("scores", on_progress)
+            return scores
         except BaseException:
             self._kill()
             raise
@@ -259,6 +266,7 @@ def _rank_main(
     import torch
     import torch.distributed as dist
 
+    from mismatch_probe.environment import peak_memory
     from mismatch_probe.reference.parallel import init_rank
     from mismatch_probe.reference.scorer import ReferenceScorer
 
@@ -277,8 +285,10 @@ def _rank_main(
             _, rollouts, semantics = task
             report = (lambda k: results.put(("progress", k))) if rank == 0 else None
             scores = scorer.score(rollouts, semantics, on_progress=report)
+            peaks: list = [None] * world
+            dist.all_gather_object(peaks, peak_memory(ctx.device))
             if rank == 0:
-                results.put(("scores", scores))
+                results.put(("scores", scores, peaks))
     except BaseException as exc:
         hint = getattr(exc, "hint", None)
         results.put(

@@ -198,6 +198,13 @@ class ReferenceScorer:
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         }
 
+    def peak_memory(self) -> list[dict]:
+        """This process's peak memory (:func:`~mismatch_probe.environment.peak_memory`), as a list
+        of one rank, like the distributed scorer's."""
+        from mismatch_probe.environment import peak_memory
+
+        return [peak_memory(self.device)]
+
     def _attention_kernel(self) -> str:
         kernel = "sdpa per sequence (varlen)" if self.varlen else self.attention.used
         return f"Ulysses all-to-all around {kernel}" if self.ulysses else kernel

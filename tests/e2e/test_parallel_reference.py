@@ -208,6 +208,8 @@ reference.tensor_parallel_size = 2
         assert gap.max() < 2e-5
         rec = json.loads((runs / name / "run.json").read_text())
         assert rec["reference"]["parallel"]["mesh"] == {"dp": 1, "sp": sp, "tp": tp}
+        peaks = rec["reference"]["parallel"]["peak_memory_per_rank"]  # each spawned rank's own
+        assert len(peaks) == 2 and all(p["rss_bytes"] > 2**20 for p in peaks)
         assert rec["rollouts_from"]["run"] == "../one"  # relative to the run directory: the pair moves together
         assert (runs / name / "reference.log").is_file()
 

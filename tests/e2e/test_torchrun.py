@@ -243,6 +243,11 @@ def test_fsdp_reference_records_its_policy_and_matches_plain_numerics(sampled):
         "cast_forward_inputs": True,
     }
     assert policy["master_weights_dtype"] == "float32" and policy["api"].startswith("torch.distributed.fsdp")
+    # one spawned rank, which got the allocator setting FSDP2 needs on a CPU, and its peak memory
+    assert policy["cpu_allocator"] == "MALLOC_MMAP_THRESHOLD_=1048576"
+    assert len(rec["reference"]["parallel"]["peak_memory_per_rank"]) == 1
+    single_rec = json.loads((single / "run.json").read_text())
+    assert single_rec["reference"]["peak_memory"]["rss_bytes"] > 2**20  # one process: its own
     assert rec["spec"]["reference"]["fsdp"] is True
     a, b, c = (token_rows(x, model_only=True).column("logp_train").to_numpy() for x in (fsdp_bf16, plain_bf16, single))
     k3_vs_plain_bf16, k3_vs_fp32 = _k3(b, a), _k3(c, a)
