@@ -35,9 +35,9 @@ sys.path.insert(0, str(ROOT))
 # mode: (ranks, what it does)
 MODES = {
     "from_pretrained": (1, "1 process: from_pretrained"),
-    "meta+tp": (2, "TP=2: build_on_meta + parallelize_module + load_local_shards"),
+    "meta+tp": (2, "TP=2: build_on_meta + apply_tensor_parallel + load_local_shards"),
     "meta+fsdp": (2, "FSDP2 x2: build_on_meta + fully_shard + load_local_shards"),
-    "full+tp": (2, "TP=2: from_pretrained, then parallelize_module"),
+    "full+tp": (2, "TP=2: from_pretrained, then apply_tensor_parallel"),
     "full+fsdp": (2, "FSDP2 x2: from_pretrained, then fully_shard"),
 }
 TARGET = 0.6
@@ -115,23 +115,12 @@ def make_checkpoint(out: Path, args) -> None:
 # ---- one rank --------------------------------------------------------------------------------
 
 
-def _tensor_parallel(model, mesh) -> None:
-    """As mismatch_probe.reference.parallel.apply_tensor_parallel: the config's base_model_tp_plan
-    on the decoder's Linear layers (embeddings and LM head stay replicated)."""
-    import fnmatch
+def _tensor_parallel(model, ctx) -> None:
+    """The reference's own plan (mismatch_probe.reference.parallel.apply_tensor_parallel): the
+    config's base_model_tp_plan on the decoder's Linear layers (embeddings and LM head replicated)."""
+    from mismatch_probe.reference.parallel import apply_tensor_parallel
 
-    import torch
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    modules = dict(model.base_model.named_modules())
-    plan = {
-        name: styles[style]()
-        for pattern, style in model.config.base_model_tp_plan.items()
-        for name in fnmatch.filter(modules, pattern)
-        if style in styles and isinstance(modules[name], torch.nn.Linear)
-    }
-    parallelize_module(model.base_model, mesh, plan)
+    apply_tensor_parallel(model.base_model, ctx)
 
 
 def _fully_shard(model, mesh) -> None:
@@ -157,15 +146,18 @@ def worker(args) -> None:
 
     from mismatch_probe.modeling.loading import causal_lm_class
     from mismatch_probe.modeling.sharded_loading import build_on_meta, load_local_shards
+    from mismatch_probe.reference.parallel import build_context
 
     hf_logging.disable_progress_bar()
     causal_lm_class(Path(args.model), trust_remote_code=False)  # transformers' lazy imports: not timed
     mode, rank, world = args.worker, args.rank, args.world
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    mesh = None
+    mesh = ctx = None
     if world > 1:
         dist.init_process_group("gloo", init_method=f"file://{args.store}", rank=rank, world_size=world)
         mesh = init_device_mesh("cpu", (world,))
+        if mode.endswith("+tp"):  # the reference's (dp, sp, tp) mesh, made before the baseline like FSDP's
+            ctx = build_context(1, 1, world, "cpu", "cpu")
     dtype = getattr(torch, args.dtype)
     baseline = rss_bytes()
 
@@ -173,12 +165,12 @@ def worker(args) -> None:
     record = None
     if mode.startswith("meta+"):
         model = build_on_meta(Path(args.model), dtype=args.dtype, attn_implementation="sdpa", trust_remote_code=False)
-        (_tensor_parallel if mode == "meta+tp" else _fully_shard)(model, mesh)
+        _tensor_parallel(model, ctx) if mode == "meta+tp" else _fully_shard(model, mesh)
         record = load_local_shards(model, Path(args.model), "cpu")
     else:
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="sdpa").eval()
         if mode == "full+tp":
-            _tensor_parallel(model, mesh)
+            _tensor_parallel(model, ctx)
         elif mode == "full+fsdp":
             _fully_shard(model, mesh)
     gc.collect()

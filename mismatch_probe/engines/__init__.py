@@ -58,6 +58,9 @@ class EngineEntry:
             getattr(importlib.import_module(module_name), function)(spec)
 
 
+# where the engine's ranks go across GPUs and nodes (docs/engines-multinode.md); spec keys, no flags
+MULTINODE_SETTINGS = ("pipeline_parallel_size", "data_parallel_size", "nnodes", "node_rank", "dist_init_addr")
+
 # CLI flags whose names differ from the field's
 FLAG_NAMES = {
     "python": "--engine-python",
@@ -68,17 +71,7 @@ FLAG_NAMES = {
     "device": "engine.device in the spec",
     "extra_args": "[engine.extra_args] in the spec",
     "logits_fp32": "--engine-logits-fp32",
-    **{
-        name: f"engine.{name} in the spec"
-        for name in (
-            "pipeline_parallel_size",
-            "data_parallel_size",
-            "nnodes",
-            "node_rank",
-            "dist_init_addr",
-            "distributed_executor_backend",
-        )
-    },
+    **{name: f"engine.{name} in the spec" for name in (*MULTINODE_SETTINGS, "distributed_executor_backend")},
 }
 
 
@@ -105,11 +98,7 @@ BUILTIN_ENGINES = {
         settings=frozenset(
             {
                 "tensor_parallel_size",
-                "pipeline_parallel_size",
-                "data_parallel_size",
-                "nnodes",
-                "node_rank",
-                "dist_init_addr",
+                *MULTINODE_SETTINGS,
                 "distributed_executor_backend",
                 "enforce_eager",
                 "cascade_attn",
@@ -142,11 +131,7 @@ BUILTIN_ENGINES = {
             {
                 "device",
                 "tensor_parallel_size",
-                "pipeline_parallel_size",
-                "data_parallel_size",
-                "nnodes",
-                "node_rank",
-                "dist_init_addr",
+                *MULTINODE_SETTINGS,
                 "enforce_eager",
                 "chunked_prefill",
                 "prefix_caching",

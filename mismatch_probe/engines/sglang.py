@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from mismatch_probe.config.spec import EngineSpec, SamplingSpec
+from mismatch_probe.engines import MULTINODE_SETTINGS
 from mismatch_probe.engines.base import Completion, GenerationRequest, ScoreRequest, check_extra_args
 from mismatch_probe.engines.cpu_threads import cpu_thread_binding
 from mismatch_probe.engines.hf import batch_seed
@@ -63,8 +64,6 @@ ONLY_WHEN_SET = {
     "nnodes": 1,
     "node_rank": 0,
 }
-# the layout settings (docs/engines-multinode.md), refused by name where the installed SGLang lacks them
-MULTINODE = ("pipeline_parallel_size", "data_parallel_size", "nnodes", "node_rank", "dist_init_addr")
 # Read back from get_server_info() into run.json (beside the mapped settings above).
 RECORDED = (
     "dtype",
@@ -334,7 +333,8 @@ def server_args(
         if field_name == "device":
             value = device
         if value is not None:
-            if field_name in MULTINODE and arg not in known:
+            # the layout settings are refused by name where the installed SGLang lacks them
+            if field_name in MULTINODE_SETTINGS and arg not in known:
                 raise ConfigError(
                     f"SGLang {version} has no server argument {arg!r}, so engine.{field_name} cannot be honored",
                     hint="upgrade SGLang in the engine's python, or remove the setting",

@@ -77,14 +77,15 @@ def score_data_parallel(ctx: Any, launch: Launch, semantics: LogprobSemantics) -
             done = on_lead(functools.partial(_written, pieces_dir, names))
             reused += sum(done)
             todo = [] if done[parallel.dp_rank] else [rollouts[j] for j in groups[parallel.dp_rank]]
-            # FSDP shards the weights over the data-parallel ranks too: every rank must run as
-            # many forwards as the busiest group, whatever its own share
-            forwards = max(
-                (len(list(scorer.micro_batches([rollouts[j] for j in g]))) for g, d in zip(groups, done) if not d),
-                default=0,
-            )
+            forwards = 0
+            if scorer.fsdp:  # FSDP shards the weights over the data-parallel ranks too: every rank
+                # must run as many forwards as the busiest group, whatever its own share
+                forwards = max(
+                    (len(list(scorer.micro_batches([rollouts[j] for j in g]))) for g, d in zip(groups, done) if not d),
+                    default=0,
+                )
             if todo or forwards:
-                scores = scorer.score(todo, semantics, min_forwards=forwards if scorer.fsdp else 0)
+                scores = scorer.score(todo, semantics, min_forwards=forwards)
                 if todo and parallel.leads_dp_group:
                     table = token_table(todo, scores.logp, scores.entropy, scores.experts)
                     write_table_atomic(table, pieces_dir / names[parallel.dp_rank])

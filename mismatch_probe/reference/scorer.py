@@ -41,6 +41,7 @@ from mismatch_probe.modeling.sharded_loading import METHOD as SHARDED_LOADING
 from mismatch_probe.modeling.sharded_loading import NeedsFullLoad, build_on_meta, check_loadable, load_local_shards
 from mismatch_probe.modeling.varlen_attention import register as register_varlen_sdpa
 from mismatch_probe.reference.parallel import (
+    FsdpRoot,
     ParallelContext,
     UlyssesAttention,
     apply_fsdp,
@@ -52,6 +53,8 @@ from mismatch_probe.table.tokens import Rollout
 
 LM_HEAD_CHUNK_TOKENS = 2048
 T = TypeVar("T")
+# a two-token sequence scored only to join an FSDP peer's collectives (see score's min_forwards)
+FILLER = Rollout(-1, "", np.array([1, 2]), np.zeros(2, np.int16), np.array([False, True]), np.zeros(2, np.float32), "")
 PACKED_MASKS = {
     "model": "built by the model from the position ids",
     "precomputed": "built from the position ids by mismatch-probe (the model's own mask ignores them)",
@@ -93,7 +96,7 @@ class ReferenceScorer:
         self.model_path = Path(model_path)
         self.spec = spec
         self.parallel = parallel
-        self.fsdp = False
+        self._fsdp_root: FsdpRoot | None = None  # set once the layout is applied (reference.fsdp)
         self.device = parallel.device if parallel else resolve_device(spec.device)
         self.attention = choose_attention(
             self.model_path, spec.attn_implementation, trust_remote_code=trust_remote_code
@@ -121,14 +124,12 @@ class ReferenceScorer:
         self._head_fp32: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.routing = RouterRecorder(self.model)
         self.layout: dict = {}
-        self._fsdp_root = None
         if parallel:
             self.layout = check_layout(read_config(self.model_path), parallel.sp, parallel.tp)
             if parallel.tp > 1:
                 self.layout["tensor_parallel"] = apply_tensor_parallel(self.decoder, parallel)
             if spec.fsdp:
                 self._fsdp_root, self.layout["fsdp"] = apply_fsdp(self.model, parallel, spec)
-                self.fsdp = True
         if self.loading["method"] == SHARDED_LOADING:  # the layout is in place: read this rank's slices
             self.loading.update(load_local_shards(self.model, self.model_path, self.device))
         # the checks run on the model as laid out, the same inputs on every rank (collectives included)
@@ -137,6 +138,11 @@ class ReferenceScorer:
         self.packed_masks: str | None = None
         if spec.packing and not self.varlen and self.ulysses is None:
             self.packed_masks = self._with_all_weights(self._check_packed_isolation)
+
+    @property
+    def fsdp(self) -> bool:
+        """The model is wrapped with FSDP2 (its forwards go through the root unit)."""
+        return self._fsdp_root is not None
 
     def _load(self, attn: str, trust_remote_code: bool) -> dict:
         """Set ``self.model``. A layout that shards the weights (TP, FSDP) builds it on the meta
@@ -340,11 +346,9 @@ class ReferenceScorer:
         else:
             with self.routing:
                 scores = self._score(rollouts, semantics, on_progress, self.routing)
-        filler = Rollout(
-            -1, "", np.array([1, 2]), np.zeros(2, np.int16), np.array([False, True]), np.zeros(2, np.float32), ""
-        )
-        for _ in range(min_forwards - sum(1 for _ in self.micro_batches(rollouts))):
-            self._score([filler], semantics, None, None)
+        if min_forwards:
+            for _ in range(min_forwards - sum(1 for _ in self.micro_batches(rollouts))):
+                self._score([FILLER], semantics, None, None)
         return scores
 
     def _score(self, rollouts, semantics, on_progress, routing: RouterRecorder | None) -> Scores:

@@ -57,6 +57,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def info_and_first_batch(engine: str, spec: EngineSpec, tmp_path: Path) -> tuple[dict, list[Completion]]:
+    """Start ``engine`` with ``spec``, and return what it reports and its first batch; then stop it."""
+    process = EngineProcess(get_entry(engine), DENSE, spec, log_path=tmp_path / "engine.log")
+    try:
+        return process.info(), first_batch(process, CONFIGS[engine].sampling)
+    finally:
+        process.close()
+
+
 @contextmanager
 def follower(python: str, engine: str, kwargs: dict, log: Path, env: dict) -> Iterator[subprocess.Popen]:
     """The second node: started before rank 0 (which waits for it), stopped after."""
@@ -176,12 +185,7 @@ def test_vllm_spans_two_nodes(vllm_engine: SharedEngine, tmp_path, monkeypatch):
     args["kv_cache_memory_bytes"] = 2**28
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")  # one core for each node's rank
     with follower(sys.executable, "vllm", args, tmp_path / "follower.log", {"VLLM_CPU_OMP_THREADS_BIND": "1"}):
-        head = EngineProcess(get_entry("vllm"), DENSE, spec, log_path=tmp_path / "engine.log")
-        try:
-            info = head.info()
-            first = first_batch(head, CONFIGS["vllm"].sampling)
-        finally:
-            head.close()
+        info, first = info_and_first_batch("vllm", spec, tmp_path)
     assert (info["nnodes"], info["node_rank"], info["tensor_parallel_size"]) == (2, 0, 2)
     assert info["dist_init_addr"] == address and info["distributed_executor_backend"] == "mp"
     assert info["requested"]["master_addr"] == "127.0.0.1" and info["requested"]["nnodes"] == 2
@@ -219,12 +223,7 @@ def test_sglang_pipeline_parallel_across_two_nodes_samples_what_one_rank_samples
     monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", "0")
     env = {"SGLANG_CPU_OMP_THREADS_BIND": "1", "SGLANG_RETURN_ORIGINAL_LOGPROB": "0"}
     with follower(SGLANG_PYTHON, "sglang", sglang_follower_args(spec), tmp_path / "follower.log", env):
-        head = EngineProcess(get_entry("sglang"), DENSE, spec, log_path=tmp_path / "engine.log")
-        try:
-            info = head.info()
-            first = first_batch(head, CONFIGS["sglang"].sampling)
-        finally:
-            head.close()
+        info, first = info_and_first_batch("sglang", spec, tmp_path)
     assert (info["pp_size"], info["nnodes"], info["node_rank"], info["tp_size"]) == (2, 2, 0, 1)
     assert info["dist_init_addr"] == address
     assert info["requested"]["pp_size"] == 2 and info["requested"]["dist_init_addr"] == address
@@ -241,12 +240,7 @@ def test_sglang_data_parallel_2_runs_two_replicas(sglang_engine: SharedEngine, t
     needs_two_ranks()
     monkeypatch.delenv("SGLANG_CPU_OMP_THREADS_BIND", raising=False)
     spec = sglang_spec(logprobs_mode="processed", data_parallel_size=2)
-    dp2 = EngineProcess(get_entry("sglang"), DENSE, spec, log_path=tmp_path / "engine.log")
-    try:
-        info = dp2.info()
-        first = first_batch(dp2, CONFIGS["sglang"].sampling)
-    finally:
-        dp2.close()
+    info, first = info_and_first_batch("sglang", spec, tmp_path)
     assert (info["dp_size"], info["tp_size"], info["pp_size"]) == (2, 1, 1) and info["requested"]["dp_size"] == 2
     if info["platform"] == "cpu":
         assert info["env"]["SGLANG_CPU_OMP_THREADS_BIND"].count("|") == 1  # a core block per replica

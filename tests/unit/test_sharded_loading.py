@@ -221,23 +221,13 @@ def test_checkpoint_transformers_converts_needs_full_load():
 # ---- real layouts over gloo ------------------------------------------------------------------
 
 
-def _tensor_parallel(model, mesh) -> None:
-    """What mismatch_probe.reference.parallel.apply_tensor_parallel does: the config's
-    base_model_tp_plan, column-wise and row-wise Linear layers, on model.base_model."""
-    import fnmatch
+def _tensor_parallel(model, ctx) -> None:
+    """The reference's own tensor-parallel plan, on the meta-device model."""
+    from mismatch_probe.reference.parallel import apply_tensor_parallel
 
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    modules = dict(model.base_model.named_modules())
-    plan = {
-        name: styles[style]()
-        for pattern, style in model.config.base_model_tp_plan.items()
-        for name in fnmatch.filter(modules, pattern)
-        if style in styles and isinstance(modules[name], torch.nn.Linear)
-    }
-    assert len(plan) == 7 * model.config.num_hidden_layers
-    parallelize_module(model.base_model, mesh, plan)
+    layers = model.config.num_hidden_layers
+    info = apply_tensor_parallel(model.base_model, ctx)
+    assert info["sharded_linear_layers"] == {"colwise": 5 * layers, "rowwise": 2 * layers}
 
 
 def _fully_shard(model, mesh) -> None:
@@ -250,28 +240,24 @@ def _fully_shard(model, mesh) -> None:
 
 def _rank_main(rank: int, world: int, store: str, layouts: list[str], checkpoints: dict, out_dir: str) -> None:
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
+
+    from mismatch_probe.reference.parallel import build_context
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         records: dict = {}
         for layout in layouts:
-            if layout == "fsdp+tp":
-                mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
-            else:
-                mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp" if layout == "fsdp" else "tp",))
+            dp, tp = {"tp": (1, world), "fsdp": (world, 1), "fsdp+tp": (2, world // 2)}[layout]
+            ctx = build_context(dp, 1, tp, "cpu", "cpu")  # the reference's own (dp, sp, tp) mesh
             for name, path in checkpoints.items():
                 path = Path(path)
                 model = build_on_meta(path, dtype="float32", attn_implementation="sdpa", trust_remote_code=False)
-                if layout == "tp":
-                    _tensor_parallel(model, mesh)
-                elif layout == "fsdp":
-                    _fully_shard(model, mesh)
-                else:
-                    _tensor_parallel(model, mesh["tp"])
-                    _fully_shard(model, mesh["dp"])
+                if "tp" in layout:
+                    _tensor_parallel(model, ctx)
+                if "fsdp" in layout:
+                    _fully_shard(model, ctx.mesh["dp"])
                 check_loadable(model, path)
                 record = load_local_shards(model, path, "cpu")
                 ref = _from_pretrained(path)
