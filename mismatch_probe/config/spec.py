@@ -69,8 +69,9 @@ DTYPE_ALIASES = {
 # auto: sdpa where the architecture supports it, else eager (hf_models.choose_attention)
 ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
 DEVICES = ("auto", "cpu", "cuda")
-# attention that runs per packed sequence from cu_seq_lens, without a [T x T] mask
-SP_ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3")
+# attention that runs under Ulysses sequence parallelism: per packed sequence from cu_seq_lens (sdpa,
+# flash), or eager with a mask over the whole packed row (reference/parallel.py: packed_row_mask)
+SP_ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
 
 
 # What an engine's log-probs are taken from: the raw logits, or after temperature/top-k/top-p.

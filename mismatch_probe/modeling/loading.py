@@ -181,30 +181,53 @@ _SUPPORT_FLAGS = {
 }
 
 
+# attention implementations that run a model's soft-capped attention scores (gemma2's
+# attn_logit_softcapping): transformers' sdpa path takes the cap and ignores it
+_SOFTCAP_ATTENTION = ("eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+
+
+def attention_softcap(config: dict) -> float | None:
+    """The cap on attention scores (``attn_logit_softcapping``) ``config`` (config.json) sets, if any."""
+    cfg = config.get("text_config") or config
+    value = cfg.get("attn_logit_softcapping")
+    return float(value) if isinstance(value, int | float) and value > 0 else None
+
+
 def choose_attention(model_path: Path, requested: str | None, *, trust_remote_code: bool) -> AttentionChoice:
     """``auto`` (or unset) is SDPA where the architecture supports it and eager attention where it
     does not (gpt-oss's attention sinks, for one, have no SDPA kernel in transformers; eager runs
-    them exactly, on every device). An explicit choice the architecture does not support is refused
-    here, before anything loads."""
+    them exactly, on every device), or where SDPA would silently run another model (gemma2's
+    soft-capped attention scores: transformers' SDPA path drops the cap). An explicit choice that
+    does not run the architecture is refused here, before anything loads."""
     requested = requested or "auto"
     cls = causal_lm_class(model_path, trust_remote_code=trust_remote_code)
-    supports = (
-        (lambda impl: bool(getattr(cls, _SUPPORT_FLAGS[impl], False)) if impl in _SUPPORT_FLAGS else True)
-        if cls is not None
-        else (lambda impl: True)
+    name = cls.__name__ if cls is not None else "this architecture"
+    softcap = attention_softcap(read_config(model_path))
+    softcap_reason = (
+        f"{name} soft-caps attention scores (attn_logit_softcapping={softcap:g}), which transformers' sdpa ignores"
+        if softcap
+        else None
     )
+
+    def supports(impl: str) -> bool:
+        if softcap and impl not in _SOFTCAP_ATTENTION:
+            return False
+        return cls is None or impl not in _SUPPORT_FLAGS or bool(getattr(cls, _SUPPORT_FLAGS[impl], False))
+
     if requested == "auto":
         if supports("sdpa"):
             return AttentionChoice(requested, "sdpa")
-        return AttentionChoice(
-            requested,
-            "eager",
-            f"{cls.__name__} does not support sdpa in transformers "
-            "(_supports_sdpa = False); eager attention runs it exactly",
-        )
+        why = softcap_reason or f"{name} does not support sdpa in transformers (_supports_sdpa = False)"
+        return AttentionChoice(requested, "eager", f"{why}; eager attention runs it exactly")
     if not supports(requested):
+        if softcap_reason and requested not in _SOFTCAP_ATTENTION:
+            raise ConfigError(
+                f"attn_implementation={requested!r} cannot run {name}: it soft-caps attention scores "
+                f"(attn_logit_softcapping={softcap:g}) and {requested!r} ignores the cap",
+                hint="use 'auto' or 'eager' (or flex_attention / flash_attention_2, which apply it)",
+            )
         raise ConfigError(
-            f"{cls.__name__} does not support attn_implementation={requested!r} in transformers",
+            f"{name} does not support attn_implementation={requested!r} in transformers",
             hint="use 'auto' (sdpa where supported, else eager) or 'eager'",
         )
     return AttentionChoice(requested, requested)

@@ -33,6 +33,8 @@ def _varlen_sdpa(
 ) -> tuple[torch.Tensor, None]:
     if kwargs.get("s_aux") is not None:  # attention sinks: SDPA has no term for them
         raise ValueError(f"{VARLEN_SDPA} cannot run attention sinks (s_aux); use eager attention")
+    if kwargs.get("softcap") is not None:  # soft-capped scores (gemma2): SDPA has no term for them either
+        raise ValueError(f"{VARLEN_SDPA} cannot soft-cap attention scores (softcap); use eager attention")
     if query.shape[2] != key.shape[2]:
         raise ValueError(f"{VARLEN_SDPA} is for full-sequence forwards without a KV cache")
     # from the shapes, not module.num_key_value_groups: Ulysses hands over a share of the heads
@@ -44,7 +46,8 @@ def _varlen_sdpa(
         cu_seq_lens_q = torch.tensor([0, query.shape[2]])
     elif query.shape[0] != 1:
         raise ValueError(f"{VARLEN_SDPA} takes sequence boundaries for one packed row only")
-    out = torch.empty_like(query)
+    # value heads may be narrower than query/key heads (multi-head latent attention)
+    out = query.new_empty((*query.shape[:3], value.shape[-1]))
     bounds = cu_seq_lens_q.tolist()
     for a, b in itertools.pairwise(bounds):
         n = b - a

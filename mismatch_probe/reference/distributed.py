@@ -51,10 +51,14 @@ def check_reference_layout(
     type the ranks will use."""
     import torch
 
-    from mismatch_probe.reference.parallel import check_layout
+    from mismatch_probe.reference.parallel import check_layout, check_tensor_parallel_plan
 
     sp, tp = spec.sequence_parallel_size, spec.tensor_parallel_size
     check_layout(read_config(model_path), sp, tp)
+    if tp > 1:
+        from transformers import AutoConfig
+
+        check_tensor_parallel_plan(AutoConfig.from_pretrained(str(model_path), trust_remote_code=trust_remote_code))
     if sp > 1:
         attention = choose_attention(model_path, spec.attn_implementation, trust_remote_code=trust_remote_code)
         if attention.used not in SP_ATTN_IMPLEMENTATIONS:

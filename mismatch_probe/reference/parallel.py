@@ -129,36 +129,67 @@ def check_layout(config: dict, sp: int, tp: int) -> dict:
 # ---- tensor parallelism ----------------------------------------------------------------------
 
 
+# the styles of transformers' tensor-parallel plans this reference runs, as PyTorch's own
+# ParallelStyles: "colwise_gather_output" (fused qkv, or q/k/v followed by a norm over all heads:
+# phi3, olmo2) gathers the projection's output so attention runs every head on every rank, and
+# "rowwise_split_input" takes that replicated input and splits it before the row-wise matmul
+TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input")
+
+
+def _style(name: str):
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {
+        "colwise": lambda: ColwiseParallel(),
+        "rowwise": lambda: RowwiseParallel(),
+        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+    }[name]()
+
+
+def check_tensor_parallel_plan(config) -> dict[str, str]:
+    """The model's transformers tensor-parallel plan (``base_model_tp_plan``; ``config`` is its
+    transformers config); refused when it does not shard the attention with a style this reference runs."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    plan = getattr(cfg, "base_model_tp_plan", None) or {}
+    attention = {style for pattern, style in plan.items() if ".self_attn." in pattern or ".attention." in pattern}
+    if not attention & set(TP_STYLES):
+        arch = (getattr(config, "architectures", None) or [type(config).__name__])[0]
+        found = (
+            f"its plan shards attention with {sorted(attention)}" if attention else "it has no plan for its attention"
+        )
+        raise ConfigError(
+            f"--train-tp: {arch} cannot be tensor-parallel here: {found} in transformers' base_model_tp_plan "
+            f"(this reference runs {', '.join(TP_STYLES)})",
+            hint="run this model with --train-tp 1",
+        )
+    return plan
+
+
 def apply_tensor_parallel(decoder: torch.nn.Module, ctx: ParallelContext) -> dict:
     """Shard ``decoder``'s attention and MLP projections over the mesh's ``tp`` dimension with
     the model's own plan; returns what was sharded and what stayed replicated."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import parallelize_module
 
-    plan = getattr(decoder.config, "base_model_tp_plan", None) or {}
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan = check_tensor_parallel_plan(decoder.config)
     concrete: dict = {}
-    sharded = {"colwise": 0, "rowwise": 0}
+    sharded = dict.fromkeys(TP_STYLES, 0)
     replicated: set[str] = set()
     names = [name for name, _ in decoder.named_modules()]
     modules = dict(decoder.named_modules())
     for pattern, style in plan.items():
         for name in fnmatch.filter(names, pattern):
             # fused expert weights are parameters of one module, not Linear layers: replicated
-            if style in styles and isinstance(modules[name], torch.nn.Linear) and ".experts" not in f".{name}":
-                concrete[name] = styles[style]()
+            if style in TP_STYLES and isinstance(modules[name], torch.nn.Linear) and ".experts" not in f".{name}":
+                concrete[name] = _style(style)
                 sharded[style] += 1
             else:
                 replicated.add(f"{pattern} ({style})")
-    if not any(".self_attn." in name or ".attention." in name for name in concrete):
-        raise ConfigError(
-            f"{type(decoder).__name__} has no column/row-wise tensor-parallel plan for its attention "
-            "(config.base_model_tp_plan) in this transformers version",
-            hint="run this model with --train-tp 1",
-        )
     parallelize_module(decoder, ctx.mesh["tp"], concrete)
     return {
         "plan": "transformers base_model_tp_plan via torch parallelize_module",
-        "sharded_linear_layers": sharded,
+        "sharded_linear_layers": {style: n for style, n in sharded.items() if n},
         "replicated": sorted(replicated),
         "lm_head_and_embeddings": "replicated",
     }
@@ -199,10 +230,17 @@ class UlyssesAttention:
         finally:
             self.batch = None
 
-    def __call__(self, module, query, key, value, attention_mask, **kwargs):
+    def _inner_function(self, module):
+        if self.inner == "eager":  # not in the registry: each model's module has its own
+            import sys
+
+            return sys.modules[type(module).__module__].eager_attention_forward
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-        inner = ALL_ATTENTION_FUNCTIONS[self.inner]
+        return ALL_ATTENTION_FUNCTIONS[self.inner]
+
+    def __call__(self, module, query, key, value, attention_mask, **kwargs):
+        inner = self._inner_function(module)
         b = self.batch
         if b is None:
             return inner(module, query, key, value, attention_mask, **kwargs)
@@ -213,8 +251,42 @@ class UlyssesAttention:
             value = value.repeat_interleave(b.kv_repeats, dim=1)
         query, key, value = (_sequence_to_heads(t, b.group, b.size) for t in (query, key, value))
         kwargs["position_ids"] = b.position_ids
-        out, _ = inner(module, query, key, value, None, **kwargs)
+        mask = None
+        if self.inner == "eager":
+            # eager attention reads its mask, not cu_seq_lens: the whole row's, from the global positions
+            mask = packed_row_mask(b.position_ids[0], kwargs.get("sliding_window"), query.dtype)
+            module = _LocalHeads(module, dist.get_rank(b.group), query.shape[1], query.shape[1] // key.shape[1])
+        out, _ = inner(module, query, key, value, mask, **kwargs)
         return _heads_to_sequence(out, b.group, b.size), None
+
+
+def packed_row_mask(position_ids: torch.Tensor, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:
+    """The additive [1, 1, T, T] mask of a packed row for eager attention: each token sees the
+    tokens before it in its own sequence (a new sequence starts where the position is 0), the
+    last ``sliding_window`` of them on sliding-window layers (transformers' rule: i - j < window)."""
+    seq = torch.cumsum(position_ids == 0, dim=0)
+    i = torch.arange(len(position_ids), device=position_ids.device)
+    allowed = (seq[:, None] == seq[None, :]) & (i[:, None] >= i[None, :])
+    if sliding_window is not None:
+        allowed &= i[:, None] - i[None, :] < sliding_window
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=position_ids.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+class _LocalHeads:
+    """An attention module as eager attention sees it on one Ulysses rank: this rank's share of
+    the heads (a contiguous block, as :func:`_sequence_to_heads` hands them out), so per-head
+    parameters (gpt-oss's sinks) are this block's, and key/value heads repeated per the local ratio."""
+
+    def __init__(self, module: torch.nn.Module, rank: int, heads: int, groups: int):
+        self._module = module
+        self.num_key_value_groups = groups
+        sinks = getattr(module, "sinks", None)
+        if sinks is not None:
+            self.sinks = sinks[rank * heads : (rank + 1) * heads]
+
+    def __getattr__(self, name: str):
+        return getattr(self._module, name)
 
 
 def _sequence_to_heads(x: torch.Tensor, group, n: int) -> torch.Tensor:

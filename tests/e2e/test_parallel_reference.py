@@ -140,7 +140,7 @@ def test_heads_that_do_not_split_fail_before_any_rank_starts():
     "change, message",
     [
         ({"packing": False}, "packed row"),
-        ({"attn_implementation": "eager"}, "cannot run under sequence parallelism"),
+        ({"attn_implementation": "flex_attention"}, "cannot run under sequence parallelism"),
         ({"sequence_parallel_size": 0}, "must be >= 1"),
     ],
 )
