@@ -222,6 +222,7 @@ def prepare(
     """Check every input before anything is written, then create (or resume) the run directory."""
     from mismatch_probe.engines import get_entry
     from mismatch_probe.environment import fingerprint
+    from mismatch_probe.modeling.architecture import describe_checkpoint
     from mismatch_probe.modeling.loading import check_model_dir, load_tokenizer, max_model_len, stop_token_ids
     from mismatch_probe.reference.launch import torchrun_launch
     from mismatch_probe.rollout.prompts import tokenize_prompts
@@ -285,6 +286,7 @@ def prepare(
                 "n_shards": len(shards),
                 "stop_token_ids": stops,
             },
+            "architecture": describe_checkpoint(model_path, trust_remote_code=spec.trust_remote_code),
             # what an earlier invocation learned about its engine and reference (None on a fresh run)
             **{key: getattr(previous, key, None) for key in CARRIED_SECTIONS},
             # setup: checks, library imports, tokenizer, prompts, fingerprint

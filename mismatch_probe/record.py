@@ -261,6 +261,8 @@ class RunRecord(Section):
     rollout_fingerprint: str | None = None
     environment: Environment | None = None
     inputs: Inputs | None = None
+    # the checkpoint's architecture and quirks (modeling/architecture.py: describe_architecture)
+    architecture: dict[str, Any] | None = None
     engine: EngineInfo | None = None
     engine_process: dict[str, Any] | None = None
     reference: ReferenceInfo | None = None

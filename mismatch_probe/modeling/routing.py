@@ -85,5 +85,7 @@ class RouterRecorder:
         return {
             "moe_layers": self.layers,
             "top_k": getattr(cfg, "num_experts_per_tok", None),
-            "num_experts": getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None),
+            "num_experts": getattr(cfg, "num_experts", None)
+            or getattr(cfg, "num_local_experts", None)
+            or getattr(cfg, "n_routed_experts", None),
         }

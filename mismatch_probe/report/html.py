@@ -28,7 +28,7 @@ from mismatch_probe.errors import ConfigError
 from mismatch_probe.files import portable_path, resolve_from_dir
 from mismatch_probe.numbers import fmt, pct
 from mismatch_probe.record import EngineInfo, Environment, Inputs, ReferenceInfo, RunRecord, read_record
-from mismatch_probe.report.summary import kv_cache_line, layout_label, plain_notes, short_dtype
+from mismatch_probe.report.summary import architecture_rows, kv_cache_line, layout_label, plain_notes, short_dtype
 
 REPORT_HTML = "report.html"
 # token colour classes by |p_train - p_infer|: upper bounds of g0 .. g4, g5 above
@@ -237,6 +237,7 @@ def _environment_rows(record: RunRecord) -> list[tuple[str, str]]:
             f"{probe.get('version') or record.probe_version} ({probe.get('git_commit') or 'no git'})",
         ),
         ("model", inputs.model or "-"),
+        *architecture_rows(record),
         ("prompts", f"{inputs.prompts} ({inputs.n_prompts} prompts, {inputs.n_samples} samples)"),
         ("engine", engine_label(record)),
         ("engine settings", ", ".join(f"{k}={v}" for k, v in eng.items() if k not in skip_engine)),

@@ -9,7 +9,7 @@ from __future__ import annotations
 from mismatch_probe.analysis.metric_docs import METRIC_DOCS
 from mismatch_probe.numbers import fmt
 from mismatch_probe.record import Environment, Inputs, LogprobSemanticsRecord, RunRecord, SemanticsSide
-from mismatch_probe.report.summary import kv_cache_line, plain_notes
+from mismatch_probe.report.summary import architecture_rows, kv_cache_line, plain_notes
 
 
 def _cell(value) -> str:
@@ -49,6 +49,7 @@ def render_markdown(record: RunRecord) -> str:
                 ["driver / CUDA", f"{env.nvidia_driver or '-'} / {env.cuda or '-'}"],
                 ["libraries", ", ".join(f"{k} {v}" for k, v in env.packages.items())],
                 ["model", inputs.model],
+                *([k, v] for k, v in architecture_rows(record)),
                 ["prompts", f"{inputs.prompts} ({inputs.n_prompts} prompts, {inputs.n_samples} samples)"],
                 [
                     "engine",

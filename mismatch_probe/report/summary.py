@@ -206,3 +206,15 @@ def variants_table(records: Mapping[str, RunRecord]) -> Table:
         label = f"{short_dtype(ref.dtype if ref else None)}{head} {layout_label(ref)}".strip()
         table.add_row(name, label, *(fmt(record.metric(key)) for key, _ in VARIANT_COLUMNS))
     return table
+
+
+def architecture_rows(record: RunRecord) -> list[tuple[str, str]]:
+    """The environment card's rows for the checkpoint's architecture and its quirks (what the
+    model does beyond a plain decoder, and how the reference runs it)."""
+    arch = record.architecture
+    if not arch:
+        return []
+    heads = f"{arch.get('attention_heads')} query / {arch.get('kv_heads')} key-value heads"
+    line = f"{arch.get('architecture') or arch.get('model_type')}: {arch.get('layers')} layers, {heads}"
+    quirks = arch.get("quirks") or []
+    return [("architecture", line), ("model quirks", "; ".join(quirks) if quirks else "none")]
