@@ -95,6 +95,7 @@ def pytest_runtest_teardown(item, nextitem):
 
 def pytest_sessionfinish(session, exitstatus):
     engine_fixtures.POOL.close_all()
+    model_support.write_outcomes()  # the family conformance outcomes, for scripts/supported_models.py
 
 
 @pytest.fixture(scope="session")
@@ -126,6 +127,30 @@ def bf16_run(tmp_path_factory) -> Path:
     return out
 
 
+class Zoo:
+    """The family conformance suite's tiny checkpoints (tests/tiny_models.py), each built the first
+    time a test asks for it (all of them: ~4 s)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.paths: dict[str, Path] = {}
+
+    def __getitem__(self, family: str) -> Path:
+        if family not in self.paths:
+            self.paths[family] = tiny_models.build(family, self.root / f"tiny-{family}")
+        return self.paths[family]
+
+    def all(self) -> dict[str, Path]:
+        return {name: self[name] for name in tiny_models.FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def zoo(tmp_path_factory) -> Zoo:
+    return Zoo(tmp_path_factory.mktemp("zoo"))
+
+
 # the real engines of tests/engines/, one start per session each, registered here (at the root) once
 import engine_fixtures
+import model_support
+import tiny_models
 from engine_fixtures import hf_engine, sglang_engine, vllm_engine  # noqa: F401

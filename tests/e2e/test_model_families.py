@@ -1,8 +1,11 @@
-"""Architectures beyond the fixture's, from tiny random checkpoints built at test time.
+"""Architectures beyond the fixture's, through the CLI, from tiny random checkpoints built at test
+time (tests/tiny_models.py; every family's conformance is in tests/families/).
 
 gpt-oss: attention sinks have no SDPA kernel in transformers, so ``auto`` attention falls back to
 eager on both sides (recorded, shown in the report); its model builds attention masks without the
-position ids, so packed rows need masks built for it (checked at load, recorded).
+position ids, so packed rows need masks built for it (checked at load, recorded). gemma2: soft-capped
+attention scores, which transformers' sdpa drops, so ``auto`` is eager there too; its logits are
+soft-capped after the LM head. Both show their quirks in the report's environment card.
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ import numpy as np
 import pytest
 from conftest import SINGLE_TURN, cli
 from reference_checks import RAW, independent, make_rollouts
-from tiny_models import build
 
 from mismatch_probe.config.spec import ReferenceSpec
 from mismatch_probe.reference.scorer import ReferenceScorer
@@ -22,8 +24,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="session")
-def gpt_oss(tmp_path_factory):
-    return build("gpt_oss", tmp_path_factory.mktemp("models") / "tiny-gpt-oss")
+def gpt_oss(zoo):
+    return zoo["gpt_oss"]
 
 
 @pytest.fixture(scope="session")
@@ -68,8 +70,10 @@ def test_gpt_oss_scored_by_hf_engine_and_reference_in_fp32(gpt_oss_run):
     assert m["n_model_tokens"] > 100 and m["k3_kl"] < 1e-9 and m["prob_diff_max"] < 1e-4
     assert rec["decode_vs_prefill"]["k3_kl"] < 1e-9
     assert rec["routing"]["set_agreement_mean"] == 1.0 and rec["routing"]["top_k"] == 2  # MoE, fp32 both sides
+    assert rec["architecture"]["attention_sinks"] is True and rec["architecture"]["moe"]["top_k"] == 2
     html = (gpt_oss_run / "report.html").read_text()
     assert "attn_fallback=GptOssForCausalLM does not support sdpa" in html  # the environment card
+    assert "attention sinks, a learned logit per head" in html and "model quirks" in html
 
 
 def test_gpt_oss_packed_rows_equal_padded_micro_batches(gpt_oss):
@@ -112,3 +116,36 @@ def test_an_attention_the_architecture_lacks_is_refused_before_loading(gpt_oss, 
     assert proc.returncode == 2, proc.stderr
     assert "GptOssForCausalLM does not support attn_implementation='sdpa'" in proc.stderr
     assert "'auto'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_gemma2_soft_caps_run_eager_and_show_in_the_report(zoo, tmp_path):
+    out = tmp_path / "gemma2"
+    args = ["--model", str(zoo["gemma2"]), "--prompts", str(SINGLE_TURN), "--engine", "hf", "--max-prompts", "2"]
+    proc = cli(
+        "compare",
+        *args,
+        "--out",
+        str(out),
+        "--engine-dtype",
+        "float32",
+        "--train-dtype",
+        "float32",
+        "--n",
+        "2",
+        "--max-tokens",
+        "24",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rec = json.loads((out / "run.json").read_text())
+    for side in ("engine", "reference"):
+        assert rec[side]["attn_implementation"] == "eager"
+        assert "soft-caps attention scores (attn_logit_softcapping=2)" in rec[side]["attn_fallback"]
+    arch = rec["architecture"]
+    assert arch["final_logit_softcapping"] == 3.0 and arch["attn_logit_softcapping"] == 2.0
+    assert arch["tied_embeddings"] is True and arch["sliding_window"] == {"size": 16, "layers": [0], "of_layers": 2}
+    assert rec["metrics"]["k3_kl"] < 1e-9
+    for name in ("report.html", "report.md"):
+        text = (out / name).read_text()
+        assert "logits soft-capped at 3" in text and "sliding-window attention (16 tokens) on 1 of 2 layers (0)" in text
+    refused = cli("compare", *args, "--out", str(tmp_path / "sdpa"), "--train-attn", "sdpa", "--max-tokens", "4")
+    assert refused.returncode == 2 and "ignores the cap" in refused.stderr and "Traceback" not in refused.stderr
