@@ -28,11 +28,13 @@ def make_rollouts(n=5, seed=0, vocab=1000):
     return out
 
 
-def independent(model_path, rollouts, dtype=torch.float32, temperature=None):
-    """One sequence at a time through the model's own forward; log-softmax in float64."""
+def independent(model_path, rollouts, dtype=torch.float32, temperature=None, attn_implementation=None):
+    """One sequence at a time through the model's own forward; log-softmax in float64.
+    ``attn_implementation``: transformers' default unless given ("eager" is every family's own)."""
     from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype).eval()
+    m = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype, attn_implementation=attn_implementation)
+    m.eval()
     lps, ents = [], []
     for r in rollouts:
         with torch.no_grad():

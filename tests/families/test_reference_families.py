@@ -11,6 +11,7 @@ soft-cap dropped by sdpa).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import model_support
@@ -20,7 +21,7 @@ import torch
 from conftest import SINGLE_TURN
 from layout_ranks import LAYOUTS, score_layouts
 from model_support import Refused
-from reference_checks import make_rollouts
+from reference_checks import independent, make_rollouts
 from tiny_models import FAMILIES
 
 from mismatch_probe.analysis.metrics import RoutingAccumulator, compare_routing, token_terms
@@ -46,18 +47,6 @@ def eager_model(path):
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
 
 
-def eager_logprobs(model, rollouts) -> np.ndarray:
-    """Model-token log-probs, one sequence at a time, log-softmax in float64."""
-    out = []
-    for r in rollouts:
-        with torch.no_grad():
-            logits = model(input_ids=torch.from_numpy(r.token_ids.astype(np.int64))[None]).logits[0].double()
-        logp = torch.log_softmax(logits, -1)
-        pos = np.flatnonzero(r.is_model_token)
-        out.append(logp[pos - 1, torch.from_numpy(r.token_ids[pos].astype(np.int64))].numpy())
-    return np.concatenate(out)
-
-
 def model_tokens(arrays, rollouts) -> np.ndarray:
     return np.concatenate([a[r.is_model_token] for a, r in zip(arrays, rollouts)]).astype(np.float64)
 
@@ -72,16 +61,7 @@ def moe_layer_count(path) -> int:
 def with_routing(rollouts, n_layers: int, k: int):
     """The same rollouts carrying engine routing (placeholder ids), so the reference records its own."""
     return [
-        Rollout(
-            r.sample_id,
-            r.prompt_id,
-            r.token_ids,
-            r.turn,
-            r.is_model_token,
-            r.logp_infer,
-            r.finish_reason,
-            np.zeros((int(r.is_model_token.sum()), n_layers, k), np.int16),
-        )
+        dataclasses.replace(r, experts_infer=np.zeros((int(r.is_model_token.sum()), n_layers, k), np.int16))
         for r in rollouts
     ]
 
@@ -110,7 +90,7 @@ def test_reference(family, zoo):
     def probe():
         packed, experts, info = reference_scores(path, True)
         padded, _, _ = reference_scores(path, False)
-        want = eager_logprobs(eager_model(path), ROLLOUTS)
+        want = np.concatenate(independent(path, ROLLOUTS, attn_implementation="eager")[0])
         print(
             f"{family}: {len(want)} tokens, attention {info['attention_kernel']}, packed vs padded "
             f"{np.abs(packed - padded).max():.2e}, vs eager float64 {np.abs(packed - want).max():.2e}"
