@@ -95,6 +95,7 @@ def write_synthetic(run_dir: Path, tokens: int, shard_tokens: int, seed: int = 0
                 pa.array(np.zeros(n, np.float32)),
                 pa.nulls(n, pa.float32()),  # logp_prefill: no engine re-score
                 *_experts(model, *moe, 0.002, rng),
+                pa.nulls(n, pa.float32()),  # logp_trainer: not an imported run
             ],
             schema=TOKEN_SCHEMA,
         )

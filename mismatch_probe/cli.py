@@ -96,7 +96,7 @@ class RichProgress:
         if name in self.tasks:  # the next run of a sweep: the same bar again, not one more
             self.bars.reset(self.tasks[name], total=total)
         else:
-            self.tasks[name] = self.bars.add_task(name, total=total)
+            self.tasks[name] = self.bars.add_task(name, total=total or None)  # 0: not known ahead
 
     def advance(self, name: str, amount: int) -> None:
         self.bars.advance(self.tasks[name], amount)
@@ -639,6 +639,105 @@ def report(
     out.print(
         f"{what}: {escape(str(written.path))} ({written.n_bytes / 1e6:.2f} MB, rendered in {written.seconds:.1f} s)"
     )
+
+
+IMPORT_LABELS = {"engine.name": "engine", "engine.logprobs_mode": "engine log-probs"}
+
+
+@app.command("import")
+@friendly_errors
+def import_(
+    dump_format: Annotated[
+        str, typer.Argument(metavar="FORMAT", help="slime, nemo-rl, verl or generic.", show_default=False)
+    ],
+    path: Annotated[Path, typer.Argument(help="The dump: a file, or the directory holding it.", show_default=False)],
+    model: Annotated[Path, typer.Option(help="The checkpoint the run sampled with (local directory).")],
+    out_dir: Annotated[
+        Path | None, typer.Option("--out", help="Run directory (default reports/<format>-step<N>-<time>).")
+    ] = None,
+    step: Annotated[
+        int | None, typer.Option(help="The step (rollout id) to import, when the dump holds several.")
+    ] = None,
+    engine: Annotated[
+        str | None, typer.Option(help="The engine that sampled (recorded; default: the framework's usual one).")
+    ] = None,
+    temperature: Annotated[
+        float | None, typer.Option(help="The run's sampling temperature (default: the dump's, else 1.0).")
+    ] = None,
+    top_p: Annotated[float | None, typer.Option(help="The run's top-p (default 1.0).")] = None,
+    top_k: Annotated[int | None, typer.Option(help="The run's top-k (default 0: off).")] = None,
+    engine_logprobs: Annotated[
+        str | None,
+        typer.Option(help="What the engine's log-probs are: raw (logits) or processed (after temperature...)."),
+    ] = None,
+    trainer_logprobs: Annotated[
+        str | None,
+        typer.Option(help="What the trainer's log-probs are: raw, temperature (logits / T) or processed."),
+    ] = None,
+    trust_pickle: Annotated[
+        bool,
+        typer.Option(
+            "--trust-pickle", help="Read a pickled dump (verl's rollout cache), through an allow-list of its classes."
+        ),
+    ] = False,
+    train_dump: Annotated[
+        Path | None,
+        typer.Option(
+            help="slime: the train dump (--save-debug-train-data), when not train_data/ beside rollout_data/."
+        ),
+    ] = None,
+    no_trainer: Annotated[
+        bool, typer.Option("--no-trainer", help="Import the engine side only, even when the dump has the trainer's.")
+    ] = False,
+    shard_size: Annotated[int, typer.Option(help="Samples per shard (the unit of resume).")] = 256,
+    settings: Annotated[
+        list[str] | None,
+        typer.Option("--set", help=SET_HELP + " Only \\[reference] and \\[corrections]: how `score` will re-score."),
+    ] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing run in --out.")] = False,
+) -> None:
+    """Turn a training run's own rollout dump into a run directory: `analyze` it when the dump has the
+    trainer's log-probs (what your run saw), `score` it to re-score the same tokens with the reference."""
+    from mismatch_probe.importing import ImportOptions, import_dump
+
+    options = ImportOptions(
+        engine=engine,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        engine_logprobs=engine_logprobs,
+        trainer_logprobs=trainer_logprobs,
+        step=step,
+        trust_pickle=trust_pickle,
+        trainer_path=None if train_dump is None else str(train_dump),
+        use_trainer=not no_trainer,
+        shard_size=shard_size,
+        overrides=parse_settings(settings),
+    )
+    with RichProgress(err) as progress:
+        ctx = import_dump(dump_format, path, model=model, out=out_dir, options=options, progress=progress)
+    info = ctx.record.imported_from or {}
+    where = escape(portable_path(ctx.out))
+    step_text = f" step {info['step']}" if info.get("step") is not None else ""
+    out.print(
+        f"imported {info.get('samples')} samples ({info.get('model_tokens')} model tokens) of the "
+        f"{info.get('format')} dump{step_text} into {where}"
+    )
+    for note in info.get("notes") or []:
+        out.print(f"note: {escape(note)}")
+    sampled = ", ".join(
+        f"{IMPORT_LABELS.get(key, key.partition('.')[2])} {ctx.record.lookup('spec.' + key)} ({source})"
+        for key, source in (info.get("settings_from") or {}).items()
+    )
+    out.print(f"recorded as sampled with: {escape(sampled)}; flags set what the dump does not say")
+    if info.get("trainer_logprobs"):
+        out.print(f"next: mismatch-probe analyze {where}   (the engine against your trainer's own log-probs)")
+        out.print(
+            f"then: mismatch-probe score {where} --out {where}-reference --set reference.dtype=float32 "
+            "--set reference.logits_fp32=true   (the same tokens against mismatch-probe's reference)"
+        )
+    else:
+        out.print(f"next: mismatch-probe score {where}, then mismatch-probe analyze {where}")
 
 
 @app.command()

@@ -382,7 +382,8 @@ def score(ctx: RunContext) -> None:
             for i in missing:
                 rollouts = read_rollout_shard(out / ROLLOUTS_DIR / shard_name(i), width)
                 scores = scorer.score(rollouts, semantics, on_progress=lambda k: progress.advance("score", k))
-                table = token_table(rollouts, scores.logp, scores.entropy, scores.experts)
+                trainer = [r.logp_trainer for r in rollouts]  # an imported dump's, kept beside ours
+                table = token_table(rollouts, scores.logp, scores.entropy, scores.experts, trainer)
                 write_table_atomic(table, out / TOKENS_DIR / shard_name(i))
         info, peaks = scorer.info(), scorer.peak_memory()
         if "parallel" in info:
@@ -577,7 +578,7 @@ def _semantics_record(spec: ProbeSpec, engine: LogprobSemantics, *, prefill: boo
     }
 
 
-ADOPTED_FIELDS = ("engine", "engine_process", "decode_vs_prefill", "tokenization_check")
+ADOPTED_FIELDS = ("engine", "engine_process", "decode_vs_prefill", "tokenization_check", "imported_from")
 
 
 def _adopt_rollouts(
@@ -770,6 +771,12 @@ def score_run(
         raise ConfigError(
             "other reference settings score into a new run directory, next to this one",
             hint=f"add --out NEW_DIR (it links the rollouts of {run_dir})",
+        )
+    elif source.record.reference is not None and source.record.reference.to_dict().get("source") == "trainer":
+        raise ConfigError(
+            f"{run_dir} holds its trainer's log-probs from an imported dump in the reference's place; "
+            "scoring with mismatch-probe's reference makes a new run directory beside it",
+            hint=f"add --out NEW_DIR (it links the rollouts of {run_dir}; the trainer's log-probs stay in its table)",
         )
     if launch is not None:
         return _score_run_launched(source, spec, launch, out, model=model, overwrite=overwrite)

@@ -243,7 +243,7 @@ class FigureRef(Section):
 
 
 METRIC_SECTIONS = ("metrics", "decode_vs_prefill", "corrections", "routing")
-GROUPED_METRIC_SECTIONS = ("metrics_by_turn", "metrics_by_turn_index", "corrections_by_turn")
+GROUPED_METRIC_SECTIONS = ("metrics_by_turn", "metrics_by_turn_index", "corrections_by_turn", "trainer")
 
 
 class RunRecord(Section):
@@ -268,6 +268,8 @@ class RunRecord(Section):
     reference: ReferenceInfo | None = None
     logprob_semantics: LogprobSemanticsRecord | None = None
     rollouts_from: dict[str, Any] | None = None
+    # a run made by `mismatch-probe import` from a training framework's dump (importing.py)
+    imported_from: dict[str, Any] | None = None
     resumed: dict[str, int] | None = None
     tokenization_check: dict[str, Any] | None = None
     timings: dict[str, float] = Field(default_factory=dict)
@@ -281,6 +283,8 @@ class RunRecord(Section):
     breakdowns: dict[str, list[dict[str, Any]]] | None = None
     breakdowns_by_turn: dict[str, dict[str, list[dict[str, Any]]]] | None = None
     routing: dict[str, Any] | None = None
+    # an imported dump's trainer log-probs against the engine's and this run's reference's
+    trainer: dict[str, Metrics] | None = None
     samples: dict[str, Any] | None = None
     distributions: str | None = None
     sequences: str | None = None

@@ -37,7 +37,10 @@ def analyze(
     """``metrics``, ``metrics_by_turn`` (first / later), ``metrics_by_turn_index``, ``corrections``, ``breakdowns``, ``routing`` for MoE runs whose
     table has expert ids (``routing`` describes the layers, as the engine recorded them), and
     ``decode_vs_prefill``: the same metrics with the engine's prefill log-probs in the reference's
-    place (``delta = logp_prefill - logp_infer``), where the table has them. ``distributions``, when
+    place (``delta = logp_prefill - logp_infer``), where the table has them; and ``trainer`` for a
+    re-scored imported dump that carried its trainer's log-probs: ``engine_vs_trainer`` (what the
+    run itself saw, ``delta = logp_trainer - logp_infer``) and ``trainer_vs_reference`` (how far its
+    trainer is from this reference, ``delta = logp_train - logp_trainer``). ``distributions``, when
     given, is fed in the same pass and finished at the end (its ``result`` is what the report draws);
     so is ``sequences`` (its ``table`` holds every sequence's terms, sequences.parquet)."""
     thresholds = thresholds or CorrectionThresholds()
@@ -47,6 +50,10 @@ def analyze(
     # decode vs prefill: the engine's sampled log-prob against its own full-sequence prefill
     prefill = MetricsAccumulator(thresholds)
     n_unscored = 0
+    trainer = {
+        "engine_vs_trainer": MetricsAccumulator(thresholds),
+        "trainer_vs_reference": MetricsAccumulator(thresholds),
+    }
     by_index: dict[int, MetricsAccumulator] = {}
     for shard in iter_model_tokens(Path(run_dir)):
         sample, turn = shard["sample_id"], shard["turn"]
@@ -64,6 +71,10 @@ def analyze(
             n_unscored += int((~scored).sum())
             if scored.any():
                 prefill.add(lp[scored], li[scored], segment_starts(sample[scored]), pos[scored])
+        if (ltr := shard["logp_trainer"]) is not None and (known := ~np.isnan(ltr)).any():
+            starts_known = segment_starts(sample[known])
+            trainer["engine_vs_trainer"].add(ltr[known], li[known], starts_known, pos[known])
+            trainer["trainer_vs_reference"].add(lt[known], ltr[known], starts_known, pos[known])
         for t in np.unique(turn):  # per assistant-turn index (0 = first); sequences are sample-turns
             keep = turn == t
             acc = by_index.setdefault(int(t), MetricsAccumulator(thresholds))
@@ -93,6 +104,7 @@ def analyze(
         "breakdowns_by_turn": {name: acc.breakdowns() for name, acc in by_turn.items()},
         "routing": None,
         "decode_vs_prefill": None,
+        "trainer": None,
     }
     if distributions is not None:
         distributions.finish()
@@ -100,6 +112,8 @@ def analyze(
         sequences.finish({"all": overall, **by_turn})
     if prefill.n_tokens:
         out["decode_vs_prefill"] = prefill.metrics() | {"n_unscored_tokens": n_unscored}
+    if trainer["engine_vs_trainer"].n_tokens:
+        out["trainer"] = {name: acc.metrics() for name, acc in trainer.items()}
     if router_acc and routing:
         layers = routing["moe_layers"]
         out["routing"] = router_acc["all"].result(layers) | {

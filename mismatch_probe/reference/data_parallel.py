@@ -87,7 +87,9 @@ def score_data_parallel(ctx: Any, launch: Launch, semantics: LogprobSemantics) -
             if todo or forwards:
                 scores = scorer.score(todo, semantics, min_forwards=forwards)
                 if todo and parallel.leads_dp_group:
-                    table = token_table(todo, scores.logp, scores.entropy, scores.experts)
+                    table = token_table(
+                        todo, scores.logp, scores.entropy, scores.experts, [r.logp_trainer for r in todo]
+                    )
                     write_table_atomic(table, pieces_dir / names[parallel.dp_rank])
             scored += sum(not d for d in done)
             dist.barrier()

@@ -28,7 +28,15 @@ from mismatch_probe.errors import ConfigError
 from mismatch_probe.files import portable_path, resolve_from_dir
 from mismatch_probe.numbers import fmt, pct
 from mismatch_probe.record import EngineInfo, Environment, Inputs, ReferenceInfo, RunRecord, read_record
-from mismatch_probe.report.summary import architecture_rows, kv_cache_line, layout_label, plain_notes, short_dtype
+from mismatch_probe.report.summary import (
+    architecture_rows,
+    kv_cache_line,
+    layout_label,
+    plain_notes,
+    short_dtype,
+    trainer_columns,
+    trainer_is_reference,
+)
 
 REPORT_HTML = "report.html"
 # token colour classes by |p_train - p_infer|: upper bounds of g0 .. g4, g5 above
@@ -111,6 +119,8 @@ def gpu_type(record: RunRecord) -> str:
 
 def engine_label(record: RunRecord) -> str:
     eng, spec = record.engine or EngineInfo(), record.spec.engine
+    if record.imported_from:  # the settings it ran with are the training job's, not known here
+        return f"{eng.engine or '?'} (from a {record.imported_from.get('format')} dump)"
     parts = [
         eng.engine or (spec.name if spec else None) or "?",
         short_dtype(eng.dtype or (spec.dtype if spec else None)),
@@ -141,6 +151,8 @@ def engine_label(record: RunRecord) -> str:
 
 
 def reference_label(record: RunRecord) -> str:
+    if trainer_is_reference(record):
+        return f"your trainer ({(record.imported_from or {}).get('format', 'dump')}, from the dump)"
     ref = record.reference or ReferenceInfo()
     dtype = ref.dtype or record.spec.reference.dtype
     parts = ["HF", short_dtype(dtype)]
@@ -269,6 +281,7 @@ def _metric_rows(record: RunRecord) -> tuple[list[str], list[dict]]:
         columns += [("first turn", by_turn.get("first") or {}), ("later turns", by_turn["later"])]
     if prefill.get("n_model_tokens"):
         columns.append(("decode vs prefill", prefill))
+    columns += trainer_columns(record)
     rows = []
     for doc in METRIC_DOCS:
         values = []

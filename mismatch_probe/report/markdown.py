@@ -9,7 +9,7 @@ from __future__ import annotations
 from mismatch_probe.analysis.metric_docs import METRIC_DOCS
 from mismatch_probe.numbers import fmt
 from mismatch_probe.record import Environment, Inputs, LogprobSemanticsRecord, RunRecord, SemanticsSide
-from mismatch_probe.report.summary import architecture_rows, kv_cache_line, plain_notes
+from mismatch_probe.report.summary import architecture_rows, kv_cache_line, main_column, plain_notes, trainer_columns
 
 
 def _cell(value) -> str:
@@ -80,10 +80,12 @@ def render_markdown(record: RunRecord) -> str:
         ),
         "",
     ]
+    extra = trainer_columns(record)
     header = (
-        ["metric", "engine vs reference", "first turn"]
+        ["metric", main_column(record), "first turn"]
         + (["later turns"] if later else [])
         + (["decode vs prefill"] if has_prefill else [])
+        + [label for label, _ in extra]
         + ["meaning"]
     )
     rows = []
@@ -94,6 +96,7 @@ def render_markdown(record: RunRecord) -> str:
             row.append(fmt(record.metric(key, "later")))
         if has_prefill:
             row.append(fmt(prefill.get(key)) if key != "log_ppl_train" else "-")
+        row += [fmt(m.get(key)) for _, m in extra]
         rows.append(row + [note])
     out += _table(header, rows)
     remarks = plain_notes(record)

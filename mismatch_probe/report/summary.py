@@ -37,24 +37,53 @@ SUMMARY_ROWS = (
 )
 
 
+def trainer_is_reference(record: RunRecord) -> bool:
+    """An imported dump's run whose reference column is the dump's own trainer log-probs."""
+    return record.reference is not None and record.reference.to_dict().get("source") == "trainer"
+
+
+def main_column(record: RunRecord) -> str:
+    """What the metrics' first column compares."""
+    if trainer_is_reference(record):
+        return f"engine vs your trainer ({(record.imported_from or {}).get('format', 'dump')})"
+    return "engine vs reference"
+
+
+# an imported dump re-scored by the reference (record.trainer): its trainer's log-probs against both
+TRAINER_COLUMNS = (
+    ("engine_vs_trainer", "engine vs your trainer"),
+    ("trainer_vs_reference", "your trainer vs reference"),
+)
+
+
+def trainer_columns(record: RunRecord) -> list[tuple[str, dict]]:
+    """(label, metrics) of the ``trainer`` section's comparisons, when the run has one."""
+    section = record.trainer or {}
+    return [(label, section[key]) for key, label in TRAINER_COLUMNS if section.get(key)]
+
+
 def metrics_table(record: RunRecord) -> Table:
     has_later = bool(record.metric("n_model_tokens", "later"))
     prefill = record.decode_vs_prefill or {}
     has_prefill = bool(prefill.get("n_model_tokens"))
+    extra = trainer_columns(record)
     table = Table(title=f"mismatch: {_title(record)}", title_justify="left")
     table.add_column("metric")
-    table.add_column("engine vs reference", justify="right")
+    table.add_column(main_column(record), justify="right")
     table.add_column("first turn", justify="right")
     if has_later:
         table.add_column("later turns", justify="right")
     if has_prefill:
         table.add_column("engine decode vs its prefill", justify="right")
+    for label, _ in extra:
+        table.add_column(label, justify="right")
     for key, label in SUMMARY_ROWS:
         row = [label, fmt(record.metric(key)), fmt(record.metric(key, "first"))]
         if has_later:
             row.append(fmt(record.metric(key, "later")))
         if has_prefill:
             row.append(fmt(prefill.get(key)) if key not in ("log_ppl_train",) else "-")
+        row += [fmt(m.get(key)) for _, m in extra]
         table.add_row(*row)
     return table
 
@@ -85,8 +114,30 @@ def notes(record: RunRecord) -> list[str]:
         )
     if record.prefill_skipped:
         out.append(f"decode vs prefill: not measured, {record.prefill_skipped}")
+    out += import_notes(record)
     if chi2 := negative_chi2_note({"metrics": record.metrics, "metrics_by_turn": record.metrics_by_turn}):
         out.append(f"note: {chi2}")
+    return out
+
+
+def import_notes(record: RunRecord) -> list[str]:
+    """What an imported dump's run compares, and what its reader found in the dump."""
+    imported = record.imported_from
+    if not imported:
+        return []
+    step = f" step {imported['step']}" if imported.get("step") is not None else ""
+    what = f"imported from a {imported.get('format')} dump{step} ({imported.get('path')})"
+    if trainer_is_reference(record):
+        what += ": the reference column is the trainer's own log-probs from the dump (what the run saw)"
+    elif record.trainer:
+        what += ": the trainer columns put the dump's trainer log-probs beside this reference"
+    defaults = [k for k, source in (imported.get("settings_from") or {}).items() if source == "default"]
+    out = [what]
+    if defaults:
+        out.append(
+            f"[yellow]note:[/] assumed, not read from the dump: {', '.join(defaults)} (flags of `import` set them)"
+        )
+    out += [f"[yellow]note:[/] {line}" for line in imported.get("notes") or []]
     return out
 
 
@@ -152,6 +203,9 @@ def routing_line(record: RunRecord) -> str | None:
 
 def _title(record: RunRecord) -> str:
     spec_engine, eng, ref, env = record.spec.engine, record.engine, record.reference, record.environment
+    if record.imported_from:
+        against = "its trainer" if trainer_is_reference(record) else f"reference {ref.dtype if ref else None}"
+        return f"{eng.engine if eng else None} from a {record.imported_from.get('format')} dump vs {against}"
     return (
         f"{spec_engine.name if spec_engine else None} {eng.dtype if eng else None} "
         f"vs reference {ref.dtype if ref else None}"

@@ -48,6 +48,9 @@ TOKEN_SCHEMA = pa.schema(
         # it ~10x faster (no repetition levels per id).
         pa.field("experts_infer", pa.binary()),
         pa.field("experts_train", pa.binary()),
+        # imported runs (dumps/): the training framework's own log-prob of the token, when the run
+        # was re-scored by the reference (logp_train) and the dump had the trainer's; else null
+        pa.field("logp_trainer", pa.float32()),
     ]
 )
 
@@ -63,6 +66,8 @@ ROLLOUT_SCHEMA = pa.schema(
         pa.field("finish_reason", pa.string(), nullable=False),
         pa.field("experts_infer", pa.binary()),  # "<i2" bytes of [model tokens x layers x k], MoE only
         pa.field("logp_prefill", pa.list_(pa.float32())),  # NaN off model tokens; null when not re-scored
+        # imported from a dump (dumps/): the training framework's own log-probs; NaN off model tokens
+        pa.field("logp_trainer", pa.list_(pa.float32())),
     ]
 )
 
@@ -83,6 +88,7 @@ class Rollout:
     finish_reason: str
     experts_infer: np.ndarray | None = None  # int16 [model tokens, moe layers, k]
     logp_prefill: np.ndarray | None = None  # float32, full sequence, NaN off model tokens
+    logp_trainer: np.ndarray | None = None  # float32, full sequence, NaN off model tokens (imported)
 
     @property
     def n_model_tokens(self) -> int:
@@ -114,6 +120,7 @@ def rollouts_to_table(rollouts: list[Rollout]) -> pa.Table:
                 None if r.experts_infer is None else r.experts_infer.astype("<i2").tobytes() for r in rollouts
             ],
             "logp_prefill": [r.logp_prefill for r in rollouts],
+            "logp_trainer": [r.logp_trainer for r in rollouts],
         },
         schema=ROLLOUT_SCHEMA,
     )
@@ -134,9 +141,8 @@ def table_to_rollouts(table: pa.Table, routing_width: tuple[int, int] | None = N
     mask, _ = list_values(table.column("is_model_token"), np.bool_)
     logp, _ = list_values(table.column("logp_infer"), np.float32)
     experts = table.column("experts_infer").to_pylist()
-    prefill_col = table.column("logp_prefill")
-    prefill = list_values(prefill_col, np.float32)[0] if prefill_col.null_count < len(prefill_col) else None
-    prefill_valid = prefill_col.is_valid().to_numpy(zero_copy_only=False) if prefill is not None else None
+    prefill, prefill_valid = _optional_lists(table.column("logp_prefill"))
+    trainer, trainer_valid = _optional_lists(table.column("logp_trainer"))
     out = []
     for i, (sid, pid, fin) in enumerate(
         zip(
@@ -149,9 +155,17 @@ def table_to_rollouts(table: pa.Table, routing_width: tuple[int, int] | None = N
         ex = None
         if experts[i] is not None and routing_width is not None:
             ex = np.frombuffer(experts[i], dtype="<i2").reshape(-1, *routing_width)
-        lp = prefill[a:b] if prefill is not None and prefill_valid is not None and prefill_valid[i] else None
-        out.append(Rollout(sid, pid, ids[a:b], turn[a:b], mask[a:b], logp[a:b], fin, ex, lp))
+        lp = prefill[a:b] if prefill is not None and prefill_valid[i] else None
+        lt = trainer[a:b] if trainer is not None and trainer_valid[i] else None
+        out.append(Rollout(sid, pid, ids[a:b], turn[a:b], mask[a:b], logp[a:b], fin, ex, lp, lt))
     return out
+
+
+def _optional_lists(column: pa.ChunkedArray) -> tuple[np.ndarray | None, np.ndarray]:
+    """A nullable float list column's flat values (None when every row is null) and row validity."""
+    if column.null_count == len(column):
+        return None, np.zeros(len(column), dtype=bool)
+    return list_values(column, np.float32)[0], column.is_valid().to_numpy(zero_copy_only=False)
 
 
 def read_rollout_shard(path: Path, routing_width: tuple[int, int] | None = None) -> list[Rollout]:
@@ -180,8 +194,10 @@ def token_table(
     logp_train: list[np.ndarray],
     entropy_train: list[np.ndarray],
     experts_train: list[np.ndarray | None] | None = None,
+    logp_trainer: list[np.ndarray | None] | None = None,
 ) -> pa.Table:
-    """Explode scored rollouts into the per-token table (vectorized over the whole shard)."""
+    """Explode scored rollouts into the per-token table (vectorized over the whole shard).
+    ``logp_trainer``: a dump's trainer log-probs beside the reference's (None: a null column)."""
     lengths = np.array([len(r.token_ids) for r in rollouts], dtype=np.int64)
     total = int(lengths.sum())
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(lengths) else np.zeros(0, np.int64)
@@ -198,6 +214,13 @@ def token_table(
         [
             r.logp_prefill if r.logp_prefill is not None else np.full(len(r.token_ids), np.nan, np.float32)
             for r in rollouts
+        ],
+        np.float32,
+    )
+    trainer = cat(
+        [
+            t if t is not None else np.full(len(r.token_ids), np.nan, np.float32)
+            for r, t in zip(rollouts, logp_trainer or [None] * len(rollouts))
         ],
         np.float32,
     )
@@ -219,6 +242,7 @@ def token_table(
             pa.array(prefill, mask=np.isnan(prefill) | ~model),
             _experts_column([r.experts_infer for r in rollouts], model),
             _experts_column(experts_train or [None] * len(rollouts), model),
+            pa.array(trainer, mask=np.isnan(trainer) | ~model),
         ],
         schema=TOKEN_SCHEMA,
     )
@@ -258,8 +282,10 @@ MODEL_TOKEN_COLUMNS = (
     "logp_prefill",
     "experts_infer",
     "experts_train",
+    "logp_trainer",
 )
-OPTIONAL_COLUMNS = ("logp_prefill",)  # absent from tables written before schema version 2
+# absent from older tables: logp_prefill before schema version 2, logp_trainer before imports
+OPTIONAL_COLUMNS = ("logp_prefill", "logp_trainer")
 EXPERT_COLUMNS = ("experts_infer", "experts_train")
 
 

@@ -132,6 +132,7 @@ def write_run(run_dir, lengths, worst_at, prompt_len=10):
                     pa.nulls(n, pa.float32()),
                     pa.nulls(n, pa.binary()),
                     pa.nulls(n, pa.binary()),
+                    pa.nulls(n, pa.float32()),  # logp_trainer
                 ],
                 schema=TOKEN_SCHEMA,
             )

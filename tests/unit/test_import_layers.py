@@ -22,11 +22,11 @@ LAYERS: list[set[str]] = [
     {"config", "record", "environment"},
     {"modeling", "table", "sweep_record"},
     {"engines"},
-    {"rollout", "reference"},
+    {"rollout", "reference", "dumps"},
     {"analysis"},
     {"report", "gate"},
     {"pipeline", "api"},
-    {"sweeps"},
+    {"sweeps", "importing"},
     {"cli", "__init__"},
     {"__main__"},
 ]

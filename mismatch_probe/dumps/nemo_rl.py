@@ -1,0 +1,129 @@
+"""NeMo-RL's GRPO training-data log, ``<log_dir>/train_data_step{N}.jsonl`` (v0.6 and later), as
+``grpo_train`` / ``async_grpo_train`` write it through ``Logger.log_batched_dict_as_jsonl``:
+
+- one line per sample, every value keeping the batch's leading dimension of 1
+  (``"token_ids": [[...]]``, ``"input_lengths": [L]``), right-padded to the batch's longest;
+- ``token_ids``, ``token_loss_mask`` (1 on generated assistant tokens), ``generation_logprobs``
+  (vLLM's, 0.0 elsewhere) and ``prev_logprobs`` (the trainer's ``get_logprobs``) all aligned so
+  index t holds log p(token t | tokens < t), index 0 being 0.0;
+- ``input_lengths`` the unpadded length (prompt, every turn and the environment's messages).
+
+Both sides' log-probs are of ``logits / temperature`` with the run's top-k / top-p (the base configs
+set vLLM's ``logprobs_mode: processed_logprobs``). With ``loss_fn.force_on_policy_ratio`` NeMo-RL
+skips the trainer's pass and logs ``prev_logprobs`` as all zeros: detected, said, and imported as
+the engine side alone.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mismatch_probe.dumps.base import DumpReader, files_by_step, pick_step
+from mismatch_probe.dumps.samples import DumpSample
+from mismatch_probe.errors import ConfigError
+
+PATTERN = "train_data_step*.jsonl"
+FORCED_ON_POLICY = (
+    "prev_logprobs are all 0.0 on the generated tokens: the run set loss_fn.force_on_policy_ratio, so NeMo-RL "
+    "skipped the trainer's log-prob pass; imported the engine's log-probs alone (score it with the reference)"
+)
+
+
+class NemoRLDump(DumpReader):
+    format = "nemo-rl"
+
+    def __init__(self, path: Path, *, step: int | None = None, **_: Any) -> None:
+        super().__init__(path)
+        if path.is_file():
+            files = [path]
+            numbers = files_by_step(path.parent, path.name)
+            self.step = next(iter(numbers), None)
+        else:
+            grouped = files_by_step(path, PATTERN) or files_by_step(path, f"*/{PATTERN}")
+            self.step, files = pick_step(grouped, step, path, f"NeMo-RL training-data logs ({PATTERN})")
+            if len(files) > 1:
+                raise ConfigError(
+                    f"{path} holds step {self.step} of {len(files)} runs: {', '.join(str(f) for f in files)}",
+                    hint="give the file (or the experiment's log directory) itself",
+                )
+        self.files = files
+
+    def samples(self) -> Iterator[DumpSample]:
+        f = self.files[0]
+        trainer: bool | None = None
+        masked = 0
+        with open(f, encoding="utf-8") as fh:
+            for k, line in enumerate(fh):
+                if not line.strip():
+                    continue
+                where = f"{f.name}:{k + 1}"
+                row = _row(line, where)
+                sample, zeros = _sample(row, where)
+                if trainer is None and sample.model_mask.any() and self.want_trainer:
+                    trainer = not zeros
+                    self.has_trainer = trainer
+                    if zeros:
+                        self.notes.append(FORCED_ON_POLICY)
+                if not trainer:
+                    sample.logp_trainer = None
+                masked += _first(row.get("sample_loss_mask"), 1.0) == 0
+                yield sample
+        if masked:
+            self.notes.append(f"{masked} samples have sample_loss_mask 0 (NeMo-RL left them out of the loss)")
+
+
+def _row(line: str, where: str) -> dict:
+    try:
+        row = json.loads(line)  # NaN and -Infinity, as json.dumps writes them, parse
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{where}: not JSON ({exc.msg})") from None
+    if not isinstance(row, dict):
+        raise ConfigError(f"{where}: not a JSON object")
+    if "token_ids" not in row or "token_loss_mask" not in row:
+        raise ConfigError(
+            f"{where}: no token_ids / token_loss_mask; NeMo-RL logs them since v0.6 (earlier logs hold text only)",
+            hint="re-run the step with NeMo-RL >= 0.6, or write the generic format (docs/dump-format.md)",
+        )
+    return row
+
+
+def _first(value: Any, default: Any = None) -> Any:
+    """A value of the logged batch of one: ``[x]`` -> ``x``."""
+    if value is None:
+        return default
+    return value[0] if isinstance(value, list) and len(value) == 1 else value
+
+
+def _sample(row: dict, where: str) -> tuple[DumpSample, bool]:
+    """The sample, and whether its trainer log-probs are all 0.0 on the generated tokens."""
+    ids = np.asarray(_first(row["token_ids"]), dtype=np.int64).reshape(-1)
+    length = _first(row.get("input_lengths"), len(ids))
+    if not isinstance(length, int) or not 0 < length <= len(ids):
+        raise ConfigError(f"{where}: input_lengths {length!r} does not fit its {len(ids)} token ids")
+
+    def per_token(key: str, dtype) -> np.ndarray:
+        values = np.asarray(_first(row[key]), dtype=dtype).reshape(-1)
+        if len(values) != len(ids):
+            raise ConfigError(f"{where}: {key} has {len(values)} entries for {len(ids)} token ids")
+        return values[:length]  # right padding stripped
+
+    mask = per_token("token_loss_mask", np.int64) != 0
+    engine = per_token("generation_logprobs", np.float64)
+    trainer = per_token("prev_logprobs", np.float64) if row.get("prev_logprobs") is not None else None
+    zeros = trainer is None or bool(np.all(trainer[mask] == 0.0))
+    return (
+        DumpSample(
+            where=where,
+            token_ids=ids[:length],
+            model_mask=mask,
+            logp_engine=engine,
+            logp_trainer=trainer,
+            prompt_id=None,
+        ),
+        zeros,
+    )

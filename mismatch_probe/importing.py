@@ -1,0 +1,399 @@
+"""``mismatch-probe import``: a training framework's rollout dump as a run directory.
+
+The run an RL job already made is the one worth diagnosing. A reader (``dumps/``) streams the
+dump's samples; each is checked against the checkpoint (:func:`dumps.samples.to_rollout`) and
+written as the rollout shards ``sample`` writes, so every later stage runs on it unchanged:
+
+- with the trainer's log-probs in the dump, the token shards too, with the trainer in the
+  reference's place: ``analyze DIR`` then shows what the run itself saw (engine vs its trainer);
+- ``score DIR`` (no trainer log-probs) or ``score DIR --out NEW --set reference.x=y`` re-scores the
+  same tokens with this tool's reference, and the trainer's log-probs ride along in the table, so
+  the analysis separates "engine vs an ideal forward" from "engine vs your trainer" (``trainer``).
+
+Imports stream (one file and one shard in memory) and resume: shards are written atomically and a
+re-run with the same dump and options keeps the shards already there. See ARCHITECTURE.md,
+"Imported runs".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mismatch_probe import __version__
+from mismatch_probe.config.spec import EngineSpec, ProbeSpec, SamplingSpec, apply_overrides
+from mismatch_probe.dumps import DumpFormat, get_format, open_dump
+from mismatch_probe.dumps.base import DumpReader
+from mismatch_probe.dumps.samples import Checked, to_rollout
+from mismatch_probe.errors import ConfigError
+from mismatch_probe.files import portable_path
+from mismatch_probe.modeling.logprobs import engine_semantics, reference_semantics
+from mismatch_probe.pipeline import Progress, RunContext, open_run
+from mismatch_probe.record import SCHEMA_VERSION, find_record, now, parse_record
+from mismatch_probe.table.tokens import (
+    ROLLOUTS_DIR,
+    TOKENS_DIR,
+    rollouts_to_table,
+    shard_name,
+    token_table,
+    write_table_atomic,
+)
+
+TRAINER_LOGPROBS = ("raw", "temperature", "processed")
+
+
+@dataclass
+class ImportOptions:
+    """How to read the dump and what it was sampled with (what the dump cannot say itself)."""
+
+    engine: str | None = None  # the engine that sampled (default: the format's usual one)
+    temperature: float | None = None  # default: the dump's own, else 1.0
+    top_p: float | None = None
+    top_k: int | None = None
+    engine_logprobs: str | None = None  # raw | processed (default: the format's)
+    trainer_logprobs: str | None = None  # raw | temperature | processed (default: the format's)
+    step: int | None = None
+    trust_pickle: bool = False
+    trainer_path: str | None = None  # slime: its train dump, when not in train_data/ beside the rollouts
+    use_trainer: bool = True  # False: import the engine side only, to score with the reference
+    shard_size: int = 256
+    trust_remote_code: bool = False
+    overrides: dict[str, Any] = field(default_factory=dict)  # [reference] / [corrections] settings
+
+
+@dataclass
+class _Tally:
+    """What the streamed samples add up to (the record's inputs and imported_from)."""
+
+    samples: int = 0
+    tokens: int = 0
+    model_tokens: int = 0
+    max_response: int = 0
+    max_turns: int = 0
+    prompts: set[str] = field(default_factory=set)
+    trainer: bool | None = None
+    experts: bool | None = None
+    first_where: dict[str, str] = field(default_factory=dict)
+
+    def add(self, checked: Checked, where: str) -> None:
+        r = checked.rollout
+        self.samples += 1
+        self.tokens += len(r.token_ids)
+        n_model = r.n_model_tokens
+        self.model_tokens += n_model
+        model_at = np.flatnonzero(r.is_model_token)
+        self.max_response = max(self.max_response, int(len(r.token_ids) - model_at[0]) if n_model else 0)
+        self.max_turns = max(self.max_turns, int(r.turn.max()) + 1 if n_model else 0)
+        self.prompts.add(r.prompt_id)
+        self._consistent("trainer", checked.logp_trainer is not None, where, "trainer log-probs")
+        self._consistent("experts", r.experts_infer is not None, where, "routed experts")
+
+    def _consistent(self, name: str, has: bool, where: str, what: str) -> None:
+        seen = getattr(self, name)
+        if seen is None:
+            setattr(self, name, has)
+            self.first_where[name] = where
+        elif seen != has:
+            first = self.first_where[name]
+            raise ConfigError(
+                f"{where} {'has' if has else 'lacks'} {what}, but {first} {'has' if seen else 'lacks'} them",
+                hint="every sample of a dump must have them, or none"
+                + (" (--no-trainer imports the engine side alone)" if name == "trainer" else ""),
+            )
+
+
+def import_dump(
+    format_name: str,
+    path: str | Path,
+    *,
+    model: str | Path,
+    out: str | Path | None = None,
+    options: ImportOptions | None = None,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> RunContext:
+    """Turn a dump into a run directory (rollouts; token shards when the trainer's log-probs are
+    in it) and return its context, ready for ``score`` / ``analyze``."""
+    from mismatch_probe.modeling.loading import check_model_dir, load_tokenizer, read_config
+
+    t0 = time.perf_counter()
+    opts = options or ImportOptions()
+    progress = progress or Progress()
+    fmt = get_format(format_name)
+    model_path = check_model_dir(str(model))
+    tokenizer = load_tokenizer(model_path, trust_remote_code=opts.trust_remote_code)
+    config = read_config(model_path)
+    vocab_size = int(config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size") or len(tokenizer))
+    reader = open_dump(fmt, path, step=opts.step, trust_pickle=opts.trust_pickle, trainer_path=opts.trainer_path)
+    reader.want_trainer = opts.use_trainer
+    spec, sources = _spec(fmt, reader, model, path, out, opts)
+    out_dir = Path(spec.out or "")
+    fingerprint = _import_fingerprint(fmt, reader, opts)
+    resuming = _prepare_out(out_dir, fingerprint, overwrite=overwrite)
+    imported: dict[str, Any] = {
+        "format": fmt.name,
+        "path": portable_path(Path(path).resolve()),
+        **reader.describe(),
+        "fingerprint": fingerprint,
+        "settings_from": sources,
+    }
+    record = parse_record(
+        {
+            "schema_version": SCHEMA_VERSION,
+            "probe_version": __version__,
+            "status": "running",
+            "created_at": now(),
+            "spec": spec.to_dict(),
+            "imported_from": imported,
+            "timings": {},
+        }
+    )
+    record.write(out_dir)  # a killed import leaves a run directory that the same command resumes
+    layout = None
+    tally = _Tally()
+    progress.stage("import", 0)
+    shard: list[Checked] = []
+    shard_index = reused = 0
+
+    def flush() -> None:
+        nonlocal shard_index, reused
+        reused += _write_shard(out_dir, shard_index, shard, with_tokens=bool(tally.trainer))
+        progress.advance("import", len(shard))
+        shard.clear()
+        shard_index += 1
+
+    for k, sample in enumerate(reader.samples()):
+        if not opts.use_trainer:
+            sample.logp_trainer = None
+        if sample.experts is not None:
+            layout = layout or _routing_layout(model_path, opts.trust_remote_code)
+            sample.experts = _moe_rows(sample.experts, layout, config)
+        checked = to_rollout(
+            sample, k, vocab_size=vocab_size, num_experts=layout.get("num_experts") if layout else None
+        )
+        if layout is not None and checked.rollout.experts_infer is not None:
+            _check_expert_width(checked.rollout.experts_infer, layout, sample.where)
+        tally.add(checked, sample.where)
+        shard.append(checked)
+        if len(shard) == spec.shard_size:
+            flush()
+    if shard:
+        flush()
+    if tally.samples == 0:
+        raise ConfigError(f"{path} holds no samples")
+    spec.sampling.max_tokens = max(tally.max_response, 1)
+    spec.max_turns = max(tally.max_turns, 1)
+    record = _final_record(
+        spec, fmt, reader, record, imported, tally, layout, model_path, tokenizer, opts, shard_index, t0
+    )
+    if resuming:
+        record.resumed = {"rollout_shards_reused": reused}
+    record.write(out_dir)
+    return open_run(out_dir, progress=progress, model=model_path)
+
+
+def _spec(
+    fmt: DumpFormat,
+    reader: DumpReader,
+    model: str | Path,
+    path: str | Path,
+    out: str | Path | None,
+    opts: ImportOptions,
+) -> tuple[ProbeSpec, dict[str, str]]:
+    """The spec an imported run records: the checkpoint, the dump as its prompts, the engine and
+    sampling settings the dump was made with (each one's source in ``sources``)."""
+    sources: dict[str, str] = {}
+
+    def pick(key: str, flag: Any, default: Any) -> Any:
+        if flag is not None:
+            sources[key] = "flag"
+            return flag
+        if key in reader.settings:
+            sources[key] = "dump"
+            return reader.settings[key]
+        sources[key] = "default"
+        return default
+
+    temperature = pick("sampling.temperature", opts.temperature, 1.0)
+    top_p = pick("sampling.top_p", opts.top_p, 1.0)
+    top_k = pick("sampling.top_k", opts.top_k, 0)
+    engine = pick("engine.name", opts.engine, fmt.engine)
+    logprobs_mode = pick("engine.logprobs_mode", opts.engine_logprobs, fmt.engine_logprobs)
+    step = f"-step{reader.step}" if reader.step is not None else ""
+    if out is None:
+        out = Path("reports") / f"{fmt.name}{step}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    try:
+        spec = ProbeSpec(
+            model=str(Path(model).resolve()),
+            prompts=str(Path(path).resolve()),
+            out=str(out),
+            name=f"{fmt.name}{step}",
+            shard_size=opts.shard_size,
+            engine=EngineSpec(name=str(engine), logprobs_mode=str(logprobs_mode), prefill_check=False),
+            sampling=SamplingSpec(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k)),
+        )
+    except Exception as exc:  # pydantic: a value of the wrong type from the dump or a flag
+        raise ConfigError(f"cannot record the dump's settings: {exc}") from None
+    spec.given_paths.update({"model": str(model), "prompts": str(path), "out": str(out)})
+    bad = [k for k in opts.overrides if k.partition(".")[0] not in ("reference", "corrections")]
+    if bad:
+        raise ConfigError(
+            f"import sets {', '.join(bad)}: only [reference] and [corrections] settings",
+            hint="the engine and sampling settings are the dump's (--engine, --temperature, --top-p, --top-k)",
+        )
+    apply_overrides(spec, opts.overrides)
+    if opts.shard_size < 1:
+        raise ConfigError(f"--shard-size must be >= 1, got {opts.shard_size}")
+    spec.validate()
+    return spec, sources
+
+
+def _import_fingerprint(fmt: DumpFormat, reader: DumpReader, opts: ImportOptions) -> str:
+    """What decides an import's shards: the dump's files (name, size, modification time) and the options."""
+    files = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in reader.files]
+    options = {k: v for k, v in vars(opts).items() if k not in ("overrides", "trust_remote_code")}
+    payload = {"format": fmt.name, "files": files, "step": reader.step, "options": options, "overrides": opts.overrides}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _prepare_out(out: Path, fingerprint: str, *, overwrite: bool) -> bool:
+    """Create ``out``, or resume the same import into it; True when resuming."""
+    import shutil
+
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {str(out)!r} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        try:
+            previous = find_record(out)
+        except ConfigError:
+            previous = None
+        if previous is None:
+            raise ConfigError(f"--out {str(out)!r} is not empty and holds no run", hint="choose another --out")
+        same = (previous.imported_from or {}).get("fingerprint") == fingerprint
+        if overwrite:
+            shutil.rmtree(out)
+        elif not same:
+            raise ConfigError(
+                f"--out {str(out)!r} holds another run",
+                hint="use another --out, or --overwrite to replace it",
+            )
+        else:
+            return True
+    out.mkdir(parents=True, exist_ok=True)
+    return False
+
+
+def _write_shard(out: Path, index: int, shard: list[Checked], *, with_tokens: bool) -> bool:
+    """Shard ``index`` of the rollouts (and, with the trainer's log-probs, of the token table with
+    the trainer in the reference's place); a shard already on disk (a resumed import) is kept.
+    True when it was."""
+    rollouts_path, tokens_path = out / ROLLOUTS_DIR / shard_name(index), out / TOKENS_DIR / shard_name(index)
+    rollouts = [c.rollout for c in shard]
+    kept = rollouts_path.is_file() and (not with_tokens or tokens_path.is_file())
+    if not rollouts_path.is_file():
+        write_table_atomic(rollouts_to_table(rollouts), rollouts_path)
+    if with_tokens and not tokens_path.is_file():
+        trainer = [c.logp_trainer for c in shard if c.logp_trainer is not None]  # all of them (_Tally)
+        entropy = [np.full(len(r.token_ids), np.nan, np.float32) for r in rollouts]
+        write_table_atomic(token_table(rollouts, trainer, entropy), tokens_path)
+    return kept
+
+
+def _routing_layout(model_path: Path, trust_remote_code: bool) -> dict:
+    """The checkpoint's MoE layers as the reference records them (its routers, built on the meta device)."""
+    from mismatch_probe.modeling.routing import RouterRecorder
+    from mismatch_probe.modeling.sharded_loading import build_on_meta
+
+    model = build_on_meta(model_path, dtype="float32", attn_implementation="eager", trust_remote_code=trust_remote_code)
+    recorder = RouterRecorder(model)
+    if not recorder.active:
+        raise ConfigError(
+            f"the dump has routed experts, but {model_path} has no MoE router",
+            hint="pass the MoE checkpoint the run sampled from (--model)",
+        )
+    return recorder.describe(model)
+
+
+def _moe_rows(experts: np.ndarray, layout: dict, config: dict) -> np.ndarray:
+    """The MoE layers' routing, when a dump records every decoder layer (slime's R3 is
+    ``[positions, num_layers, top-k]``; a dense layer's rows are padding)."""
+    n_layers = config.get("num_hidden_layers") or (config.get("text_config") or {}).get("num_hidden_layers")
+    moe = layout["moe_layers"]
+    if experts.ndim == 3 and experts.shape[1] == n_layers != len(moe):
+        return experts[:, moe, :]
+    return experts
+
+
+def _check_expert_width(experts: np.ndarray, layout: dict, where: str) -> None:
+    layers, k = len(layout["moe_layers"]), layout["top_k"]
+    if experts.shape[1:] != (layers, k):
+        raise ConfigError(
+            f"{where}: routed experts are [{experts.shape[1]} layers x top-{experts.shape[2]}]; "
+            f"the checkpoint routes {layers} MoE layers x top-{k}"
+        )
+
+
+def _final_record(spec, fmt, reader, record, imported, tally, layout, model_path, tokenizer, opts, n_shards, t0):
+    from mismatch_probe.environment import fingerprint
+    from mismatch_probe.modeling.architecture import describe_checkpoint
+    from mismatch_probe.modeling.loading import stop_token_ids
+
+    s = spec.sampling
+    engine = engine_semantics(spec.engine.logprobs_mode, s.temperature, s.top_k, s.top_p)
+    trainer = bool(tally.trainer)
+    if trainer:
+        choice = opts.trainer_logprobs or fmt.trainer_logprobs
+        if choice not in TRAINER_LOGPROBS:
+            raise ConfigError(f"--trainer-logprobs {choice!r}: choose one of {', '.join(TRAINER_LOGPROBS)}")
+        ref = reference_semantics(choice, engine, s.temperature, s.top_k, s.top_p)
+    else:
+        ref = reference_semantics(spec.reference.logprobs, engine, s.temperature, s.top_k, s.top_p)
+    imported.update(
+        samples=tally.samples,
+        tokens=tally.tokens,
+        model_tokens=tally.model_tokens,
+        trainer_logprobs=trainer,
+        routed_experts=bool(tally.experts),
+        notes=list(reader.notes),
+    )
+    source = f"{fmt.name} dump" + (f" (step {reader.step})" if reader.step is not None else "")
+    engine_info: dict[str, Any] = {"engine": spec.engine.name, "source": source, "versions": {}}
+    if layout is not None:
+        engine_info["routing"] = layout
+    sections = {
+        "spec": spec.to_dict(),
+        "spec_fingerprint": spec.fingerprint(),
+        "rollout_fingerprint": spec.rollout_fingerprint(),
+        "environment": fingerprint(),
+        "inputs": {
+            "model": portable_path(model_path),
+            "prompts": imported["path"],
+            "n_prompts": len(tally.prompts),
+            "n_samples": tally.samples,
+            "n_shards": n_shards,
+            "stop_token_ids": stop_token_ids(model_path, tokenizer),
+        },
+        "architecture": describe_checkpoint(model_path, trust_remote_code=opts.trust_remote_code),
+        "engine": engine_info,
+        "reference": {"source": "trainer", "framework": fmt.name, "from": "the dump's own log-probs"}
+        if trainer
+        else None,
+        "logprob_semantics": {
+            "engine": engine.describe(),
+            "reference": ref.describe(),
+            "matched": ref.distribution() == engine.distribution(),
+            "prefill": None,
+        },
+        "decode_vs_prefill": {"skipped": f"imported from a {fmt.name} dump: its engine did not re-score the rollouts"},
+        "imported_from": imported,
+        "timings": {"import_s": round(time.perf_counter() - t0, 3)},
+    }
+    record.update_sections(sections)
+    return record
