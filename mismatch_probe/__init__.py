@@ -6,7 +6,7 @@ imported until a run needs it.
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "load_run", "sweep"]
+__all__ = ["__version__", "import_dump", "load_run", "sweep"]
 
 
 def __getattr__(name: str):
@@ -19,4 +19,8 @@ def __getattr__(name: str):
         from mismatch_probe.sweeps import sweep
 
         return sweep
+    if name == "import_dump":  # mismatch_probe.import_dump("slime", path, model=...) -> RunContext
+        from mismatch_probe.importing import import_dump
+
+        return import_dump
     raise AttributeError(f"module 'mismatch_probe' has no attribute {name!r}")

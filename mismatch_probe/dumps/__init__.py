@@ -49,7 +49,7 @@ FORMATS: dict[str, DumpFormat] = {
             "a train_data_step{N}.jsonl file or the log directory holding them",
             engine="vllm",
             engine_logprobs="processed",
-            trainer_logprobs="temperature",
+            trainer_logprobs="processed",  # its policy applies the run's top-k / top-p too
         ),
         DumpFormat(
             "verl",
