@@ -36,7 +36,7 @@ from mismatch_probe.errors import ConfigError
 from mismatch_probe.files import portable_path
 from mismatch_probe.modeling.logprobs import engine_semantics, reference_semantics
 from mismatch_probe.pipeline import Progress, RunContext, open_run
-from mismatch_probe.record import SCHEMA_VERSION, find_record, now, parse_record
+from mismatch_probe.record import SCHEMA_VERSION, RunRecord, find_record, now, parse_record
 from mismatch_probe.table.tokens import (
     ROLLOUTS_DIR,
     TOKENS_DIR,
@@ -136,7 +136,10 @@ def import_dump(
     spec, sources = _spec(fmt, reader, model, path, out, opts)
     out_dir = Path(spec.out or "")
     fingerprint = _import_fingerprint(fmt, reader, opts)
-    resuming = _prepare_out(out_dir, fingerprint, overwrite=overwrite)
+    previous = _prepare_out(out_dir, fingerprint, overwrite=overwrite)
+    if previous is not None and (previous.imported_from or {}).get("samples") is not None:
+        # the same import, finished (and maybe analyzed since): nothing to redo, nothing to lose
+        return open_run(out_dir, progress=progress, model=model_path)
     imported: dict[str, Any] = {
         "format": fmt.name,
         "path": portable_path(Path(path).resolve()),
@@ -156,47 +159,75 @@ def import_dump(
         }
     )
     record.write(out_dir)  # a killed import leaves a run directory that the same command resumes
-    layout = None
-    tally = _Tally()
-    progress.stage("import", 0)
-    shard: list[Checked] = []
-    shard_index = reused = 0
-
-    def flush() -> None:
-        nonlocal shard_index, reused
-        reused += _write_shard(out_dir, shard_index, shard, with_tokens=bool(tally.trainer))
-        progress.advance("import", len(shard))
-        shard.clear()
-        shard_index += 1
-
-    for k, sample in enumerate(reader.samples()):
-        if not opts.use_trainer:
-            sample.logp_trainer = None
-        if sample.experts is not None:
-            layout = layout or _routing_layout(model_path, opts.trust_remote_code)
-            sample.experts = _moe_rows(sample.experts, layout, config)
-        checked = to_rollout(
-            sample, k, vocab_size=vocab_size, num_experts=layout.get("num_experts") if layout else None
-        )
-        if layout is not None and checked.rollout.experts_infer is not None:
-            _check_expert_width(checked.rollout.experts_infer, layout, sample.where)
-        tally.add(checked, sample.where)
-        shard.append(checked)
-        if len(shard) == spec.shard_size:
-            flush()
-    if shard:
-        flush()
+    try:
+        written = _write_shards(reader, out_dir, spec, opts, model_path, config, vocab_size, progress)
+    except BaseException as exc:  # the shards written so far stay; the same command resumes
+        record.status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+        record.error = str(exc) or type(exc).__name__
+        record.write(out_dir)
+        raise
+    tally, layout = written.tally, written.layout
     if tally.samples == 0:
         raise ConfigError(f"{path} holds no samples")
     spec.sampling.max_tokens = max(tally.max_response, 1)
     spec.max_turns = max(tally.max_turns, 1)
     record = _final_record(
-        spec, fmt, reader, record, imported, tally, layout, model_path, tokenizer, opts, shard_index, t0
+        spec, fmt, reader, record, imported, tally, layout, model_path, tokenizer, opts, written.shards, t0
     )
-    if resuming:
-        record.resumed = {"rollout_shards_reused": reused}
+    if previous is not None:
+        record.resumed = {"rollout_shards_reused": written.reused}
     record.write(out_dir)
     return open_run(out_dir, progress=progress, model=model_path)
+
+
+@dataclass
+class _Written:
+    tally: _Tally
+    layout: dict | None  # the checkpoint's MoE layers, when the dump has routed experts
+    shards: int
+    reused: int  # shards an earlier, interrupted import had written
+
+
+def _write_shards(
+    reader: DumpReader,
+    out: Path,
+    spec: ProbeSpec,
+    opts: ImportOptions,
+    model_path: Path,
+    config: dict,
+    vocab_size: int,
+    progress: Progress,
+) -> _Written:
+    """Stream the dump's samples, checked, into shards of ``spec.shard_size`` samples."""
+    written = _Written(_Tally(), None, 0, 0)
+    shard: list[Checked] = []
+
+    def flush() -> None:
+        written.reused += _write_shard(out, written.shards, shard, with_tokens=bool(written.tally.trainer))
+        progress.advance("import", len(shard))
+        shard.clear()
+        written.shards += 1
+
+    progress.stage("import", 0)
+    for k, sample in enumerate(reader.samples()):
+        if not opts.use_trainer:
+            sample.logp_trainer = None
+        if sample.experts is not None:
+            written.layout = written.layout or _routing_layout(model_path, opts.trust_remote_code)
+            sample.experts = _moe_rows(sample.experts, written.layout, config)
+        layout = written.layout
+        checked = to_rollout(
+            sample, k, vocab_size=vocab_size, num_experts=layout.get("num_experts") if layout else None
+        )
+        if layout is not None and checked.rollout.experts_infer is not None:
+            _check_expert_width(checked.rollout.experts_infer, layout, sample.where)
+        written.tally.add(checked, sample.where)
+        shard.append(checked)
+        if len(shard) == spec.shard_size:
+            flush()
+    if shard:
+        flush()
+    return written
 
 
 def _spec(
@@ -263,8 +294,8 @@ def _import_fingerprint(fmt: DumpFormat, reader: DumpReader, opts: ImportOptions
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _prepare_out(out: Path, fingerprint: str, *, overwrite: bool) -> bool:
-    """Create ``out``, or resume the same import into it; True when resuming."""
+def _prepare_out(out: Path, fingerprint: str, *, overwrite: bool) -> RunRecord | None:
+    """Create ``out``, or resume the same import into it (its record returned)."""
     import shutil
 
     if out.exists() and not out.is_dir():
@@ -285,9 +316,9 @@ def _prepare_out(out: Path, fingerprint: str, *, overwrite: bool) -> bool:
                 hint="use another --out, or --overwrite to replace it",
             )
         else:
-            return True
+            return previous
     out.mkdir(parents=True, exist_ok=True)
-    return False
+    return None
 
 
 def _write_shard(out: Path, index: int, shard: list[Checked], *, with_tokens: bool) -> bool:
@@ -340,13 +371,27 @@ def _check_expert_width(experts: np.ndarray, layout: dict, where: str) -> None:
         )
 
 
-def _final_record(spec, fmt, reader, record, imported, tally, layout, model_path, tokenizer, opts, n_shards, t0):
+def _final_record(
+    spec: ProbeSpec,
+    fmt: DumpFormat,
+    reader: DumpReader,
+    record: RunRecord,
+    imported: dict[str, Any],
+    tally: _Tally,
+    layout: dict | None,
+    model_path: Path,
+    tokenizer: Any,
+    opts: ImportOptions,
+    n_shards: int,
+    t0: float,
+) -> RunRecord:
+    """The record of a finished import: every section the later stages read."""
     from mismatch_probe.environment import fingerprint
     from mismatch_probe.modeling.architecture import describe_checkpoint
     from mismatch_probe.modeling.loading import stop_token_ids
 
     s = spec.sampling
-    engine = engine_semantics(spec.engine.logprobs_mode, s.temperature, s.top_k, s.top_p)
+    engine = engine_semantics(spec.engine.logprobs_mode or "raw", s.temperature, s.top_k, s.top_p)  # set by validate()
     trainer = bool(tally.trainer)
     if trainer:
         choice = opts.trainer_logprobs or fmt.trainer_logprobs

@@ -237,6 +237,12 @@ def prepare(
             hint="run `mismatch-probe sample` once, then `torchrun ... mismatch-probe score RUN_DIR`",
         )
     spec.validate()
+    if rollouts_from is not None and (theirs := find_record(Path(rollouts_from))) and theirs.imported_from:
+        # its spec is the dump's, which no probe spec reproduces: score re-scores it as it is
+        raise ConfigError(
+            f"--rollouts-from {rollouts_from} was imported from a {theirs.imported_from.get('format')} dump",
+            hint=f"score its rollouts with `mismatch-probe score {rollouts_from} --out NEW_DIR --set reference.KEY=VALUE`",
+        )
     model_path = check_model_dir(spec.model)
     entry = get_entry(spec.engine.name)
     entry.check_settings(spec.engine)

@@ -108,6 +108,13 @@ def _tokenizer_if_present(record: RunRecord):
 
 
 def gpu_type(record: RunRecord) -> str:
+    if record.imported_from:  # the engine ran in the training job, on hardware the dump does not name
+        where = f"{record.imported_from.get('format')} dump"
+        return where if trainer_is_reference(record) else f"{where}, reference on {_machine(record)}"
+    return _machine(record)
+
+
+def _machine(record: RunRecord) -> str:
     env = record.environment or Environment()
     names = list(dict.fromkeys(g.get("name") for g in env.gpus if g.get("name")))
     eng, ref = record.engine or EngineInfo(), record.reference or ReferenceInfo()

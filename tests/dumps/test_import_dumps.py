@@ -131,6 +131,10 @@ def test_nemo_rl_forced_on_policy_ratio_has_no_trainer_log_probs(step, tmp_path)
     assert not (tmp_path / "run" / "tokens.parquet").exists() and ctx.record.reference is None
     refused = cli("analyze", str(tmp_path / "run"))
     assert refused.returncode == 2 and "scored token shards" in refused.stderr
+    args = ("--model", str(DENSE), "--prompts", str(SINGLE_TURN), "--engine", "hf", "--out", str(tmp_path / "c"))
+    refused = cli("compare", *args, "--rollouts-from", str(tmp_path / "run"))
+    assert refused.returncode == 2 and "was imported from a nemo-rl dump" in refused.stderr
+    assert f"mismatch-probe score {tmp_path / 'run'} --out NEW_DIR" in refused.stderr and not (tmp_path / "c").exists()
     score_run(tmp_path / "run", overrides={})  # the engine side, scored in place by the reference
     rec = analyze_existing(tmp_path / "run").run
     assert rec.metrics["n_model_tokens"] == expected(step)["n_model_tokens"] and rec.trainer is None
@@ -171,7 +175,7 @@ def test_an_interrupted_import_resumes_with_the_same_shards(step, tmp_path, monk
         import_dump("generic", path, model=DENSE, out=tmp_path / "run", options=options)
     monkeypatch.setattr(importing, "to_rollout", real)
     run = tmp_path / "run"
-    assert json.loads((run / "run.json").read_text())["status"] == "running"
+    assert json.loads((run / "run.json").read_text())["status"] == "interrupted"
     done = sorted((run / "rollouts").glob("part-*.parquet"))
     assert len(done) == 2  # shards 0 and 1 (samples 0-3) were complete
     mtimes = [os.stat(p).st_mtime_ns for p in done]
@@ -184,14 +188,33 @@ def test_an_interrupted_import_resumes_with_the_same_shards(step, tmp_path, monk
         for name in names:  # the same bytes as an import that was never interrupted
             assert (run / sub / name).read_bytes() == (tmp_path / "fresh" / sub / name).read_bytes(), name
     assert fresh.record.imported_from["fingerprint"] == ctx.record.imported_from["fingerprint"]
+    analyze_existing(run)
+    metrics = json.loads((run / "run.json").read_text())["metrics"]
+    again = import_dump("generic", path, model=DENSE, out=run, options=options)  # finished: kept as it is
+    assert again.record.metrics == metrics and again.record.status == "complete"
     with pytest.raises(ConfigError, match="holds another run"):  # other options, same directory
         import_dump("generic", path, model=DENSE, out=run, options=ImportOptions(shard_size=3))
 
 
-def test_moe_routing_in_a_dump_is_compared_with_the_reference(tmp_path):
-    step = simulate(MOE, SINGLE_TURN, n_prompts=2, n=2, record_routing=True)
-    write_slime(step, tmp_path / "dump")
-    import_dump("slime", tmp_path / "dump", model=MOE, out=tmp_path / "run")
+@pytest.fixture(scope="module")
+def moe_step() -> Step:
+    return simulate(MOE, SINGLE_TURN, n_prompts=2, n=2, record_routing=True)
+
+
+@pytest.mark.parametrize("fmt", ["slime", "verl", "generic-jsonl"])
+def test_moe_routing_in_a_dump_is_compared_with_the_reference(fmt, moe_step, tmp_path):
+    if fmt == "verl":
+        require_verl()
+    step = moe_step
+    if fmt == "slime":
+        write_slime(step, tmp_path / "dump")
+        name, path = "slime", tmp_path / "dump"
+    elif fmt == "verl":  # routed_experts [B, P + R, layers, k], rows from the left padding on
+        name, path = "verl", write_verl(step, tmp_path / "dump", old_log_probs=True)
+    else:
+        name, path = "generic", write_generic(step, tmp_path / "dump.jsonl")
+    ctx = import_dump(name, path, model=MOE, out=tmp_path / "run", options=ImportOptions(trust_pickle=True))
+    assert ctx.record.imported_from["routed_experts"] is True and ctx.record.engine.routing is not None
     score_run(tmp_path / "run", out=tmp_path / "ref", overrides=FP32)
     rec = analyze_existing(tmp_path / "ref").run
     # independently: a model token flips when any layer's expert set differs between the bf16
@@ -203,7 +226,7 @@ def test_moe_routing_in_a_dump_is_compared_with_the_reference(tmp_path):
         flips.append(np.any(a != b, axis=(1, 2)))
     flips = np.concatenate(flips)
     assert rec.routing["tokens_with_flip_share"] == pytest.approx(flips.mean(), abs=1e-12)
-    assert rec.routing["num_experts"] == 8 or rec.routing["num_experts"] is not None
+    assert rec.routing["num_experts"] == 8
 
 
 # ---- bad dumps: one line naming the sample, exit 2 -----------------------------------------------
