@@ -133,6 +133,8 @@ def import_dump(
     vocab_size = int(config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size") or len(tokenizer))
     reader = open_dump(fmt, path, step=opts.step, trust_pickle=opts.trust_pickle, trainer_path=opts.trainer_path)
     reader.want_trainer = opts.use_trainer
+    if reader.tokenizer_dir is not None:
+        _check_same_tokenizer(reader.tokenizer_dir, tokenizer, model_path)
     spec, sources = _spec(fmt, reader, model, path, out, opts)
     out_dir = Path(spec.out or "")
     fingerprint = _import_fingerprint(fmt, reader, opts)
@@ -335,6 +337,22 @@ def _write_shard(out: Path, index: int, shard: list[Checked], *, with_tokens: bo
         entropy = [np.full(len(r.token_ids), np.nan, np.float32) for r in rollouts]
         write_table_atomic(token_table(rollouts, trainer, entropy), tokens_path)
     return kept
+
+
+def _check_same_tokenizer(saved: Path, tokenizer: Any, model_path: Path) -> None:
+    """Token ids mean something only under their tokenizer: the one the run saved with its dump
+    must map every token to the id the checkpoint's does."""
+    from mismatch_probe.modeling.loading import load_tokenizer
+
+    theirs = load_tokenizer(saved).get_vocab()
+    ours = tokenizer.get_vocab()
+    differ = sorted(t for t in theirs.keys() | ours.keys() if theirs.get(t) != ours.get(t))
+    if differ:
+        raise ConfigError(
+            f"the tokenizer the run saved with its dump ({saved}) and {model_path}'s differ on {len(differ)} "
+            f"token(s), e.g. {differ[0]!r}: its token ids would be read as other tokens",
+            hint="pass the checkpoint the run sampled with (--model)",
+        )
 
 
 def _routing_layout(model_path: Path, trust_remote_code: bool) -> dict:

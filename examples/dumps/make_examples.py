@@ -27,6 +27,9 @@ if __name__ == "__main__":
     for name in ("slime", "nemo-rl", "verl", "generic"):
         shutil.rmtree(here / name, ignore_errors=True)
     write_slime(step, here / "slime", rollout_id=3)  # --dump-details: rollout_data/3.pt, train_data/3.pt
+    (here / "slime" / "tokenizer").mkdir()  # and the tokenizer, which import checks against --model's
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ROOT / "fixtures" / "models" / "tiny-qwen2" / name, here / "slime" / "tokenizer" / name)
     write_nemo_rl(step, here / "nemo-rl", 3)  # train_data_step3.jsonl
     write_verl(step, here / "verl", 3, old_log_probs=True)  # <exp>/<GBS..>/3/gen_batch.dp, after compute_log_prob
     write_generic(step, here / "generic" / "step.parquet")

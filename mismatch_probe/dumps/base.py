@@ -34,6 +34,8 @@ class DumpReader:
         self.has_trainer: bool | None = None
         # False: the import takes the engine side alone (readers then skip the trainer's files)
         self.want_trainer = True
+        # the tokenizer the run saved beside its dump (slime's --dump-details), checked against --model's
+        self.tokenizer_dir: Path | None = None
 
     def samples(self) -> Iterator[DumpSample]:
         raise NotImplementedError

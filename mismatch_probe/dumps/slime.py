@@ -52,6 +52,8 @@ class SlimeDump(DumpReader):
         if self.train_file is not None:
             self.files.append(self.train_file)
         self.has_trainer = self.train_file is not None
+        if rollout_file.parent.name == ROLLOUT_DIR and (rollout_file.parent.parent / "tokenizer").is_dir():
+            self.tokenizer_dir = rollout_file.parent.parent / "tokenizer"  # --dump-details saves it
 
     def samples(self) -> Iterator[DumpSample]:
         dump = _load(self.files[0])

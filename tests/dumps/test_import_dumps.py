@@ -157,6 +157,27 @@ def test_slime_imports_the_samples_its_train_dump_holds(step, tmp_path):
     assert whole.record.imported_from["samples"] == 8 and whole.record.imported_from["trainer_logprobs"] is False
 
 
+def test_slime_checks_the_tokenizer_it_saved_against_the_checkpoint(step, tmp_path):
+    import shutil
+
+    write_slime(step, tmp_path / "dump")
+    saved = tmp_path / "dump" / "tokenizer"  # what --dump-details saves beside rollout_data/
+    saved.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DENSE / name, saved / name)
+    assert (
+        import_dump("slime", tmp_path / "dump", model=DENSE, out=tmp_path / "same").record.imported_from["samples"] == 8
+    )
+    tok = json.loads((saved / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = [t for t, i in vocab.items() if i in (300, 301)]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # a tokenizer that reads ids 300 and 301 the other way round
+    (saved / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ConfigError, match=r"tokenizer the run saved with its dump .* differ on 2 token\(s\)"):
+        import_dump("slime", tmp_path / "dump", model=DENSE, out=tmp_path / "other")
+    assert not (tmp_path / "other").exists()
+
+
 def test_an_interrupted_import_resumes_with_the_same_shards(step, tmp_path, monkeypatch):
     from mismatch_probe import importing
 
