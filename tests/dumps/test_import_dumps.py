@@ -308,3 +308,38 @@ def test_verl_text_dump_is_refused_with_the_setting_to_use(tmp_path):
     assert result.returncode == 2
     assert "trainer.rollout_data_dir" in result.stderr and "skip.rollout.enable=True" in result.stderr
     assert "calculate_log_probs=True" in result.stderr
+
+
+def test_verl_numpy_serialization_and_old_slime_numpy_experts_read_the_same(moe_step, tmp_path):
+    """verl with VERL_DATAPROTO_SERIALIZATION_METHOD=numpy pickles its batch as NumPy bytes;
+    slime before 2026-06 stored routed experts as a NumPy array (torch.load then needs NumPy's
+    array reconstruction allowed, and nothing else)."""
+    import torch
+
+    require_verl()
+    ours = import_dump("slime", write_slime(moe_step, tmp_path / "slime").parent.parent, model=MOE, out=tmp_path / "a")
+    root = write_verl(moe_step, tmp_path / "verl", old_log_probs=True, numpy_serialization=True)
+    verl = import_dump("verl", root, model=MOE, out=tmp_path / "b", options=ImportOptions(trust_pickle=True))
+    dump = torch.load(tmp_path / "slime" / "rollout_data" / "3.pt", weights_only=True)
+    for s in dump["samples"]:
+        s["rollout_routed_experts"] = np.frombuffer(s["rollout_routed_experts"].numpy().tobytes(), np.int32).reshape(
+            s["rollout_routed_experts"].shape
+        )
+    torch.save(dump, tmp_path / "slime" / "rollout_data" / "3.pt")
+    old = import_dump("slime", tmp_path / "slime", model=MOE, out=tmp_path / "c")
+    for run in (verl, old):
+        for sub in ("rollouts", "tokens.parquet"):
+            a = pq.read_table(ours.out / sub).drop_columns(["prompt_id"])
+            b = pq.read_table(run.out / sub).drop_columns(["prompt_id"])
+            for name in a.column_names:  # finish_reason: slime's status, verl's unknown
+                if name != "finish_reason":
+                    assert a.column(name).to_pylist() == b.column(name).to_pylist() or _nan_equal(a, b, name), (
+                        sub,
+                        name,
+                    )
+
+
+def _nan_equal(a, b, name) -> bool:
+    x = a.column(name).to_pylist()
+    y = b.column(name).to_pylist()
+    return json.dumps(x).replace("NaN", "null") == json.dumps(y).replace("NaN", "null")

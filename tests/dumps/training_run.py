@@ -289,9 +289,12 @@ def verl_site() -> str | None:
     return site if (Path(site) / "verl" / "protocol.py").is_file() else None
 
 
-def write_verl(step: Step, root: Path, gen_step: int = 2, *, old_log_probs: bool = False) -> Path:
+def write_verl(
+    step: Step, root: Path, gen_step: int = 2, *, old_log_probs: bool = False, numpy_serialization: bool = False
+) -> Path:
     """verl 0.9's rollout cache of ``step``, built and saved by verl's own DataProto (in a process
-    with verl on its path): ``{root}/exp_proj/GBS{b}_N2_in{P}_out{R}/{gen_step}/gen_batch.dp``."""
+    with verl on its path): ``{root}/exp_proj/GBS{b}_N2_in{P}_out{R}/{gen_step}/gen_batch.dp``.
+    ``numpy_serialization``: as with ``VERL_DATAPROTO_SERIALIZATION_METHOD=numpy``."""
     import os
     import subprocess
     import sys
@@ -344,5 +347,8 @@ def write_verl(step: Step, root: Path, gen_step: int = 2, *, old_log_probs: bool
         (Path(tmp) / "uids.json").write_text(json.dumps([s.prompt_id for s in seqs]))
         builder = str(Path(__file__).with_name("verl_dump.py"))
         args = [sys.executable, builder, f"{tmp}/arrays.npz", f"{tmp}/uids.json", str(out)]
-        subprocess.run(args, check=True, env={**os.environ, "PYTHONPATH": site}, timeout=300)
+        env = {**os.environ, "PYTHONPATH": site}
+        if numpy_serialization:
+            env["VERL_DATAPROTO_SERIALIZATION_METHOD"] = "numpy"
+        subprocess.run(args, check=True, env=env, timeout=300)
     return root
