@@ -284,6 +284,11 @@ def _spec(
     apply_overrides(spec, opts.overrides)
     if opts.shard_size < 1:
         raise ConfigError(f"--shard-size must be >= 1, got {opts.shard_size}")
+    if opts.trainer_logprobs not in (None, *TRAINER_LOGPROBS):
+        raise ConfigError(
+            f"--trainer-logprobs {opts.trainer_logprobs!r}: choose one of {', '.join(TRAINER_LOGPROBS)}",
+            hint="raw: log_softmax(logits); temperature: log_softmax(logits / T); processed: with top-k / top-p too",
+        )
     spec.validate()
     return spec, sources
 
@@ -413,8 +418,6 @@ def _final_record(
     trainer = bool(tally.trainer)
     if trainer:
         choice = opts.trainer_logprobs or fmt.trainer_logprobs
-        if choice not in TRAINER_LOGPROBS:
-            raise ConfigError(f"--trainer-logprobs {choice!r}: choose one of {', '.join(TRAINER_LOGPROBS)}")
         ref = reference_semantics(choice, engine, s.temperature, s.top_k, s.top_p)
     else:
         ref = reference_semantics(spec.reference.logprobs, engine, s.temperature, s.top_k, s.top_p)

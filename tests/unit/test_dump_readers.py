@@ -116,3 +116,17 @@ def test_import_in_process_writes_a_run_and_refuses_bad_input(tmp_path):
         ],
     )
     assert other.exit_code == 2 and "only [reference] and [corrections]" in other.output
+    args = [
+        "import",
+        "generic",
+        str(DUMPS / "generic" / "step.jsonl"),
+        "--model",
+        str(MODEL),
+        "--out",
+        str(tmp_path / "x"),
+    ]
+    bad = runner.invoke(app, [*args, "--trainer-logprobs", "logits"])
+    assert bad.exit_code == 2 and "--trainer-logprobs 'logits': choose one of raw, temperature, processed" in bad.output
+    bad = runner.invoke(app, [*args, "--engine-logprobs", "sampled"])
+    assert bad.exit_code == 2 and "engine.logprobs_mode is 'sampled'; choose one of raw, processed" in bad.output
+    assert not (tmp_path / "x").exists()
