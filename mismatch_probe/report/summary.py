@@ -93,11 +93,22 @@ def notes(record: RunRecord) -> list[str]:
     out = []
     sem = record.logprob_semantics
     if sem is not None and sem.matched is False and sem.reference is not None and sem.engine is not None:
-        out.append(
-            f"[yellow]note:[/] the reference scores {sem.reference.distribution} but the engine's log-probs "
-            f"are {sem.engine.distribution} (reference.logprobs = {record.spec.reference.logprobs!r}); "
-            "the mismatch above includes that difference on purpose"
-        )
+        if trainer_is_reference(record):  # the run's own two sides: the difference is part of what it trained on
+            out.append(
+                f"[yellow]note:[/] the trainer's log-probs are of {sem.reference.distribution} but the engine's are "
+                f"of {sem.engine.distribution}: the mismatch above includes that difference, as the run's did"
+            )
+        else:
+            out.append(
+                f"[yellow]note:[/] the reference scores {sem.reference.distribution} but the engine's log-probs "
+                f"are {sem.engine.distribution} (reference.logprobs = {record.spec.reference.logprobs!r}); "
+                "the mismatch above includes that difference on purpose"
+            )
+    return out + _other_notes(record)
+
+
+def _other_notes(record: RunRecord) -> list[str]:
+    out: list[str] = []
     n_zero = record.metric("n_zero_prob_train")
     if n_zero:
         out.append(
