@@ -39,6 +39,7 @@ def synthetic(n: int, seed: int = 0) -> dict[str, np.ndarray]:
         "log_ppl_infer": rng.uniform(0.5, 2, n),
         "log_ppl_train": rng.uniform(0.5, 2, n),
         "min_token_log_ratio": -rng.exponential(0.2, n),
+        "mult_error_sum": n_tokens * (1.0 + rng.uniform(0, 0.01, n)),
     }
 
 
@@ -52,6 +53,8 @@ def naive(cols: dict[str, np.ndarray], n_boot: int, seed: int = 0) -> dict[str, 
         c = {k: v[idx] for k, v in cols.items()}
         tok = c["n_tokens"].sum()
         draws["k3_kl"].append(c["k3_sum"].sum() / tok)
+        draws["prob_diff_max"].append(c["max_mismatch"].max())
+        draws["mult_prob_error"].append(c["mult_error_sum"].sum() / tok)
         draws["k1_kl"].append(-c["log_ratio"].sum() / tok)
         draws["prob_diff_mean"].append((c["mean_mismatch"] * c["n_tokens"]).sum() / tok)
         draws["seq_max_mismatch_mean"].append(c["max_mismatch"].mean())
