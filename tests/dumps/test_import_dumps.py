@@ -2,7 +2,8 @@
 "trainer" forwards, tool calls between turns), dumped as slime, NeMo-RL, verl and the generic
 format write it, imported, analyzed and re-scored. The metrics of what the run saw equal a float64
 recomputation from the dumped arrays; the reference's re-score of the same tokens agrees with the
-float32 trainer to the last bit, which it can only do if every log-prob sits on its token."""
+float32 trainer within float32 rounding (often to the last bit), which it can only do if every
+log-prob sits on its token."""
 
 from __future__ import annotations
 
