@@ -93,9 +93,13 @@ def to_rollout(
     where = sample.where
     ids = np.asarray(sample.token_ids).reshape(-1)
     if ids.dtype.kind not in "iu":
-        if ids.size and not np.all(np.mod(ids, 1) == 0):
-            raise ConfigError(f"{where}: token ids are not integers")
-        ids = ids.astype(np.int64)
+        try:
+            as_float = ids.astype(np.float64)
+        except (TypeError, ValueError):
+            as_float = np.full(len(ids), np.nan)
+        if not np.all(np.isfinite(as_float) & (np.mod(as_float, 1) == 0)):
+            raise ConfigError(f"{where}: token ids are not all integers")
+        ids = as_float.astype(np.int64)
     n = len(ids)
     if n < 2:
         raise ConfigError(f"{where}: {n} token(s); a sample needs a prompt and a response")

@@ -62,6 +62,8 @@ def test_a_log_prob_rounded_just_above_zero_is_zero():
             r"token id 11 is outside the checkpoint's vocabulary \(0..10\)",
         ),
         ({"token_ids": np.array([5, 6, -1, 8, 9, 10])}, r"token id -1 is outside"),
+        ({"token_ids": np.array([5, 6, 7.5, 8, 9, 10])}, r"token ids are not all integers"),
+        ({"token_ids": np.array([5, 6, None, 8, 9, 10], dtype=object)}, r"token ids are not all integers"),
         ({"model_mask": np.array([0, 1, 1, 0, 1])}, r"the model-token mask has 5 entries for 6 tokens"),
         (
             {"model_mask": np.array([1, 0, 1, 1, 0, 0]), "logp_engine": np.array([-1.0, -1, -1])},
