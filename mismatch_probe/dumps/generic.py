@@ -124,10 +124,17 @@ def _sample(row: dict, where: str) -> DumpSample:
         where=where,
         token_ids=np.asarray(row["token_ids"]),
         model_mask=np.asarray(row["model_mask"]),
-        logp_engine=np.asarray(row["logp_engine"], dtype=np.float64),
-        logp_trainer=None if row.get("logp_trainer") is None else np.asarray(row["logp_trainer"], dtype=np.float64),
+        logp_engine=_floats(row["logp_engine"], where, "logp_engine"),
+        logp_trainer=None if row.get("logp_trainer") is None else _floats(row["logp_trainer"], where, "logp_trainer"),
         turn=None if row.get("turn") is None else np.asarray(row["turn"]),
         experts=None if experts is None else np.asarray(experts),
         prompt_id=None if prompt_id is None else str(prompt_id),
         finish_reason=row.get("finish_reason"),
     )
+
+
+def _floats(values, where: str, key: str) -> np.ndarray:
+    try:
+        return np.asarray(values, dtype=np.float64).reshape(-1)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: {key} is not a list of numbers") from None
