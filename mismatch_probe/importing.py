@@ -35,8 +35,8 @@ from mismatch_probe.dumps.samples import Checked, to_rollout
 from mismatch_probe.errors import ConfigError
 from mismatch_probe.files import portable_path
 from mismatch_probe.modeling.logprobs import engine_semantics, reference_semantics
-from mismatch_probe.pipeline import Progress, RunContext, open_run
-from mismatch_probe.record import SCHEMA_VERSION, RunRecord, find_record, now, parse_record
+from mismatch_probe.pipeline import Progress, RunContext, open_run, prepare_out_dir
+from mismatch_probe.record import SCHEMA_VERSION, RunRecord, now, parse_record
 from mismatch_probe.table.tokens import (
     ROLLOUTS_DIR,
     TOKENS_DIR,
@@ -138,7 +138,12 @@ def import_dump(
     spec, sources = _spec(fmt, reader, model, path, out, opts)
     out_dir = Path(spec.out or "")
     fingerprint = _import_fingerprint(fmt, reader, opts)
-    previous = _prepare_out(out_dir, fingerprint, overwrite=overwrite)
+    previous = prepare_out_dir(
+        out_dir,
+        lambda run: (run.imported_from or {}).get("fingerprint") == fingerprint,
+        "another run",
+        overwrite=overwrite,
+    )
     if previous is not None and (previous.imported_from or {}).get("samples") is not None:
         # the same import, finished (and maybe analyzed since): nothing to redo, nothing to lose
         return open_run(out_dir, progress=progress, model=model_path)
@@ -164,8 +169,7 @@ def import_dump(
     try:
         written = _write_shards(reader, out_dir, spec, opts, model_path, config, vocab_size, progress)
     except BaseException as exc:  # the shards written so far stay; the same command resumes
-        record.status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
-        record.error = str(exc) or type(exc).__name__
+        record.stopped_by(exc)
         record.write(out_dir)
         raise
     tally, layout = written.tally, written.layout
@@ -299,33 +303,6 @@ def _import_fingerprint(fmt: DumpFormat, reader: DumpReader, opts: ImportOptions
     options = {k: v for k, v in vars(opts).items() if k not in ("overrides", "trust_remote_code")}
     payload = {"format": fmt.name, "files": files, "step": reader.step, "options": options, "overrides": opts.overrides}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def _prepare_out(out: Path, fingerprint: str, *, overwrite: bool) -> RunRecord | None:
-    """Create ``out``, or resume the same import into it (its record returned)."""
-    import shutil
-
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {str(out)!r} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()):
-        try:
-            previous = find_record(out)
-        except ConfigError:
-            previous = None
-        if previous is None:
-            raise ConfigError(f"--out {str(out)!r} is not empty and holds no run", hint="choose another --out")
-        same = (previous.imported_from or {}).get("fingerprint") == fingerprint
-        if overwrite:
-            shutil.rmtree(out)
-        elif not same:
-            raise ConfigError(
-                f"--out {str(out)!r} holds another run",
-                hint="use another --out, or --overwrite to replace it",
-            )
-        else:
-            return previous
-    out.mkdir(parents=True, exist_ok=True)
-    return None
 
 
 def _write_shard(out: Path, index: int, shard: list[Checked], *, with_tokens: bool) -> bool:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -142,8 +142,7 @@ class RunContext:
 
     def fail(self, exc: BaseException) -> None:
         """Record why the run stopped (it resumes from what is on disk)."""
-        self.record.status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
-        self.record.error = str(exc) or type(exc).__name__
+        self.record.stopped_by(exc)
         self.save()
 
 
@@ -155,6 +154,20 @@ def default_out_dir(spec: ProbeSpec) -> Path:
 
 def prepare_run_dir(spec: ProbeSpec, out: Path, *, overwrite: bool) -> RunRecord | None:
     """Create ``out`` or check it can be resumed; returns the previous record when resuming."""
+    fingerprint = spec.fingerprint()
+    return prepare_out_dir(
+        out,
+        lambda previous: previous.spec_fingerprint == fingerprint,
+        "a run with a different spec",
+        overwrite=overwrite,
+    )
+
+
+def prepare_out_dir(
+    out: Path, same_run: Callable[[RunRecord], bool], other: str, *, overwrite: bool
+) -> RunRecord | None:
+    """Create ``out``, or check that the run in it is the one ``same_run`` recognises (and return
+    its record, to resume it); ``other`` says what it holds when it is not."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {str(out)!r} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()):
@@ -167,9 +180,9 @@ def prepare_run_dir(spec: ProbeSpec, out: Path, *, overwrite: bool) -> RunRecord
             raise ConfigError(f"--out {str(out)!r} is not empty and holds no run", hint="choose another --out")
         if overwrite:
             shutil.rmtree(out)
-        elif previous.spec_fingerprint != spec.fingerprint():
+        elif not same_run(previous):
             raise ConfigError(
-                f"--out {str(out)!r} holds a run with a different spec",
+                f"--out {str(out)!r} holds {other}",
                 hint="use another --out, or --overwrite to replace it",
             )
         else:

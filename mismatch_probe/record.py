@@ -345,6 +345,11 @@ class RunRecord(Section):
         tmp.replace(path)
         return path
 
+    def stopped_by(self, exc: BaseException) -> None:
+        """Say why the run stopped before it was complete (a Ctrl-C is ``interrupted``)."""
+        self.status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+        self.error = str(exc) or type(exc).__name__
+
     def update_sections(self, sections: Mapping[str, Any]) -> None:
         """Set several top-level sections at once (the analysis's output), validated: every field has
         a default, so a record of just these sections validates them alone."""
