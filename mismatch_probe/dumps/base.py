@@ -58,9 +58,12 @@ def files_by_step(directory: Path, pattern: str) -> dict[int, list[Path]]:
     return grouped
 
 
-def pick_step(grouped: dict[int, list[Path]], step: int | None, path: Path, what: str) -> tuple[int, list[Path]]:
-    """The files of ``step``; without one, the dump's only step. Several steps were sampled with
-    several versions of the weights, and only one is the checkpoint the reference loads."""
+def pick_step(
+    grouped: dict[int, list[Path]], step: int | None, path: Path, what: str, *, one_run: str
+) -> tuple[int, Path]:
+    """The file of ``step``; without one, the dump's only step. Several steps were sampled with
+    several versions of the weights, and only one is the checkpoint the reference loads. Two files
+    of one step are two runs (``one_run`` says how to pick one)."""
     if not grouped:
         raise ConfigError(f"{path} holds no {what}")
     if step is None:
@@ -76,4 +79,9 @@ def pick_step(grouped: dict[int, list[Path]], step: int | None, path: Path, what
         raise ConfigError(
             f"{path} has no {what} of step {step}", hint=f"its steps: {', '.join(map(str, sorted(grouped)))}"
         )
-    return step, grouped[step]
+    files = grouped[step]
+    if len(files) > 1:
+        raise ConfigError(
+            f"{path} holds step {step} of {len(files)} runs: {', '.join(str(f) for f in files)}", hint=one_run
+        )
+    return step, files[0]

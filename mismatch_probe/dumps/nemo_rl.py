@@ -45,12 +45,14 @@ class NemoRLDump(DumpReader):
             self.step = next(iter(numbers), None)
         else:
             grouped = files_by_step(path, PATTERN) or files_by_step(path, f"*/{PATTERN}")
-            self.step, files = pick_step(grouped, step, path, f"NeMo-RL training-data logs ({PATTERN})")
-            if len(files) > 1:
-                raise ConfigError(
-                    f"{path} holds step {self.step} of {len(files)} runs: {', '.join(str(f) for f in files)}",
-                    hint="give the file (or the experiment's log directory) itself",
-                )
+            self.step, file = pick_step(
+                grouped,
+                step,
+                path,
+                f"NeMo-RL training-data logs ({PATTERN})",
+                one_run="give the file (or the experiment's log directory) itself",
+            )
+            files = [file]
         self.files = files
 
     def samples(self) -> Iterator[DumpSample]:

@@ -44,8 +44,9 @@ class SlimeDump(DumpReader):
         else:
             directory = path / ROLLOUT_DIR if (path / ROLLOUT_DIR).is_dir() else path
             grouped = files_by_step(directory, "[0-9]*.pt")  # not eval_<id>.pt: evaluation rollouts
-            step, files = pick_step(grouped, step, path, "slime rollout dumps (rollout_data/<id>.pt)")
-            rollout_file = files[0]
+            step, rollout_file = pick_step(
+                grouped, step, path, "slime rollout dumps (rollout_data/<id>.pt)", one_run="give the .pt file itself"
+            )
         self.step = step
         self.files = [rollout_file]
         self.train_file = _train_file(rollout_file, step, trainer_path)

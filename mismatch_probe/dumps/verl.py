@@ -64,13 +64,14 @@ class VerlDump(DumpReader):
                     grouped.setdefault(int(match.group(1)), []).append(f)
             if not grouped and any(path.glob("*.jsonl")):
                 _refuse_text(next(iter(sorted(path.glob("*.jsonl")))))
-            self.step, files = pick_step(grouped, step, path, f"verl rollout caches (<step>/{GEN_BATCH})")
-            if len(files) > 1:
-                raise ConfigError(
-                    f"{path} holds step {self.step} of {len(files)} runs: {', '.join(str(f.parent.parent) for f in files)}",
-                    hint="give that run's directory, or the gen_batch.dp file itself",
-                )
-            self.files = files
+            self.step, file = pick_step(
+                grouped,
+                step,
+                path,
+                f"verl rollout caches (<step>/{GEN_BATCH})",
+                one_run="give that run's directory, or the gen_batch.dp file itself",
+            )
+            self.files = [file]
         if not trust_pickle:
             raise ConfigError(
                 f"{self.files[0]} is a pickle (verl's DataProto); unpickling a file can run code it names",

@@ -80,20 +80,8 @@ def test_verl_needs_the_flag_and_the_generic_format_its_columns(tmp_path):
 def test_import_in_process_writes_a_run_and_refuses_bad_input(tmp_path):
     runner = CliRunner()
     out = tmp_path / "run"
-    result = runner.invoke(
-        app,
-        [
-            "import",
-            "generic",
-            str(DUMPS / "generic" / "step.jsonl"),
-            "--model",
-            str(MODEL),
-            "--out",
-            str(out),
-            "--temperature",
-            "0.7",
-        ],
-    )
+    generic = ["import", "generic", str(DUMPS / "generic" / "step.jsonl"), "--model", str(MODEL)]
+    result = runner.invoke(app, [*generic, "--out", str(out), "--temperature", "0.7"])
     assert result.exit_code == 0, result.output
     record = json.loads((out / "run.json").read_text())
     assert record["imported_from"]["settings_from"]["sampling.temperature"] == "flag"
@@ -101,30 +89,9 @@ def test_import_in_process_writes_a_run_and_refuses_bad_input(tmp_path):
     assert record["imported_from"]["samples"] == 8 and (out / "tokens.parquet").is_dir()
     bad = runner.invoke(app, ["import", "slimey", str(DUMPS), "--model", str(MODEL)])
     assert bad.exit_code == 2 and "unknown dump format 'slimey'" in bad.output
-    other = runner.invoke(
-        app,
-        [
-            "import",
-            "generic",
-            str(DUMPS / "generic" / "step.jsonl"),
-            "--model",
-            str(MODEL),
-            "--out",
-            str(out),
-            "--set",
-            "engine.dtype=float32",
-        ],
-    )
+    other = runner.invoke(app, [*generic, "--out", str(out), "--set", "engine.dtype=float32"])
     assert other.exit_code == 2 and "only [reference] and [corrections]" in other.output
-    args = [
-        "import",
-        "generic",
-        str(DUMPS / "generic" / "step.jsonl"),
-        "--model",
-        str(MODEL),
-        "--out",
-        str(tmp_path / "x"),
-    ]
+    args = [*generic, "--out", str(tmp_path / "x")]
     bad = runner.invoke(app, [*args, "--trainer-logprobs", "logits"])
     assert bad.exit_code == 2 and "--trainer-logprobs 'logits': choose one of raw, temperature, processed" in bad.output
     bad = runner.invoke(app, [*args, "--engine-logprobs", "sampled"])

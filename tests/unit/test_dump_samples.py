@@ -119,8 +119,11 @@ def test_formats_by_name_and_alias():
 def test_a_step_is_picked_or_asked_for(tmp_path):
     grouped = {3: [tmp_path / "3.pt"], 7: [tmp_path / "7.pt"]}
     with pytest.raises(ConfigError, match=r"holds x of 2 steps \(3, 7\) \(pass --step N"):
-        pick_step(grouped, None, tmp_path, "x")
-    assert pick_step(grouped, 7, tmp_path, "x") == (7, [tmp_path / "7.pt"])
-    assert pick_step({3: grouped[3]}, None, tmp_path, "x")[0] == 3
+        pick_step(grouped, None, tmp_path, "x", one_run="-")
+    assert pick_step(grouped, 7, tmp_path, "x", one_run="-") == (7, tmp_path / "7.pt")
+    assert pick_step({3: grouped[3]}, None, tmp_path, "x", one_run="-")[0] == 3
     with pytest.raises(ConfigError, match=r"has no x of step 5 \(its steps: 3, 7\)"):
-        pick_step(grouped, 5, tmp_path, "x")
+        pick_step(grouped, 5, tmp_path, "x", one_run="-")
+    two_runs = {3: [tmp_path / "a" / "3.pt", tmp_path / "b" / "3.pt"]}
+    with pytest.raises(ConfigError, match=r"holds step 3 of 2 runs: .*a/3.pt, .*b/3.pt \(pick one\)"):
+        pick_step(two_runs, None, tmp_path, "x", one_run="pick one")
