@@ -1,9 +1,10 @@
 """From the per-token table on disk to the metric sections of run.json.
 
-Streams the table shard by shard (each shard holds whole sequences) into three accumulators:
-all model tokens (sequences = samples), first assistant turn (turn 0) and later turns (turn >= 1,
-sequences = sample-turns). Needs neither a GPU nor an engine, so ``report`` and ``gate`` can run
-it on a copied run directory.
+Streams the table shard by shard (each shard holds whole sequences) in one pass: each shard's
+token terms are computed once and feed every accumulator (the metrics of all model tokens, whose
+sequences are samples, of the first assistant turn, the later turns and each turn index, whose
+sequences are sample-turns; routing, distributions, per-sequence rows). Needs neither a GPU nor an
+engine, so ``report`` and ``gate`` can run it on a copied run directory.
 """
 
 from __future__ import annotations
@@ -16,14 +17,18 @@ import pyarrow as pa
 
 from mismatch_probe.analysis.distributions import DistributionAccumulator
 from mismatch_probe.analysis.metrics import (
+    GROUP_TURNS as TURN_GROUPS,
+)
+from mismatch_probe.analysis.metrics import (
     CorrectionThresholds,
     MetricsAccumulator,
     RoutingAccumulator,
     RoutingComparison,
+    TokenTerms,
     compare_routing,
     segment_starts,
 )
-from mismatch_probe.analysis.sequences import TURN_GROUPS, SequenceCollector
+from mismatch_probe.analysis.sequences import SequenceCollector
 from mismatch_probe.table.tokens import iter_model_tokens
 
 
@@ -44,8 +49,7 @@ def analyze(
     given, is fed in the same pass and finished at the end (its ``result`` is what the report draws);
     so is ``sequences`` (its ``table`` holds every sequence's terms, sequences.parquet)."""
     thresholds = thresholds or CorrectionThresholds()
-    overall = MetricsAccumulator(thresholds)
-    by_turn = {name: MetricsAccumulator(thresholds) for name in TURN_GROUPS}
+    acc = MetricsAccumulator(thresholds)  # all, first, later and each turn index, in one pass
     router_acc: dict[str, RoutingAccumulator] = {}
     # decode vs prefill: the engine's sampled log-prob against its own full-sequence prefill
     prefill = MetricsAccumulator(thresholds)
@@ -54,17 +58,18 @@ def analyze(
         "engine_vs_trainer": MetricsAccumulator(thresholds),
         "trainer_vs_reference": MetricsAccumulator(thresholds),
     }
-    by_index: dict[int, MetricsAccumulator] = {}
     for shard in iter_model_tokens(Path(run_dir)):
         sample, turn = shard["sample_id"], shard["turn"]
         lt, li, pos = shard["logp_train"], shard["logp_infer"], shard["position"]
         ei, et = shard["experts_infer"], shard["experts_train"]
         starts = segment_starts(sample)
-        overall.add(lt, li, starts, pos)
+        done = acc.add(lt, li, starts, pos, turn)
+        if done is None:
+            continue
         if sequences is not None:
-            sequences.ids["all"].add(sample, None, starts)
+            sequences.add(sample, turn, starts, done)
         if distributions is not None:
-            distributions.add(lt, li, sample, turn)
+            distributions.add_terms(done.terms, turn, sample[starts], done.sequences.max_mismatch)
         lp = shard["logp_prefill"]
         if lp is not None:
             scored = ~np.isnan(lp)
@@ -75,33 +80,24 @@ def analyze(
             starts_known = segment_starts(sample[known])
             trainer["engine_vs_trainer"].add(ltr[known], li[known], starts_known, pos[known])
             trainer["trainer_vs_reference"].add(lt[known], ltr[known], starts_known, pos[known])
-        for t in np.unique(turn):  # per assistant-turn index (0 = first); sequences are sample-turns
-            keep = turn == t
-            acc = by_index.setdefault(int(t), MetricsAccumulator(thresholds))
-            acc.add(lt[keep], li[keep], segment_starts(sample[keep]), pos[keep])
-        groups = {"all": np.ones(len(lt), dtype=bool)}
-        for name, select in TURN_GROUPS.items():
-            keep = select(turn)
-            groups[name] = keep
-            if keep.any():
-                starts = segment_starts(sample[keep], turn[keep])
-                by_turn[name].add(lt[keep], li[keep], starts, pos[keep])
-                if sequences is not None:
-                    sequences.ids[name].add(sample[keep], turn[keep], starts)
         if ei is not None and et is not None and routing:
             n_layers, top_k = len(routing["moe_layers"]), routing["top_k"]
             cmp = compare_routing(ei, et, n_layers, top_k)  # once per shard, shared by the groups
-            for name, keep in groups.items():
+            for name, keep in _turn_groups(turn):
                 router = router_acc.setdefault(name, RoutingAccumulator(n_layers, top_k))
-                router.add(RoutingComparison(cmp.same[keep], cmp.shared[keep]), lt[keep], li[keep])
+                if keep is None:
+                    router.add(cmp, terms=done.terms)
+                elif keep.any():
+                    kept = TokenTerms(*(a[keep] for a in done.terms))
+                    router.add(RoutingComparison(cmp.same[keep], cmp.shared[keep]), terms=kept)
     out: dict[str, Any] = {
-        "metrics": overall.metrics(),
-        "metrics_by_turn": {name: acc.metrics() for name, acc in by_turn.items()},
-        "metrics_by_turn_index": {str(t): by_index[t].metrics() for t in sorted(by_index)},
-        "corrections": overall.corrections(),
-        "corrections_by_turn": {name: acc.corrections() for name, acc in by_turn.items()},
-        "breakdowns": overall.breakdowns(),
-        "breakdowns_by_turn": {name: acc.breakdowns() for name, acc in by_turn.items()},
+        "metrics": acc.metrics(),
+        "metrics_by_turn": {name: acc.metrics(name) for name in TURN_GROUPS},
+        "metrics_by_turn_index": {str(t): acc.metrics(t) for t in acc.turns},
+        "corrections": acc.corrections(),
+        "corrections_by_turn": {name: acc.corrections(name) for name in TURN_GROUPS},
+        "breakdowns": acc.breakdowns(),
+        "breakdowns_by_turn": {name: acc.breakdowns(name) for name in TURN_GROUPS},
         "routing": None,
         "decode_vs_prefill": None,
         "trainer": None,
@@ -109,7 +105,7 @@ def analyze(
     if distributions is not None:
         distributions.finish()
     if sequences is not None:
-        sequences.finish({"all": overall, **by_turn})
+        sequences.finish(acc)
     if prefill.n_tokens:
         out["decode_vs_prefill"] = prefill.metrics() | {"n_unscored_tokens": n_unscored}
     if trainer["engine_vs_trainer"].n_tokens:
@@ -121,6 +117,14 @@ def analyze(
             "num_experts": routing.get("num_experts"),
         }
     return out
+
+
+def _turn_groups(turn: np.ndarray):
+    """("all", None) and each turn group with its tokens (None: all of them)."""
+    yield "all", None
+    for name, select in TURN_GROUPS.items():
+        keep = select(turn)
+        yield name, (None if keep.all() else keep)
 
 
 def sequences_from_tokens(run_dir: str | Path) -> pa.Table:

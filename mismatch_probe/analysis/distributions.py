@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mismatch_probe.analysis.metrics import segment_starts
+from mismatch_probe.analysis.metrics import TokenTerms, segment_starts, token_terms
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -48,8 +48,52 @@ MISMATCH_LOG_EDGES[-1] = 1.0 + 1e-12  # |dp| = 1 exactly belongs to the last bin
 
 def bin_index(values: np.ndarray, edges: np.ndarray) -> np.ndarray:
     """Index of the half-open bin [edges[i], edges[i+1]) of each value; values outside fall into
-    the first or last bin."""
-    return np.clip(np.searchsorted(edges, values, side="right") - 1, 0, len(edges) - 2)
+    the first or last bin, NaN into the last.
+
+    Equal to ``clip(searchsorted(edges, values, side="right") - 1, 0, len(edges) - 2)``, without its
+    binary search (~30 ns a value for the 94 log-ratio edges): a float64's upper 16 bits, taken in
+    an order-preserving way, say how many edges lie below it, and one comparison settles the edge
+    that shares them (edges whose upper bits collide fall back to the search)."""
+    v = np.asarray(values, dtype=np.float64)
+    table = _edge_table(np.asarray(edges, dtype=np.float64))
+    if table is None:
+        return np.clip(np.searchsorted(edges, v, side="right") - 1, 0, len(edges) - 2)
+    below, edge_at = table
+    top = _top16(v)
+    out = below[top]  # the edges below the value's prefix, minus one: its bin if no edge shares it
+    with np.errstate(invalid="ignore"):
+        out += v >= edge_at[top]
+    np.maximum(out, 0, out=out)  # (np.clip costs as much as all the rest)
+    np.minimum(out, len(edges) - 2, out=out)
+    out[np.isnan(v)] = len(edges) - 2  # searchsorted sorts NaN last
+    return out
+
+
+def _top16(v: np.ndarray) -> np.ndarray:
+    """The upper 16 bits (sign, exponent, 4 mantissa bits) of each float64, -0.0 counted as +0.0."""
+    return ((v + 0.0).view(np.uint64) >> np.uint64(48)).view(np.int64)
+
+
+_EDGE_TABLES: dict[bytes, tuple[np.ndarray, np.ndarray] | None] = {}
+
+
+def _edge_table(edges: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """For every 16-bit prefix: how many edges lie below the floats that have it, and the edge that
+    has it (NaN where none does, so the comparison is false); None when two edges share a prefix."""
+    key = edges.tobytes()
+    if key not in _EDGE_TABLES:
+        prefixes = np.arange(1 << 16, dtype=np.uint64)
+        # the prefixes in the order of the floats they start: negatives reversed, below positives
+        ordered = np.where(prefixes >> np.uint64(15) == 1, ~prefixes & np.uint64(0x7FFF), prefixes | np.uint64(0x8000))
+        tops = _top16(edges)
+        edge_order = ordered[tops]
+        if len(np.unique(tops)) < len(tops) or np.isnan(edges).any():
+            _EDGE_TABLES[key] = None
+        else:
+            edge_at = np.full(1 << 16, np.nan)
+            edge_at[tops] = edges + 0.0
+            _EDGE_TABLES[key] = (np.searchsorted(edge_order, ordered, side="left") - 1, edge_at)
+    return _EDGE_TABLES[key]
 
 
 def _sparse(hist: np.ndarray) -> dict:
@@ -134,25 +178,35 @@ class DistributionAccumulator:
     def add(self, logp_train: np.ndarray, logp_infer: np.ndarray, sample_id: np.ndarray, turn: np.ndarray) -> None:
         if len(logp_train) == 0:
             return
-        lt = np.asarray(logp_train, dtype=np.float64)
-        li = np.asarray(logp_infer, dtype=np.float64)
-        p_train, p_infer = np.exp(lt), np.exp(li)
+        terms = token_terms(logp_train, logp_infer)
+        starts = segment_starts(sample_id)
+        self.add_terms(terms, turn, np.asarray(sample_id)[starts], np.maximum.reduceat(terms.prob_diff, starts))
+
+    def add_terms(self, terms: TokenTerms, turn: np.ndarray, samples: np.ndarray, max_gap: np.ndarray) -> None:
+        """A shard whose :func:`token_terms` are computed: each token's ``turn``, and per sample its
+        id and largest |p_train - p_infer| (``samples``, ``max_gap``: the metrics pass's sequences)."""
+        p_train, p_infer = terms.p_train, terms.p_infer
+        if len(p_train) == 0:
+            return
+        # first / later as the upper half of one histogram: one bincount per shard, no copies
+        later = np.asarray(turn) >= 1
         cell = np.minimum((p_infer * PROB_BINS).astype(np.int64), PROB_BINS - 1) * PROB_BINS + np.minimum(
             (p_train * PROB_BINS).astype(np.int64), PROB_BINS - 1
         )
-        with np.errstate(invalid="ignore"):
-            ratio_bin = bin_index(lt - li, LOG_RATIO_EDGES)
-        for group, keep in (("first", turn == 0), ("later", turn >= 1)):
-            if keep.all():
-                self._prob[group] += np.bincount(cell, minlength=PROB_BINS * PROB_BINS)
-                self._delta[group] += np.bincount(ratio_bin, minlength=len(self._delta[group]))
-            elif keep.any():
-                self._prob[group] += np.bincount(cell[keep], minlength=PROB_BINS * PROB_BINS)
-                self._delta[group] += np.bincount(ratio_bin[keep], minlength=len(self._delta[group]))
-        starts = segment_starts(sample_id)
-        gap = np.maximum.reduceat(np.abs(p_train - p_infer), starts)
-        gaps = np.concatenate([self._worst_gap, gap])
-        samples = np.concatenate([self._worst_sample, np.asarray(sample_id)[starts]])
+        n_ratio = len(LOG_RATIO_EDGES) - 1
+        ratio_bin = bin_index(terms.delta, LOG_RATIO_EDGES)
+        cell += later * (PROB_BINS * PROB_BINS)
+        ratio_bin += later * n_ratio
+        counted = np.asarray(turn) >= 0  # tokens before the first assistant turn are in neither group
+        if not counted.all():
+            cell, ratio_bin = cell[counted], ratio_bin[counted]
+        prob = np.bincount(cell, minlength=2 * PROB_BINS * PROB_BINS)
+        delta = np.bincount(ratio_bin, minlength=2 * n_ratio)
+        for i, group in enumerate(GROUPS):
+            self._prob[group] += prob[i * PROB_BINS * PROB_BINS : (i + 1) * PROB_BINS * PROB_BINS]
+            self._delta[group] += delta[i * n_ratio : (i + 1) * n_ratio]
+        gaps = np.concatenate([self._worst_gap, max_gap])
+        samples = np.concatenate([self._worst_sample, samples])
         if len(gaps) > self.worst_k:
             keep_idx = np.argpartition(-gaps, self.worst_k - 1)[: self.worst_k]
             gaps, samples = gaps[keep_idx], samples[keep_idx]

@@ -197,13 +197,20 @@ def quantiles(values: np.ndarray, qs: dict[str, float]) -> dict[str, float | Non
 
 def bucket_index(values: np.ndarray, edges: tuple) -> np.ndarray:
     """Bucket ``i`` holds ``edges[i] <= v < edges[i+1]``; the last bucket also takes ``v >= edges[-1]``
-    for open-ended edges and ``v == edges[-1]`` for closed ones."""
-    return np.searchsorted(np.asarray(edges[1:-1]), values, side="right").astype(np.int16)
+    for open-ended edges and ``v == edges[-1]`` for closed ones. (The number of inner edges at or
+    below each value: ``searchsorted(edges[1:-1], v, side="right")``, as branch-free comparisons,
+    several times faster for these few edges.)"""
+    values = np.asarray(values)
+    out = np.zeros(values.shape, dtype=np.uint8)
+    for edge in edges[1:-1]:
+        out += values >= edge
+    return out
 
 
 @dataclass
-class _Moments:
-    """Running co-moments for a streaming Pearson correlation (Chan et al. pairwise merge)."""
+class Moments:
+    """Co-moments of a set of (x, y) pairs, merged across sets without loss (Chan et al.): a streaming
+    Pearson correlation, and with x = y a streaming variance."""
 
     n: int = 0
     mean_x: float = 0.0
@@ -212,20 +219,29 @@ class _Moments:
     m2y: float = 0.0
     cxy: float = 0.0
 
-    def add(self, x: np.ndarray, y: np.ndarray) -> None:
-        nb = len(x)
-        if nb == 0:
-            return
+    @classmethod
+    def of(cls, x: np.ndarray, y: np.ndarray) -> Moments:
+        if len(x) == 0:
+            return cls()
         mx, my = float(x.mean()), float(y.mean())
         dx, dy = x - mx, y - my
-        m2x, m2y, cxy = float(dx @ dx), float(dy @ dy), float(dx @ dy)
+        return cls(len(x), mx, my, float(dx @ dx), float(dy @ dy), float(dx @ dy))
+
+    def merge(self, other: Moments) -> None:
+        nb = other.n
+        if nb == 0:
+            return
+        if self.n == 0:  # exact, so merging one part changes nothing
+            self.n, self.mean_x, self.mean_y = other.n, other.mean_x, other.mean_y
+            self.m2x, self.m2y, self.cxy = other.m2x, other.m2y, other.cxy
+            return
         na, n = self.n, self.n + nb
-        ddx, ddy = mx - self.mean_x, my - self.mean_y
+        ddx, ddy = other.mean_x - self.mean_x, other.mean_y - self.mean_y
         self.mean_x += ddx * nb / n
         self.mean_y += ddy * nb / n
-        self.m2x += m2x + ddx * ddx * na * nb / n
-        self.m2y += m2y + ddy * ddy * na * nb / n
-        self.cxy += cxy + ddx * ddy * na * nb / n
+        self.m2x += other.m2x + ddx * ddx * na * nb / n
+        self.m2y += other.m2y + ddy * ddy * na * nb / n
+        self.cxy += other.cxy + ddx * ddy * na * nb / n
         self.n = n
 
     def pearson(self) -> float | None:
@@ -269,31 +285,195 @@ def _share(count: int, total: int) -> float | None:
     return count / total if total else None
 
 
+SUM_KEYS = ("k1", "k2", "k3", "abs_delta", "prob_diff", "mult_error", "ratio", "ratio2")
+COUNT_KEYS = ("token_tis", "token_mask", "zero_prob_train")
+BUCKET_KEYS = ("count", "abs_delta", "prob_diff", "k3")  # rows of the p_infer and position tables
+N_P_BUCKETS = len(P_INFER_BUCKET_EDGES) - 1
+N_POS_BUCKETS = len(POSITION_BUCKET_EDGES)
+
+
+@dataclass
+class TokenStats:
+    """Everything the batch metrics need from a set of model tokens, except the |delta| quantiles
+    (order statistics, kept apart) and the per-sequence terms: sums, counts, maxima and co-moments,
+    all of which merge exactly across sets (sums up to the order of summation)."""
+
+    n: int = 0
+    sums: np.ndarray = field(default_factory=lambda: np.zeros(len(SUM_KEYS)))
+    counts: np.ndarray = field(default_factory=lambda: np.zeros(len(COUNT_KEYS), dtype=np.int64))
+    prob_diff_max: float = -math.inf
+    prob: Moments = field(default_factory=Moments)  # x = p_train, y = p_infer
+    ratio: Moments = field(default_factory=Moments)  # x = y = the token ratio (chi2_token_sn)
+    p_buckets: np.ndarray = field(default_factory=lambda: np.zeros((len(BUCKET_KEYS), N_P_BUCKETS)))
+    pos_buckets: np.ndarray = field(default_factory=lambda: np.zeros((len(BUCKET_KEYS), N_POS_BUCKETS)))
+    pos_max: np.ndarray = field(default_factory=lambda: np.full(N_POS_BUCKETS, -np.inf))
+
+    def merge(self, other: TokenStats) -> None:
+        self.n += other.n
+        with np.errstate(invalid="ignore"):
+            self.sums += other.sums
+            self.p_buckets += other.p_buckets
+            self.pos_buckets += other.pos_buckets
+        self.counts += other.counts
+        self.prob_diff_max = max(self.prob_diff_max, other.prob_diff_max)
+        self.prob.merge(other.prob)
+        self.ratio.merge(other.ratio)
+        np.maximum(self.pos_max, other.pos_max, out=self.pos_max)
+
+    @classmethod
+    def merged(cls, parts: list[TokenStats]) -> TokenStats:
+        out = cls()
+        for part in parts:
+            out.merge(part)
+        return out
+
+    def sum(self, key: str) -> float:
+        return float(self.sums[SUM_KEYS.index(key)])
+
+    def count(self, key: str) -> int:
+        return int(self.counts[COUNT_KEYS.index(key)])
+
+
+def _token_masks(t: TokenTerms, logp_train: np.ndarray, th: CorrectionThresholds) -> list[np.ndarray]:
+    """Per token, in COUNT_KEYS order: clipped by token TIS, masked by token MIS, p_train = 0."""
+    return [
+        t.delta > math.log(th.token_tis),
+        (t.delta < math.log(th.token_mask_low)) | (t.delta > math.log(th.token_mask_high)),
+        np.isneginf(logp_train),
+    ]
+
+
+def cell_stats(
+    t: TokenTerms,
+    logp_train: np.ndarray,
+    seg_starts: np.ndarray,
+    seg_cell: np.ndarray,
+    n_cells: int,
+    p_bucket: np.ndarray,
+    pos_bucket: np.ndarray | None,
+    thresholds: CorrectionThresholds,
+) -> list[TokenStats]:
+    """:class:`TokenStats` of each cell of one shard, in one vectorized pass: tokens come in segments
+    (``seg_starts``; a sequence, or the part of it in one turn) and segment ``i`` belongs to cell
+    ``seg_cell[i]``. Each token sum is reduced per segment (``reduceat``, contiguous) and then per
+    cell, so no cell's tokens are ever copied out; a shard of one cell (one turn) sums directly."""
+    n = len(t.delta)
+    seg_len = np.diff(np.append(seg_starts, n))
+    tok_cell = np.repeat(seg_cell, seg_len) if n_cells > 1 else None
+    stats = [TokenStats() for _ in range(n_cells)]
+    with np.errstate(invalid="ignore", over="ignore"):
+        tokens = (t.k1, t.k2, t.k3, t.abs_delta, t.prob_diff, t.mult_error, t.ratio, t.ratio * t.ratio)
+        masks = _token_masks(t, logp_train, thresholds)
+        if tok_cell is None:
+            s = stats[0]
+            s.n = n
+            s.sums[:] = [a.sum() for a in tokens]
+            s.counts[:] = [int(m.sum()) for m in masks]
+            s.prob_diff_max = float(t.prob_diff.max())
+            s.prob = Moments.of(t.p_train, t.p_infer)
+            s.ratio = Moments.of(t.ratio, t.ratio)
+        else:
+            n_cell = np.bincount(seg_cell, weights=seg_len, minlength=n_cells).astype(np.int64)
+
+            def by_cell(arr: np.ndarray, dtype=None) -> np.ndarray:
+                return np.bincount(seg_cell, weights=np.add.reduceat(arr, seg_starts, dtype=dtype), minlength=n_cells)
+
+            sums = np.stack([by_cell(a) for a in tokens], axis=1)
+            counts = np.stack([by_cell(m, np.int64) for m in masks], axis=1).round().astype(np.int64)
+            prob_max = np.full(n_cells, -np.inf)
+            np.maximum.at(prob_max, seg_cell, np.maximum.reduceat(t.prob_diff, seg_starts))
+            # co-moments about each cell's own mean, as a one-cell shard computes them
+            mean_x, mean_y, mean_r = by_cell(t.p_train) / n_cell, by_cell(t.p_infer) / n_cell, sums[:, 6] / n_cell
+            dx, dy, dr = t.p_train - mean_x[tok_cell], t.p_infer - mean_y[tok_cell], t.ratio - mean_r[tok_cell]
+            m2x, m2y, cxy, m2r = by_cell(dx * dx), by_cell(dy * dy), by_cell(dx * dy), by_cell(dr * dr)
+            for c, s in enumerate(stats):
+                s.n, s.sums[:], s.counts[:], s.prob_diff_max = int(n_cell[c]), sums[c], counts[c], float(prob_max[c])
+                s.prob = Moments(s.n, float(mean_x[c]), float(mean_y[c]), float(m2x[c]), float(m2y[c]), float(cxy[c]))
+                s.ratio = Moments(s.n, float(mean_r[c]), float(mean_r[c]), float(m2r[c]), float(m2r[c]), float(m2r[c]))
+        table = _p_bucket_table(t, p_bucket, tok_cell, n_cells)
+        for c, s in enumerate(stats):
+            s.p_buckets = table[:, c]
+        if pos_bucket is not None:
+            table, top = _position_table(t, pos_bucket, seg_starts, tok_cell, n_cells)
+            for c, s in enumerate(stats):
+                s.pos_buckets, s.pos_max = table[:, c], top[c]
+    return stats
+
+
+def _p_bucket_table(t: TokenTerms, bucket: np.ndarray, tok_cell: np.ndarray | None, n_cells: int) -> np.ndarray:
+    """[BUCKET_KEYS, cell, p_infer bucket] sums: one bincount per row over cell x bucket."""
+    key = bucket if tok_cell is None else tok_cell * N_P_BUCKETS + bucket
+    size = n_cells * N_P_BUCKETS
+    rows = [np.bincount(key, minlength=size)]
+    rows += [np.bincount(key, weights=a, minlength=size) for a in (t.abs_delta, t.prob_diff, t.k3)]
+    return np.stack(rows).reshape(len(BUCKET_KEYS), n_cells, N_P_BUCKETS)
+
+
+def _position_table(
+    t: TokenTerms, bucket: np.ndarray, seg_starts: np.ndarray, tok_cell: np.ndarray | None, n_cells: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """[BUCKET_KEYS, cell, position bucket] sums and [cell, bucket] max |delta p|. Positions rise
+    within a segment, so it crosses each bucket edge once: the tokens are reduced per run of one
+    (segment, bucket), a few runs a sequence, and only the runs are binned."""
+    n = len(bucket)
+    change = np.empty(n, dtype=bool)
+    change[0] = True
+    np.not_equal(bucket[1:], bucket[:-1], out=change[1:])
+    change[seg_starts] = True
+    runs = np.flatnonzero(change)
+    key = bucket[runs].astype(np.int64)
+    if tok_cell is not None:
+        key += tok_cell[runs] * N_POS_BUCKETS
+    size = n_cells * N_POS_BUCKETS
+    rows = [np.bincount(key, weights=np.diff(np.append(runs, n)), minlength=size)]
+    rows += [
+        np.bincount(key, weights=np.add.reduceat(a, runs), minlength=size) for a in (t.abs_delta, t.prob_diff, t.k3)
+    ]
+    top = np.full(size, -np.inf)
+    np.maximum.at(top, key, np.maximum.reduceat(t.prob_diff, runs))
+    return np.stack(rows).reshape(len(BUCKET_KEYS), n_cells, N_POS_BUCKETS), top.reshape(n_cells, N_POS_BUCKETS)
+
+
+class ShardTerms(NamedTuple):
+    """What :meth:`MetricsAccumulator.add` computed for a shard, for other accumulators to reuse."""
+
+    terms: TokenTerms
+    sequences: SequenceTerms  # one per sequence (``starts``)
+    segments: np.ndarray  # start of each segment: a sequence, or its part in one turn
+    segment_turn: np.ndarray  # the turn of each segment
+
+
+# groups of MetricsAccumulator: every token, the first assistant turn, the later ones, or one turn index
+Group = str | int
+GROUP_TURNS = {"first": lambda t: t == 0, "later": lambda t: t >= 1}
+
+
 @dataclass
 class MetricsAccumulator:
-    """Streams shards of model tokens into the batch-level metrics (ARCHITECTURE.md, Metrics).
+    """Streams shards of model tokens into the batch-level metrics (ARCHITECTURE.md, Metrics), for
+    every token (group ``"all"``, whose sequences are the ``starts`` given) and, when ``turn`` is
+    given, per turn: ``"first"`` (turn 0), ``"later"`` (turns >= 1) and each turn index ``t``, whose
+    sequences are the parts of a sequence in one turn (a sample's turns come in order).
 
     Feed it chunks that never split a sequence (the table's shards hold whole sequences); the
-    result equals one call over the concatenation. Per-token state kept for exact quantiles is
-    float32 |delta| plus its p_infer bucket index (5 bytes a token).
+    result equals one call over the concatenation (sums up to the order of summation). One pass
+    per chunk serves every group: per-turn statistics (:func:`cell_stats`) merged per group. The
+    per-token state kept for exact |delta| quantiles is float32 |delta|, its p_infer bucket and its
+    turn (7 bytes a token), selected exactly at the end (:mod:`.order_stats`).
     """
 
     thresholds: CorrectionThresholds = field(default_factory=CorrectionThresholds)
 
     def __post_init__(self) -> None:
         self._n = 0
-        self._sums = {k: 0.0 for k in ("k1", "k2", "k3", "abs_delta", "prob_diff", "mult_error", "ratio", "ratio2")}
-        self._prob_diff_max = -math.inf
-        self._moments = _Moments()
-        self._ratio_moments = _Moments()  # x = y = token ratio: its running variance (chi2_token_sn)
-        self._counts = {"token_tis": 0, "token_mask": 0, "zero_prob_train": 0}
-        self._abs_delta: list[np.ndarray] = []
+        self._cells: dict[int, TokenStats] = {}  # by turn (0 when no turns are given)
+        self._abs_delta: list[np.ndarray] = []  # float32, per chunk
         self._p_bucket: list[np.ndarray] = []
-        n_pb, n_pos = len(P_INFER_BUCKET_EDGES) - 1, len(POSITION_BUCKET_EDGES)
-        self._p_bucket_sums = {k: np.zeros(n_pb) for k in ("count", "abs_delta", "prob_diff", "k3")}
-        self._pos_bucket_sums = {k: np.zeros(n_pos) for k in ("count", "abs_delta", "prob_diff", "k3")}
-        self._pos_bucket_max = np.full(n_pos, -np.inf)
-        self._seq: dict[str, list[np.ndarray]] = {k: [] for k in SequenceTerms._fields}
+        self._turn: list[np.ndarray | None] = []
+        self._seq: list[SequenceTerms] = []
+        self._seg_seq: list[SequenceTerms] = []
+        self._seg_turn: list[np.ndarray] = []
+        self._order_stats: dict | None = None  # (group, bucket) -> {rank: value}, until the next add
 
     def add(
         self,
@@ -301,86 +481,179 @@ class MetricsAccumulator:
         logp_infer: np.ndarray,
         starts: np.ndarray,
         positions: np.ndarray | None = None,
-    ) -> None:
-        """Add model tokens whose sequences begin at ``starts`` (indices into this chunk)."""
+        turn: np.ndarray | None = None,
+    ) -> ShardTerms | None:
+        """Add model tokens whose sequences begin at ``starts`` (indices into this chunk); ``turn``:
+        each token's assistant turn (None: all turn 0). Returns the shard's token and sequence terms
+        (None for an empty chunk)."""
         check_logprobs(np.asarray(logp_train), np.asarray(logp_infer))
         n = len(logp_train)
         if n == 0:
-            return
-        t = token_terms(logp_train, logp_infer)
-        th = self.thresholds
-        self._n += n
-        with np.errstate(invalid="ignore", over="ignore"):
-            for key, arr in (
-                ("k1", t.k1),
-                ("k2", t.k2),
-                ("k3", t.k3),
-                ("abs_delta", t.abs_delta),
-                ("prob_diff", t.prob_diff),
-                ("mult_error", t.mult_error),
-                ("ratio", t.ratio),
-                ("ratio2", t.ratio * t.ratio),
-            ):
-                self._sums[key] += float(arr.sum())
-        self._prob_diff_max = max(self._prob_diff_max, float(t.prob_diff.max()))
-        self._moments.add(t.p_train, t.p_infer)
-        self._ratio_moments.add(t.ratio, t.ratio)
-        self._counts["token_tis"] += int((t.delta > math.log(th.token_tis)).sum())
-        self._counts["token_mask"] += int(
-            ((t.delta < math.log(th.token_mask_low)) | (t.delta > math.log(th.token_mask_high))).sum()
-        )
-        self._counts["zero_prob_train"] += int(np.isneginf(np.asarray(logp_train)).sum())
-
-        self._abs_delta.append(t.abs_delta.astype(np.float32))
+            return None
+        lt = np.asarray(logp_train, dtype=np.float64)
+        li = np.asarray(logp_infer, dtype=np.float64)
+        t = token_terms(lt, li)
+        starts = np.asarray(starts, dtype=np.int64)
+        seq = sequence_terms(t, lt, li, starts)
+        if turn is None:
+            segments, seg_turn, seg_seq = starts, np.zeros(len(starts), dtype=np.int16), seq
+        else:
+            turn = np.asarray(turn)
+            change = np.zeros(n, dtype=bool)
+            change[starts] = True
+            change[1:] |= turn[1:] != turn[:-1]
+            segments = np.flatnonzero(change)
+            seg_turn = turn[segments]
+            seg_seq = seq if len(segments) == len(starts) else sequence_terms(t, lt, li, segments)
+        turns, seg_cell = np.unique(seg_turn, return_inverse=True)
         p_bucket = bucket_index(t.p_infer, P_INFER_BUCKET_EDGES)
-        self._p_bucket.append(p_bucket.astype(np.uint8))
-        self._accumulate_buckets(self._p_bucket_sums, p_bucket, t)
-        if positions is not None:
-            pos_bucket = bucket_index(np.asarray(positions), POSITION_BUCKET_EDGES + (np.inf,))
-            self._accumulate_buckets(self._pos_bucket_sums, pos_bucket, t)
-            np.maximum.at(self._pos_bucket_max, pos_bucket, t.prob_diff)
-
-        seq = sequence_terms(t, logp_train, logp_infer, np.asarray(starts, dtype=np.int64))
-        for key, arr in seq._asdict().items():
-            self._seq[key].append(arr)
+        pos_bucket = None if positions is None else bucket_index(positions, POSITION_BUCKET_EDGES + (np.inf,))
+        parts = cell_stats(t, lt, segments, seg_cell, len(turns), p_bucket, pos_bucket, self.thresholds)
+        for value, part in zip(turns.tolist(), parts):
+            self._cells.setdefault(value, TokenStats()).merge(part)
+        self._n += n
+        self._abs_delta.append(t.abs_delta.astype(np.float32))
+        self._p_bucket.append(p_bucket)
+        self._turn.append(None if turn is None else turn.astype(np.int16))
+        self._seq.append(seq)
+        self._seg_seq.append(seg_seq)
+        self._seg_turn.append(seg_turn)
+        self._order_stats = None
+        return ShardTerms(t, seq, segments, seg_turn)
 
     @property
     def n_tokens(self) -> int:
         return self._n
 
-    @staticmethod
-    def _accumulate_buckets(sums: dict, bucket: np.ndarray, t: TokenTerms) -> None:
-        size = len(sums["count"])
-        sums["count"] += np.bincount(bucket, minlength=size)
-        with np.errstate(invalid="ignore"):
-            sums["abs_delta"] += np.bincount(bucket, weights=t.abs_delta, minlength=size)
-            sums["prob_diff"] += np.bincount(bucket, weights=t.prob_diff, minlength=size)
-            sums["k3"] += np.bincount(bucket, weights=t.k3, minlength=size)
+    @property
+    def turns(self) -> list[int]:
+        """The turn indices seen, in order."""
+        return sorted(self._cells)
 
-    def sequences(self) -> SequenceTerms:
-        """Per-sequence terms (sample-turns in the per-turn groups), in the order they were added."""
-        return SequenceTerms(**{k: (np.concatenate(v) if v else np.zeros(0)) for k, v in self._seq.items()})
+    def _turns_of(self, group: Group) -> list[int]:
+        if group == "all":
+            return self.turns
+        if isinstance(group, str):
+            if group not in GROUP_TURNS:
+                raise ValueError(f"unknown group {group!r}: all, first, later or a turn index")
+            return [t for t in self.turns if GROUP_TURNS[group](t)]
+        return [group] if group in self._cells else []
 
-    def metrics(self) -> dict:
+    def stats(self, group: Group = "all") -> TokenStats:
+        return TokenStats.merged([self._cells[t] for t in self._turns_of(group)])
+
+    def sequences(self, group: Group = "all") -> SequenceTerms:
+        """Per-sequence terms, in the order they were added: sequences in ``"all"``, their parts in one
+        turn (sample-turns) in the turn groups."""
+        if group == "all":
+            parts = self._seq
+        else:
+            wanted = np.asarray(self._turns_of(group), dtype=np.int64)
+            parts = [
+                SequenceTerms(*(a[np.isin(turns, wanted)] for a in seq))
+                for seq, turns in zip(self._seg_seq, self._seg_turn)
+            ]
+        return (
+            SequenceTerms(*(np.concatenate(v) if v else np.zeros(0) for v in zip(*parts))) if parts else _NO_SEQUENCES
+        )
+
+    # --- |delta| order statistics -------------------------------------------------------------
+
+    def _order_statistics(self) -> dict:
+        """``{(group, bucket): {rank: |delta|}}``: the order statistics behind every group's quantiles
+        and maximum (bucket: a p_infer bucket, or None for the whole group), selected exactly from
+        the stored float32 |delta| (:func:`.order_stats.order_statistics`, two passes over it).
+
+        A token's cell is its turn class (before the first turn, first, later) and p_infer bucket,
+        which serves "all", "first", "later" and any turn index alone in its class. Turn indices
+        that share a class (turns 1, 2, ... of multi-turn runs) take passes of their own, cells by
+        turn index, 64 at a time, so the histograms stay small whatever the number of turns."""
+        if self._order_stats is None:
+            turns = self.turns
+            klass = {t: 0 if t < 0 else 1 if t == 0 else 2 for t in turns}
+            alone = [t for t in turns if list(klass.values()).count(klass[t]) == 1]
+            requests = []
+            groups: list[Group] = ["all", "first", "later", *alone]
+            for group in groups:
+                classes = sorted({klass[t] for t in self._turns_of(group)})
+                requests += self._requests(group, classes, buckets=isinstance(group, str))
+            found = self._select(requests, klass, 3)
+            shared = [t for t in turns if t not in alone]
+            for lo in range(0, len(shared), _TURNS_PER_PASS):
+                batch = shared[lo : lo + _TURNS_PER_PASS]
+                requests = [((t, None), [i], self._cells[t].n) for i, t in enumerate(batch)]
+                found |= self._select(requests, {t: i for i, t in enumerate(batch)}, len(batch), by_bucket=False)
+            self._order_stats = found
+        return self._order_stats
+
+    def _requests(self, group: Group, classes: list[int], buckets: bool) -> list[_Request]:
+        """(key, cells, size) of a group whose turns fall in ``classes``: the whole group and, with
+        ``buckets``, each of its p_infer buckets (cell = class * buckets + bucket)."""
+        counts = sum((self._cells[t].p_buckets[0] for t in self._turns_of(group)), np.zeros(N_P_BUCKETS))
+        out: list[_Request] = [
+            ((group, None), [c * N_P_BUCKETS + b for c in classes for b in range(N_P_BUCKETS)], int(counts.sum()))
+        ]
+        if buckets:
+            out += [((group, b), [c * N_P_BUCKETS + b for c in classes], int(counts[b])) for b in range(N_P_BUCKETS)]
+        return out
+
+    def _select(self, requests: list, cell_of_turn: dict[int, int], n_turn_cells: int, by_bucket: bool = True) -> dict:
+        """Run the requests ((key, cells, size)) in one :func:`.order_stats.order_statistics` call;
+        a token's cell is ``cell_of_turn[turn]`` (times the buckets, plus its bucket, ``by_bucket``)."""
+        from mismatch_probe.analysis.order_stats import float32_bits, needed_ranks, order_statistics
+
+        requests = [r for r in requests if r[2]]
+        lut = np.full(_TURN_RANGE, -1, dtype=np.int64)  # the table's turn is int16: a lookup over its range
+        for t, c in cell_of_turn.items():
+            lut[t - _TURN_MIN] = c
+        width = N_P_BUCKETS if by_bucket else 1
+
+        def chunks():
+            for abs_delta, bucket, turn in zip(self._abs_delta, self._p_bucket, self._turn):
+                cell = lut[turn.astype(np.int64) - _TURN_MIN] if turn is not None else lut[-_TURN_MIN]
+                yield float32_bits(abs_delta), (np.where(cell >= 0, cell * width + bucket, -1) if by_bucket else cell)
+
+        ranks = [needed_ranks(size, QUANTILES) for _, _, size in requests]
+        found = order_statistics(chunks, n_turn_cells * width, [cells for _, cells, _ in requests], ranks)
+        return {
+            key: dict(zip(r, bits.view(np.float32).astype(np.float64).tolist()))
+            for (key, _, _), r, bits in zip(requests, ranks, found)
+        }
+
+    def _quantiles(self, group: Group, bucket: int | None, n: int) -> tuple[dict[str, float | None], float | None]:
+        """|delta| quantiles (QUANTILES) and maximum of a group (and p_infer bucket)."""
+        from mismatch_probe.analysis.order_stats import quantiles_from_bits
+
+        if n == 0:
+            return quantiles(np.zeros(0), QUANTILES), None
+        found = self._order_statistics()
+        if (group, bucket) not in found:  # a turn index's p_infer buckets: asked for apart
+            found |= self._select(self._requests(group, [0], True), dict.fromkeys(self._turns_of(group), 0), 1)
+        stats = found[(group, bucket)]
+        return quantiles_from_bits(n, QUANTILES, stats), stats[n - 1]
+
+    # --- results ------------------------------------------------------------------------------
+
+    def metrics(self, group: Group = "all") -> dict:
         """Batch-level metrics under the canonical keys (ARCHITECTURE.md, Metrics) (plus a few extras)."""
-        n = self._n
-        seq = self.sequences()
+        st = self.stats(group)
+        n = st.n
+        seq = self.sequences(group)
         n_seq = len(seq.n_tokens)
-        out: dict = {"n_model_tokens": n, "n_sequences": n_seq, "n_zero_prob_train": self._counts["zero_prob_train"]}
+        out: dict = {"n_model_tokens": n, "n_sequences": n_seq, "n_zero_prob_train": st.count("zero_prob_train")}
         if n == 0:
             for key in CANONICAL_KEYS + _EXTRA_KEYS:
                 out.setdefault(key, None)
             out["seq_max_mismatch_gt_0_5_count"] = 0
             return out
-        s = self._sums
-        mean = {k: v / n for k, v in s.items()}
-        abs_delta = np.concatenate(self._abs_delta)
-        q = quantiles(abs_delta, QUANTILES)
+        mean = {k: st.sum(k) / n for k in SUM_KEYS}
+        q, abs_delta_max = self._quantiles(group, None, n)
         with np.errstate(over="ignore", invalid="ignore"):
             clamped = np.clip(seq.log_ratio, -SEQ_LOG_RATIO_CLAMP, SEQ_LOG_RATIO_CLAMP)
             chi2_seq = float(np.mean(np.exp(2.0 * clamped)) - 1.0)
             chi2_seq_sn = self_normalized_chi2(np.exp(clamped))
-            ess = (s["ratio"] ** 2) / (n * s["ratio2"]) if s["ratio2"] > 0 else None
+            ratio2 = st.sum("ratio2")
+            ess = (st.sum("ratio") ** 2) / (n * ratio2) if ratio2 > 0 else None
             log_ppl_diff = seq.log_ppl_train - seq.log_ppl_infer
         gt = int((seq.max_mismatch > 0.5).sum())
         out.update(
@@ -391,16 +664,16 @@ class MetricsAccumulator:
             abs_delta_p50=q["p50"],
             abs_delta_p90=q["p90"],
             abs_delta_p99=q["p99"],
-            abs_delta_max=float(abs_delta.max()),
-            prob_diff_max=self._prob_diff_max,
+            abs_delta_max=abs_delta_max,
+            prob_diff_max=st.prob_diff_max,
             prob_diff_mean=mean["prob_diff"],
             mult_prob_error=mean["mult_error"],
             chi2_token=mean["ratio2"] - 1.0,
             chi2_seq=chi2_seq,
-            chi2_token_sn=self._ratio_moments.relative_variance_x(),
+            chi2_token_sn=st.ratio.relative_variance_x(),
             chi2_seq_sn=chi2_seq_sn,
             ess=ess,
-            pearson_prob=self._moments.pearson(),
+            pearson_prob=st.prob.pearson(),
             log_ppl_infer=float(seq.log_ppl_infer.mean()),
             log_ppl_train=float(seq.log_ppl_train.mean()),
             log_ppl_diff_mean=float(log_ppl_diff.mean()),
@@ -416,15 +689,16 @@ class MetricsAccumulator:
         )
         return out
 
-    def corrections(self) -> dict:
+    def corrections(self, group: Group = "all") -> dict:
         """Share of data each published correction would clip or drop, with its thresholds."""
-        n = self._n
-        seq = self.sequences()
+        st = self.stats(group)
+        n = st.n
+        seq = self.sequences(group)
         n_seq = len(seq.n_tokens)
         th = self.thresholds
         out: dict[str, Any] = {
-            "token_tis_clipped_share": _share(self._counts["token_tis"], n),
-            "token_mask_share": _share(self._counts["token_mask"], n),
+            "token_tis_clipped_share": _share(st.count("token_tis"), n),
+            "token_mask_share": _share(st.count("token_mask"), n),
         }
         if n_seq:
             with np.errstate(invalid="ignore"):
@@ -442,48 +716,46 @@ class MetricsAccumulator:
         out["thresholds"] = th.as_record()
         return out
 
-    def breakdowns(self) -> dict:
+    def breakdowns(self, group: Group = "all") -> dict:
         """Tables the report draws: by p_infer bucket, by token position, by response length."""
+        st = self.stats(group)
         return {
-            "p_infer_buckets": self._p_infer_table(),
-            "position_buckets": self._position_table(),
-            "response_length_buckets": self._length_table(),
+            "p_infer_buckets": self._p_infer_table(group, st),
+            "position_buckets": self._position_table(st),
+            "response_length_buckets": self._length_table(self.sequences(group)),
         }
 
-    def _p_infer_table(self) -> list[dict]:
-        if not self._n:
+    def _p_infer_table(self, group: Group, st: TokenStats) -> list[dict]:
+        if not st.n:
             return []
-        abs_delta = np.concatenate(self._abs_delta)
-        bucket = np.concatenate(self._p_bucket)
-        sums = self._p_bucket_sums
+        sums = dict(zip(BUCKET_KEYS, st.p_buckets))
         rows = []
-        order = np.argsort(bucket, kind="stable")
-        bounds = np.searchsorted(bucket[order], np.arange(len(P_INFER_BUCKET_EDGES)))
-        for i in range(len(P_INFER_BUCKET_EDGES) - 1):
+        for i in range(N_P_BUCKETS):
             count = int(sums["count"][i])
             row: dict[str, Any] = {
                 "p_infer_lo": P_INFER_BUCKET_EDGES[i],
                 "p_infer_hi": P_INFER_BUCKET_EDGES[i + 1],
                 "count": count,
-                "share": count / self._n,
+                "share": count / st.n,
             }
             if count:
-                values = abs_delta[order[bounds[i] : bounds[i + 1]]]
+                q, top = self._quantiles(group, i, count)
                 row.update(
                     abs_delta_mean=float(sums["abs_delta"][i] / count),
-                    **{f"abs_delta_{k}": v for k, v in quantiles(values, QUANTILES).items()},
-                    abs_delta_max=float(values.max()),
+                    **{f"abs_delta_{k}": v for k, v in q.items()},
+                    abs_delta_max=top,
                     prob_diff_mean=float(sums["prob_diff"][i] / count),
                     k3_mean=float(sums["k3"][i] / count),
                 )
             rows.append(row)
         return rows
 
-    def _position_table(self) -> list[dict]:
-        sums = self._pos_bucket_sums
+    @staticmethod
+    def _position_table(st: TokenStats) -> list[dict]:
+        sums = dict(zip(BUCKET_KEYS, st.pos_buckets))
         edges = POSITION_BUCKET_EDGES + (None,)
         rows = []
-        for i in range(len(POSITION_BUCKET_EDGES)):
+        for i in range(N_POS_BUCKETS):
             count = int(sums["count"][i])
             if not count:
                 continue
@@ -494,14 +766,14 @@ class MetricsAccumulator:
                     "count": count,
                     "abs_delta_mean": float(sums["abs_delta"][i] / count),
                     "prob_diff_mean": float(sums["prob_diff"][i] / count),
-                    "prob_diff_max": float(self._pos_bucket_max[i]),
+                    "prob_diff_max": float(st.pos_max[i]),
                     "k3_mean": float(sums["k3"][i] / count),
                 }
             )
         return rows
 
-    def _length_table(self) -> list[dict]:
-        seq = self.sequences()
+    @staticmethod
+    def _length_table(seq: SequenceTerms) -> list[dict]:
         if not len(seq.n_tokens):
             return []
         edges = LENGTH_BUCKET_EDGES + (None,)
@@ -526,6 +798,10 @@ class MetricsAccumulator:
         return rows
 
 
+_NO_SEQUENCES = SequenceTerms(np.zeros(0, dtype=np.int64), *([np.zeros(0)] * 9))
+_Request = tuple[tuple[Group, int | None], list[int], int]  # (group, bucket), cells, size
+_TURN_MIN, _TURN_RANGE = -(1 << 15), 1 << 16
+_TURNS_PER_PASS = 64  # cells of a pass over turn indices: 64 x 65536 counts = 32 MiB
 _EXTRA_KEYS = (
     "k2_kl",
     "abs_delta_p50",
@@ -603,8 +879,20 @@ class RoutingAccumulator:
             for g in ("flipped", "agreed")
         }
 
-    def add(self, comparison: RoutingComparison, logp_train: np.ndarray, logp_infer: np.ndarray) -> None:
-        n = len(logp_train)
+    def add(
+        self,
+        comparison: RoutingComparison,
+        logp_train: np.ndarray | None = None,
+        logp_infer: np.ndarray | None = None,
+        terms: TokenTerms | None = None,
+    ) -> None:
+        """Add the comparisons of some tokens, with their log-probs or their :func:`token_terms`."""
+        if terms is None:
+            if logp_train is None or logp_infer is None:
+                raise ValueError("RoutingAccumulator.add needs the log-probs or their token terms")
+            terms = token_terms(logp_train, logp_infer)
+        t = terms
+        n = len(t.delta)
         if n == 0:
             return
         same, shared = comparison
@@ -612,7 +900,6 @@ class RoutingAccumulator:
         self._same += same.sum(axis=0)
         self._overlap += shared.sum(axis=0)
         self._differing_hist += np.bincount(self.n_layers - same.sum(axis=-1), minlength=self.n_layers + 1)
-        t = token_terms(logp_train, logp_infer)
         flipped = ~same.all(axis=-1)
         with np.errstate(invalid="ignore", over="ignore"):
             for name, sel in (("flipped", flipped), ("agreed", ~flipped)):
@@ -667,12 +954,18 @@ def compute_metrics(
 __all__ = [
     "CANONICAL_KEYS",
     "CORRECTION_KEYS",
+    "GROUP_TURNS",
     "CorrectionThresholds",
     "MetricsAccumulator",
+    "Moments",
     "RoutingAccumulator",
     "RoutingComparison",
     "SequenceTerms",
+    "ShardTerms",
+    "TokenStats",
     "TokenTerms",
+    "bucket_index",
+    "cell_stats",
     "check_logprobs",
     "compare_routing",
     "compute_metrics",

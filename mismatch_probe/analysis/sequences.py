@@ -13,11 +13,9 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from mismatch_probe.analysis.metrics import MetricsAccumulator, SequenceTerms
+from mismatch_probe.analysis.metrics import GROUP_TURNS, MetricsAccumulator, SequenceTerms, ShardTerms
 
 SEQUENCE_GROUPS = ("all", "first", "later")
-# The turn groups of the metrics: sequences are sample-turns there.
-TURN_GROUPS = {"first": lambda turn: turn == 0, "later": lambda turn: turn >= 1}
 
 SCHEMA = pa.schema(
     [
@@ -56,17 +54,25 @@ class SequenceCollector:
         self.ids = {g: SequenceIds() for g in SEQUENCE_GROUPS}
         self.table: pa.Table | None = None
 
-    def finish(self, accumulators: dict[str, MetricsAccumulator]) -> pa.Table:
-        self.table = sequence_table({g: (self.ids[g], accumulators[g]) for g in SEQUENCE_GROUPS})
+    def add(self, sample_id: np.ndarray, turn: np.ndarray, starts: np.ndarray, shard: ShardTerms) -> None:
+        """The ids of a shard's sequences: samples (``starts``) in ``all``, and the segments of one
+        turn that :meth:`MetricsAccumulator.add` reduced (``shard``) in the turn groups."""
+        self.ids["all"].add(sample_id, None, starts)
+        for name, select in GROUP_TURNS.items():
+            self.ids[name].add(sample_id, turn, shard.segments[select(shard.segment_turn)])
+
+    def finish(self, accumulator: MetricsAccumulator) -> pa.Table:
+        self.table = sequence_table({g: (self.ids[g], accumulator.sequences(g)) for g in SEQUENCE_GROUPS})
         return self.table
 
 
-def sequence_table(groups: dict[str, tuple[SequenceIds, MetricsAccumulator]]) -> pa.Table:
-    """One Arrow table of every group's sequences (``turn`` null in the ``all`` group)."""
+def sequence_table(groups: dict[str, tuple[SequenceIds, MetricsAccumulator | SequenceTerms]]) -> pa.Table:
+    """One Arrow table of every group's sequences (``turn`` null in the ``all`` group); each group's
+    terms given, or an accumulator whose ``all`` group they are."""
     parts = []
     for group, (ids, acc) in groups.items():
         samples, turns = ids.arrays()
-        terms = acc.sequences()
+        terms = acc if isinstance(acc, SequenceTerms) else acc.sequences()
         if len(samples) != len(terms.n_tokens):
             raise AssertionError(f"{group}: {len(samples)} ids for {len(terms.n_tokens)} sequences")
         columns = {

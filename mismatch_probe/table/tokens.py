@@ -301,25 +301,42 @@ def _experts_2d(column: pa.ChunkedArray, keep: np.ndarray) -> np.ndarray | None:
     return data.view("<i2").reshape(len(arr), -1)
 
 
-def iter_model_tokens(run_dir: Path, columns=MODEL_TOKEN_COLUMNS) -> Iterator[dict[str, Any]]:
+def iter_model_tokens(run_dir: Path, columns=MODEL_TOKEN_COLUMNS, prefetch: bool = True) -> Iterator[dict[str, Any]]:
     """Yield one dict of NumPy columns per token shard, model tokens only (whole sequences per shard).
 
     Expert-id columns come back as int16 [tokens, layers * k], or None when the run has none; an
     optional column the table lacks comes back as None; nulls in float columns come back as NaN.
+    With ``prefetch``, the next shard is read in a background thread while the caller works on this
+    one (Parquet decoding and NumPy both release the GIL), at the cost of one more shard in memory.
     """
-    for path in shard_paths(run_dir, TOKENS_DIR):
-        present = set(pq.read_schema(path).names)
-        wanted = [c for c in columns if c in present or c not in OPTIONAL_COLUMNS]
-        t = pq.read_table(path, columns=list(dict.fromkeys((*wanted, "is_model_token"))))
-        keep = t.column("is_model_token").to_numpy(zero_copy_only=False)
-        yield {
-            c: None
-            if c not in wanted
-            else _experts_2d(t.column(c), keep)
-            if c in EXPERT_COLUMNS
-            else t.column(c).to_numpy(zero_copy_only=False)[keep]
-            for c in columns
-        }
+    paths = shard_paths(run_dir, TOKENS_DIR)
+    if not prefetch or len(paths) < 2:
+        yield from (_read_model_tokens(path, columns) for path in paths)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="read-shard") as pool:
+        ahead = pool.submit(_read_model_tokens, paths[0], columns)
+        for path in paths[1:]:
+            shard = ahead.result()
+            ahead = pool.submit(_read_model_tokens, path, columns)
+            yield shard
+        yield ahead.result()
+
+
+def _read_model_tokens(path: Path, columns) -> dict[str, Any]:
+    present = set(pq.read_schema(path).names)
+    wanted = [c for c in columns if c in present or c not in OPTIONAL_COLUMNS]
+    t = pq.read_table(path, columns=list(dict.fromkeys((*wanted, "is_model_token"))))
+    keep = t.column("is_model_token").to_numpy(zero_copy_only=False)
+    return {
+        c: None
+        if c not in wanted
+        else _experts_2d(t.column(c), keep)
+        if c in EXPERT_COLUMNS
+        else t.column(c).to_numpy(zero_copy_only=False)[keep]
+        for c in columns
+    }
 
 
 def read_sequences(run_dir: str | Path) -> pa.Table | None:
