@@ -129,7 +129,7 @@ def forest_plot(record: SweepRecord, metric: str) -> bytes | None:
     ]
     if not rows:
         return None
-    fig, (ax,) = _figure(7.0, 0.45 * len(rows) + 1.4)
+    fig, (ax,) = _figure(7.0, 0.45 * len(rows) + 1.4, layout="constrained")  # setting names of any length
     floor = (record.noise_floor.get("metrics") or {}).get(metric) or {}
     if floor.get("max_over_min"):
         spread = floor["max_over_min"]
