@@ -82,43 +82,91 @@ def available(columns: Columns, keys: list[str] | None = None) -> list[str]:
     return [k for k in keys if all(name in columns for name in BOOTSTRAP_METRICS[k].needs)]
 
 
-def evaluate(weights: np.ndarray, columns: Columns, keys: list[str]) -> np.ndarray:
+class Prepared(NamedTuple):
+    """The per-sequence matrix of some metrics, built once and evaluated under every replicate."""
+
+    keys: list[str]
+    sums: np.ndarray  # [sequences, metrics summed + n_tokens], non-finite values zeroed
+    nonfinite: list[tuple[int, np.ndarray, np.ndarray]]  # (column, rows, their values) per column with any
+    per_token: np.ndarray  # bool per summed metric: over tokens (else over sequences)
+    offset: np.ndarray
+    summed: list[int]  # where each summed metric goes in the output
+    maxima: list[tuple[int, np.ndarray, np.ndarray]]  # (output column, sequences by value descending, values)
+
+
+def prepare(columns: Columns, keys: list[str]) -> Prepared:
+    """What :func:`evaluate` needs of ``columns``, computed once for all replicates."""
+    summed = [j for j, k in enumerate(keys) if BOOTSTRAP_METRICS[k].per != "max"]
+    values = np.column_stack(
+        [np.asarray(BOOTSTRAP_METRICS[keys[j]].value(columns), np.float64) for j in summed]
+        + [np.asarray(columns["n_tokens"], np.float64)]
+    )
+    finite = np.isfinite(values)
+    nonfinite = [
+        (j, np.flatnonzero(~finite[:, j]), values[~finite[:, j], j]) for j in np.flatnonzero(~finite.all(axis=0))
+    ]
+    maxima = []
+    for j, k in enumerate(keys):
+        if BOOTSTRAP_METRICS[k].per == "max":
+            value = np.asarray(BOOTSTRAP_METRICS[k].value(columns), np.float64)
+            # NaN is a missing value here (a sequence with no scored tokens), as np.nanmax treats it
+            order = np.flatnonzero(~np.isnan(value))
+            order = order[np.argsort(-value[order], kind="stable")]
+            maxima.append((j, order, value[order]))
+    return Prepared(
+        keys,
+        np.where(finite, values, 0.0),
+        nonfinite,
+        np.array([BOOTSTRAP_METRICS[keys[j]].per == "token" for j in summed], dtype=bool),
+        np.array([BOOTSTRAP_METRICS[keys[j]].offset for j in summed]),
+        summed,
+        maxima,
+    )
+
+
+def evaluate(weights: np.ndarray, columns: Columns | Prepared, keys: list[str] | None = None) -> np.ndarray:
     """Each metric of ``keys`` (columns) under each row of sequence counts ``weights`` (rows): one
     matrix product for all of them. A value drawn 0 times contributes nothing even when it is
     infinite or NaN (not 0 * inf = NaN); a replicate that draws +inf is +inf, one that draws NaN or
-    both infinities is NaN."""
-    maxima = [j for j, k in enumerate(keys) if BOOTSTRAP_METRICS[k].per == "max"]
-    if maxima:  # a maximum is not a sum: evaluate those apart, the rest in one product
-        means = [k for k in keys if BOOTSTRAP_METRICS[k].per != "max"]
-        out = np.empty((weights.shape[0], len(keys)))
-        rest = [j for j in range(len(keys)) if j not in maxima]
-        if means:
-            out[:, rest] = evaluate(weights, columns, means)
-        drawn = weights > 0
-        for j in maxima:
-            value = np.asarray(BOOTSTRAP_METRICS[keys[j]].value(columns), np.float64)
-            # NaN is a missing value here (a sequence with no scored tokens), as np.nanmax treats it
-            filled = np.where(drawn & ~np.isnan(value), value, -np.inf)
-            best = filled.max(axis=1) if filled.shape[1] else np.full(len(filled), -np.inf)
-            out[:, j] = np.where(np.isneginf(best), np.nan, best)
+    both infinities is NaN. ``columns`` may be :func:`prepare`'s, to build the matrix once."""
+    p = columns if isinstance(columns, Prepared) else prepare(columns, list(keys or []))
+    out = np.empty((weights.shape[0], len(p.keys)))
+    if p.summed:
+        sums = weights @ p.sums
+        for j, rows, bad in p.nonfinite:
+            drawn = weights[:, rows] > 0
+            pos, neg, nan = (
+                drawn[:, bad == np.inf].any(1),
+                drawn[:, bad == -np.inf].any(1),
+                drawn[:, np.isnan(bad)].any(1),
+            )
+            sums[:, j] = np.where(nan | (pos & neg), np.nan, np.where(pos, np.inf, np.where(neg, -np.inf, sums[:, j])))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            denominator = np.where(p.per_token, sums[:, -1:], weights.sum(axis=1, keepdims=True))
+            out[:, p.summed] = sums[:, :-1] / denominator + p.offset
+    for j, order, value in p.maxima:
+        out[:, j] = _drawn_max(weights, order, value)
+    return out
+
+
+def _drawn_max(weights: np.ndarray, order: np.ndarray, value: np.ndarray, head: int = 64) -> np.ndarray:
+    """The largest ``value`` among the sequences each row of ``weights`` draws (NaN if none), with
+    ``order`` the sequences by value, largest first. A replicate misses a given sequence with
+    probability (1 - 1/n)^n ~ 0.37, so the first drawn one is almost always among the first few:
+    only rows that draw none of the first ``head`` look further."""
+    out = np.full(weights.shape[0], np.nan)
+    if not len(order):
         return out
-    values = np.column_stack([BOOTSTRAP_METRICS[k].value(columns) for k in keys] + [columns["n_tokens"]])
-    finite = np.isfinite(values)
-    sums = weights @ np.where(finite, values, 0.0)
-    for j in np.flatnonzero(~finite.all(axis=0)):
-        drawn = weights[:, ~finite[:, j]] > 0
-        bad = values[~finite[:, j], j]
-        pos, neg, nan = (
-            drawn[:, bad == np.inf].any(1),
-            drawn[:, bad == -np.inf].any(1),
-            drawn[:, np.isnan(bad)].any(1),
-        )
-        sums[:, j] = np.where(nan | (pos & neg), np.nan, np.where(pos, np.inf, np.where(neg, -np.inf, sums[:, j])))
-    per = np.array([BOOTSTRAP_METRICS[k].per == "token" for k in keys])
-    offset = np.array([BOOTSTRAP_METRICS[k].offset for k in keys])
-    with np.errstate(invalid="ignore", divide="ignore"):
-        denominator = np.where(per, sums[:, -1:], weights.sum(axis=1, keepdims=True))
-        return sums[:, :-1] / denominator + offset
+    top = weights[:, order[:head]] > 0
+    found = top.any(axis=1)
+    out[found] = value[np.argmax(top[found], axis=1)]
+    rest = np.flatnonzero(~found)
+    if len(rest) and len(order) > head:
+        deep = weights[np.ix_(rest, order[head:])] > 0
+        hit = deep.any(axis=1)
+        out[rest[hit]] = value[head + np.argmax(deep[hit], axis=1)]
+    out[np.isneginf(out)] = np.nan  # nothing above -inf drawn: missing, as when nothing is
+    return out
 
 
 def _estimate(columns: Columns, keys: list[str]) -> np.ndarray:
@@ -126,12 +174,21 @@ def _estimate(columns: Columns, keys: list[str]) -> np.ndarray:
     return evaluate(np.ones((1, len(columns["n_tokens"]))), columns, keys)[0]
 
 
-def _replicates(n: int, n_boot: int, seed: int, chunk: int):
-    """Count vectors of n draws with replacement (each row sums to n), ``chunk`` rows at a time."""
+# Values per chunk of replicates: a chunk's draws, counts and their float copy are a few times this
+# many 8-byte words, so it stays ~100 MiB whatever the number of sequences.
+CHUNK_VALUES = 1 << 22
+
+
+def _replicates(n: int, n_boot: int, seed: int, chunk: int | None):
+    """Count vectors of n draws with replacement (each row sums to n), ``chunk`` rows at a time
+    (default: as many as fit CHUNK_VALUES). The draws are one stream, so the chunking does not
+    change them."""
     rng = np.random.default_rng(seed)
+    chunk = chunk or max(1, CHUNK_VALUES // max(n, 1))
     for start in range(0, n_boot, chunk):
         size = min(chunk, n_boot - start)
-        draws = rng.integers(0, n, (size, n)) + (np.arange(size) * n)[:, None]
+        draws = rng.integers(0, n, (size, n))
+        draws += (np.arange(size) * n)[:, None]
         yield np.bincount(draws.ravel(), minlength=size * n).reshape(size, n).astype(np.float64)
 
 
@@ -156,7 +213,7 @@ def bootstrap_intervals(
     n_boot: int = 2000,
     level: float = 0.95,
     seed: int = 0,
-    chunk: int = 256,
+    chunk: int | None = None,
 ) -> dict[str, Interval | None]:
     """Percentile bootstrap interval of each metric in ``keys`` (default: all of
     :data:`BOOTSTRAP_METRICS`), resampling sequences; None for a metric of a run with no sequences.
@@ -166,8 +223,9 @@ def bootstrap_intervals(
     _check(n, n_boot, level)
     if n == 0:
         return dict.fromkeys(keys)
-    estimate = evaluate(np.ones((1, n)), columns, keys)[0]
-    draws = np.concatenate([evaluate(w, columns, keys) for w in _replicates(n, n_boot, seed, chunk)])
+    prepared = prepare(columns, keys)
+    estimate = evaluate(np.ones((1, n)), prepared)[0]
+    draws = np.concatenate([evaluate(w, prepared) for w in _replicates(n, n_boot, seed, chunk)])
     return {k: Interval(float(estimate[j]), *_percentiles(draws[:, j], level)) for j, k in enumerate(keys)}
 
 
@@ -184,7 +242,7 @@ def paired_intervals(
     n_boot: int = 2000,
     level: float = 0.95,
     seed: int = 0,
-    chunk: int = 256,
+    chunk: int | None = None,
 ) -> dict[str, PairedInterval | None]:
     """Intervals of the difference and the ratio of each metric between two runs that scored the
     same sequences (row i of ``a`` and of ``b`` is the same sample and turn): both are resampled with
@@ -199,10 +257,11 @@ def paired_intervals(
     if n == 0:
         return dict.fromkeys(keys)
     ones = np.ones((1, n))
-    ea, eb = evaluate(ones, a, keys)[0], evaluate(ones, b, keys)[0]
+    pa, pb = prepare(a, keys), prepare(b, keys)
+    ea, eb = evaluate(ones, pa)[0], evaluate(ones, pb)[0]
     diffs, ratios = [], []
     for weights in _replicates(n, n_boot, seed, chunk):
-        ma, mb = evaluate(weights, a, keys), evaluate(weights, b, keys)
+        ma, mb = evaluate(weights, pa), evaluate(weights, pb)
         with np.errstate(invalid="ignore", divide="ignore"):
             diffs.append(mb - ma)
             ratios.append(mb / ma)
@@ -226,7 +285,7 @@ def unpaired_intervals(
     n_boot: int = 2000,
     level: float = 0.95,
     seed: int = 0,
-    chunk: int = 256,
+    chunk: int | None = None,
 ) -> dict[str, PairedInterval | None]:
     """Intervals of the difference and ratio of each metric between run ``b`` and a baseline sampled
     several times (``baselines``: its repeats, other seeds), when ``b`` sampled tokens of its own.
@@ -244,14 +303,17 @@ def unpaired_intervals(
         return dict.fromkeys(keys)
     rng = np.random.default_rng(seed)
     pick = rng.integers(0, len(baselines), n_boot)
-    draws_b = np.concatenate([evaluate(w, b, keys) for w in _replicates(len(b["n_tokens"]), n_boot, seed + 1, chunk)])
+    prepared_b = prepare(b, keys)
+    draws_b = np.concatenate(
+        [evaluate(w, prepared_b) for w in _replicates(len(b["n_tokens"]), n_boot, seed + 1, chunk)]
+    )
     draws_a = np.empty_like(draws_b)
     for r, columns in enumerate(baselines):
         rows = np.flatnonzero(pick == r)
         if len(rows):
-            n = len(columns["n_tokens"])
+            n, prepared = len(columns["n_tokens"]), prepare(columns, keys)
             draws_a[rows] = np.concatenate(
-                [evaluate(w, columns, keys) for w in _replicates(n, len(rows), seed + 2 + r, chunk)]
+                [evaluate(w, prepared) for w in _replicates(n, len(rows), seed + 2 + r, chunk)]
             )
     eb = _estimate(b, keys)
     ea = np.mean([_estimate(c, keys) for c in baselines], axis=0)

@@ -146,3 +146,25 @@ def test_pairing_removes_the_noise_the_two_sides_share():
     assert own_b.low < own_a.high  # they overlap
     paired = paired_intervals(a, b, ["k3_kl"], n_boot=500)["k3_kl"]
     assert paired.difference.low > 0 and paired.ratio.covers(1.02) and paired.ratio.low > 1.0
+
+
+def test_the_drawn_maximum_equals_a_max_over_every_drawn_sequence():
+    """_drawn_max looks at the largest values first and further only for the rows that need it;
+    with a head of 2 most rows take the long way, and every row matches the brute-force max."""
+    from mismatch_probe.analysis.intervals import _drawn_max
+
+    rng = np.random.default_rng(5)
+    value = rng.uniform(0, 1, 300)
+    value[[3, 7]] = np.nan  # missing: never the max
+    value[9] = -np.inf
+    weights = (rng.random((500, 300)) < 0.02).astype(np.float64)
+    weights[0] = 0.0  # draws nothing
+    weights[1] = 0.0
+    weights[1, [3, 9]] = 1.0  # draws only a missing value and -inf
+    order = np.flatnonzero(~np.isnan(value))
+    order = order[np.argsort(-value[order], kind="stable")]
+    for head in (2, 64):
+        got = _drawn_max(weights, order, value[order], head=head)
+        filled = np.where((weights > 0) & ~np.isnan(value), value, -np.inf).max(axis=1)
+        want = np.where(np.isneginf(filled), np.nan, filled)
+        np.testing.assert_array_equal(got, want)
