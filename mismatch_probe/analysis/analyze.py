@@ -58,7 +58,9 @@ def analyze(
         "engine_vs_trainer": MetricsAccumulator(thresholds),
         "trainer_vs_reference": MetricsAccumulator(thresholds),
     }
-    for shard in iter_model_tokens(Path(run_dir)):
+    # the next shard is read while this one is computed, except for MoE runs: their expert ids
+    # (layers x top-k int16 a side) make a shard several times larger, and one is enough in memory
+    for shard in iter_model_tokens(Path(run_dir), prefetch=not routing):
         sample, turn = shard["sample_id"], shard["turn"]
         lt, li, pos = shard["logp_train"], shard["logp_infer"], shard["position"]
         ei, et = shard["experts_infer"], shard["experts_train"]

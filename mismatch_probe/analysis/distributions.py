@@ -249,16 +249,15 @@ def worst_sequences(
     """
     import pyarrow as pa
     import pyarrow.compute as pc
-    import pyarrow.parquet as pq
 
-    from mismatch_probe.table.tokens import TOKENS_DIR, shard_paths
+    from mismatch_probe.table.tokens import TOKENS_DIR, read_parquet, shard_paths
 
     wanted = [w["sample_id"] for w in worst]
     if not wanted:
         return []
     parts = []
     for path in shard_paths(Path(run_dir), TOKENS_DIR):
-        t = pq.read_table(path, columns=WORST_COLUMNS)
+        t = read_parquet(path, columns=WORST_COLUMNS)
         t = t.filter(pc.is_in(t.column("sample_id"), value_set=pa.array(wanted, pa.int64())))
         if t.num_rows:
             parts.append(t)

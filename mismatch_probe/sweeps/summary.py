@@ -12,8 +12,6 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import pyarrow.parquet as pq
-
 from mismatch_probe import __version__
 from mismatch_probe.analysis.intervals import BOOTSTRAP_METRICS, available, bootstrap_intervals
 from mismatch_probe.analysis.sequences import group_columns
@@ -30,6 +28,7 @@ from mismatch_probe.config.sweep import SweepPoint, engine_key
 from mismatch_probe.files import portable_path, relative_to_dir
 from mismatch_probe.record import SEQUENCES_PARQUET, RunRecord, find_record
 from mismatch_probe.sweep_record import SweepPointRecord, SweepRecord
+from mismatch_probe.table.tokens import read_parquet
 
 if TYPE_CHECKING:
     from mismatch_probe.sweeps.runner import _Sweep
@@ -47,7 +46,7 @@ def _complete(point: SweepPoint) -> RunRecord | None:
 
 
 def _columns(run_dir: Path) -> dict:
-    return group_columns(pq.read_table(run_dir / SEQUENCES_PARQUET), "all")
+    return group_columns(read_parquet(run_dir / SEQUENCES_PARQUET), "all")
 
 
 def _share_done(record: RunRecord, key: str) -> float:

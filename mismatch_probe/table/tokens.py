@@ -268,6 +268,13 @@ def merge_pieces(pieces: list[pa.Table], sample_ids: list[int]) -> pa.Table:
     return table.take(pa.array(np.argsort(key, kind="stable")))
 
 
+def read_parquet(path: Path, columns: list[str] | None = None) -> pa.Table:
+    """One Parquet file as a table. ``ParquetFile.read``, not ``pq.read_table``: the latter goes
+    through pyarrow.dataset, whose first use imports pandas (0.2 s of every command's start)."""
+    with pq.ParquetFile(path) as f:
+        return f.read(columns=columns)
+
+
 def shard_paths(run_dir: Path, subdir: str) -> list[Path]:
     d = Path(run_dir) / subdir
     return sorted(d.glob("part-*.parquet")) if d.is_dir() else []
@@ -327,7 +334,7 @@ def iter_model_tokens(run_dir: Path, columns=MODEL_TOKEN_COLUMNS, prefetch: bool
 def _read_model_tokens(path: Path, columns) -> dict[str, Any]:
     present = set(pq.read_schema(path).names)
     wanted = [c for c in columns if c in present or c not in OPTIONAL_COLUMNS]
-    t = pq.read_table(path, columns=list(dict.fromkeys((*wanted, "is_model_token"))))
+    t = read_parquet(path, columns=list(dict.fromkeys((*wanted, "is_model_token"))))
     keep = t.column("is_model_token").to_numpy(zero_copy_only=False)
     return {
         c: None
@@ -342,7 +349,7 @@ def _read_model_tokens(path: Path, columns) -> dict[str, Any]:
 def read_sequences(run_dir: str | Path) -> pa.Table | None:
     """A run's per-sequence table (sequences.parquet), or None for runs older than that file."""
     path = Path(run_dir) / SEQUENCES_PARQUET
-    return pq.read_table(path) if path.is_file() else None
+    return read_parquet(path) if path.is_file() else None
 
 
 def write_sequences(run_dir: str | Path, table: pa.Table) -> None:
