@@ -1,12 +1,16 @@
-"""Metrics over a synthetic per-token table: wall time and peak memory of `analyze()`.
+"""The analysis pass over a synthetic per-token table: wall time and peak memory, against reading.
 
     python benchmarks/bench_metrics.py [--tokens 10000000] [--shard-tokens 1000000]
+    python benchmarks/bench_metrics.py --scale 10          # and 10x the tokens: linear time, bounded memory
     python benchmarks/bench_metrics.py --tokens 1000000 --moe-layers 48 --top-k 8   # with MoE routing
 
 Writes a synthetic run (responses of 50-2000 tokens, 30% prompt/tool tokens, two turns per
-sample) as Parquet shards in a temp directory, then times the streaming analysis (and, as a floor, just reading the same
-columns) in a fresh child process and reports its wall time and peak RSS (the child starts with only the imports, so its
-RSS is the analysis's own footprint plus the interpreter and libraries, given as a baseline).
+sample) as Parquet shards in a temp directory, then times, each in a fresh child process, reading
+the columns the analysis reads (the floor), ``analyze()`` alone, and the whole pass ``compare``
+makes (``analyze()`` feeding the report's distributions and sequences.parquet's rows), and reports
+wall time and peak RSS (VmHWM: the child starts with only the imports, so it is the pass's own
+footprint plus the interpreter and libraries, given as a baseline). Targets (issue 24): the whole
+pass at most 3x the read; 10x the tokens at most 11x the time and 1.5 GiB.
 """
 
 from __future__ import annotations
@@ -27,21 +31,27 @@ sys.path.insert(0, str(ROOT))
 from mismatch_probe.table.tokens import TOKEN_SCHEMA, TOKENS_DIR, shard_name, write_table_atomic
 
 CHILD = """
-import json, resource, sys, time
+import json, re, sys, time
 sys.path.insert(0, {root!r})
 from mismatch_probe.analysis.analyze import analyze
+from mismatch_probe.analysis.distributions import DistributionAccumulator
+from mismatch_probe.analysis.sequences import SequenceCollector
 from mismatch_probe.table.tokens import iter_model_tokens
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+def hwm():
+    return int(re.search(r"VmHWM:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) / 1024
+base = hwm()
 t0 = time.perf_counter()
 n = 0
+routing = {{"moe_layers": list(range({layers})), "top_k": {k}}} if {layers} else None
 if {mode!r} == "analyze":
-    routing = {{"moe_layers": list(range({layers})), "top_k": {k}}} if {layers} else None
     n = analyze({run!r}, routing=routing)["metrics"]["n_model_tokens"]
+elif {mode!r} == "full":
+    extras = dict(distributions=DistributionAccumulator(), sequences=SequenceCollector())
+    n = analyze({run!r}, routing=routing, **extras)["metrics"]["n_model_tokens"]
 elif {mode!r} == "read":
-    n = sum(len(s["logp_train"]) for s in iter_model_tokens({run!r}))
+    n = sum(len(s["logp_train"]) for s in iter_model_tokens({run!r}, prefetch=False))
 dt = time.perf_counter() - t0
-print(json.dumps({{"seconds": dt, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                  "baseline_rss_mib": base / 1024, "n_model_tokens": n}}))
+print(json.dumps({{"seconds": dt, "peak_rss_mib": hwm(), "baseline_rss_mib": base, "n_model_tokens": n}}))
 """
 
 
@@ -112,29 +122,14 @@ def child(run: str, mode: str, moe: tuple) -> dict:
     return json.loads(out.stdout)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, default=10_000_000)
-    ap.add_argument("--shard-tokens", type=int, default=1_000_000)
-    ap.add_argument("--moe-layers", type=int, default=0, help="add expert ids: MoE layers per token (0: dense)")
-    ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--write-only", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    moe = (args.moe_layers, args.top_k if args.moe_layers else 0)
-    if args.write_only:
-        print(write_synthetic(Path(args.write_only), args.tokens, args.shard_tokens, moe=moe))
-        return
+def measure(tokens: int, args, moe: tuple) -> dict:
+    """Write a synthetic run of ``tokens`` rows and time reading it, analyze() and the whole pass."""
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
         t0 = time.perf_counter()
-        # written by a child: Linux carries ru_maxrss across fork+exec, so the parent stays small
-        writer = [
-            sys.executable,
-            __file__,
-            "--write-only",
-            str(run),
-            "--tokens",
-            str(args.tokens),
+        # written by a child: the parent stays small, and the children's peaks are their own
+        writer = [sys.executable, __file__, "--write-only", str(run), "--tokens", str(tokens)]
+        writer += [
             "--shard-tokens",
             str(args.shard_tokens),
             "--moe-layers",
@@ -149,17 +144,46 @@ def main() -> None:
             f"synthetic table: {total:,} rows in {len(shards)} shards, "
             f"{size / 2**20:.0f} MiB on disk, written in {time.perf_counter() - t0:.1f} s"
         )
-        idle = child(str(run), "idle", moe)
-        read = child(str(run), "read", moe)
-        res = child(str(run), "analyze", moe)
+        out = {mode: child(str(run), mode, moe) for mode in ("idle", "read", "analyze", "full")}
+        read, res, full = out["read"], out["analyze"], out["full"]
+        n = full["n_model_tokens"]
+        print(f"  reading the same columns: {read['seconds']:.2f} s, peak RSS {read['peak_rss_mib']:.0f} MiB")
         print(
-            f"analyze(): {res['seconds']:.2f} s for {res['n_model_tokens']:,} model tokens "
-            f"({res['n_model_tokens'] / res['seconds'] / 1e6:.1f} M tok/s); peak RSS {res['peak_rss_mib']:.0f} MiB "
-            f"(interpreter + imports alone: {idle['peak_rss_mib']:.0f} MiB)"
+            f"  analyze(): {res['seconds']:.2f} s ({res['seconds'] / read['seconds']:.2f}x the read), "
+            f"peak RSS {res['peak_rss_mib']:.0f} MiB"
         )
         print(
-            f"reading the same columns without computing: {read['seconds']:.2f} s, peak RSS "
-            f"{read['peak_rss_mib']:.0f} MiB; metrics cost {res['seconds'] / read['seconds']:.1f}x the read"
+            f"  the whole pass (+ distributions, sequences): {full['seconds']:.2f} s for {n:,} model tokens "
+            f"({n / full['seconds'] / 1e6:.1f} M tok/s), {full['seconds'] / read['seconds']:.2f}x the read; "
+            f"peak RSS {full['peak_rss_mib']:.0f} MiB (interpreter + imports alone: {out['idle']['peak_rss_mib']:.0f} MiB)"
+        )
+        return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=10_000_000)
+    ap.add_argument("--scale", type=int, default=0, help="also measure this many times the tokens, and compare")
+    ap.add_argument("--shard-tokens", type=int, default=1_000_000)
+    ap.add_argument("--moe-layers", type=int, default=0, help="add expert ids: MoE layers per token (0: dense)")
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--write-only", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    moe = (args.moe_layers, args.top_k if args.moe_layers else 0)
+    if args.write_only:
+        print(write_synthetic(Path(args.write_only), args.tokens, args.shard_tokens, moe=moe))
+        return
+    small = measure(args.tokens, args, moe)
+    ratio = small["full"]["seconds"] / small["read"]["seconds"]
+    print(f"whole pass / read at {args.tokens:,} rows: {ratio:.2f}x (target <= 3x)")
+    if args.scale:
+        big = measure(args.tokens * args.scale, args, moe)
+        growth = big["full"]["seconds"] / small["full"]["seconds"]
+        peak = big["full"]["peak_rss_mib"]
+        print(
+            f"{args.scale}x the rows: {growth:.2f}x the time (target <= {args.scale * 1.1:.0f}x); "
+            f"peak RSS {peak:.0f} MiB (target <= 1536 MiB); "
+            f"read / read {big['read']['seconds'] / small['read']['seconds']:.2f}x"
         )
 
 

@@ -10,6 +10,10 @@ two turns, 30% prompt/tool tokens) plus its run.json, then measures, in one proc
 - rendering report.html from the run directory (what ``mismatch-probe report RUN`` does);
 - the same for a run without distributions.json (recomputed from the table);
 - a comparison of two such runs;
+- and, each in a fresh process (so neither finds the other's imports or caches warm), the analysis
+  pass ``compare`` makes and rendering report.html from the finished run directory (what
+  ``mismatch-probe report RUN`` does), with their ratio (target, issue 24: at most 0.3x);
+  ``--profile`` prints where that rendering's time goes (cProfile, cumulative);
 and prints the HTML sizes, which must stay under 5 MB whatever the token count. With
 ``--chromium PATH`` (and playwright installed) it also times loading each page in headless
 Chromium, to the load event and to a full-page screenshot.
@@ -21,6 +25,7 @@ import argparse
 import json
 import resource
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -42,6 +47,40 @@ from mismatch_probe.report.html import write_report
 from mismatch_probe.table.tokens import write_sequences
 
 LIMIT_BYTES = 5 * 10**6
+
+
+CHILD = """
+import cProfile, json, pstats, sys, time
+from pathlib import Path
+sys.path.insert(0, {root!r})
+from mismatch_probe.analysis.analyze import analyze
+from mismatch_probe.analysis.distributions import DistributionAccumulator
+from mismatch_probe.analysis.sequences import SequenceCollector
+from mismatch_probe.report.html import write_report
+run = Path({run!r})
+work = {{
+    "analyze": lambda: analyze(run, distributions=DistributionAccumulator(), sequences=SequenceCollector()),
+    "render": lambda: write_report([run], run.parent / "child.html"),
+}}[{mode!r}]
+t0 = time.perf_counter()
+if {profile!r}:
+    profiler = cProfile.Profile()
+    profiler.runcall(work)
+    seconds = time.perf_counter() - t0
+    pstats.Stats(profiler, stream=sys.stderr).sort_stats("cumulative").print_stats(25)
+else:
+    work()
+    seconds = time.perf_counter() - t0
+print(json.dumps({{"seconds": seconds}}))
+"""
+
+
+def fresh_process(run: Path, mode: str, profile: bool = False) -> float:
+    code = CHILD.format(root=str(ROOT), run=str(run), mode=mode, profile=profile)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    if profile:
+        print(out.stderr)
+    return json.loads(out.stdout.strip().splitlines()[-1])["seconds"]
 
 
 def timed(fn):
@@ -113,6 +152,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=10_000_000)
     ap.add_argument("--chromium", help="time the pages in this Chromium too (needs playwright)")
+    ap.add_argument("--profile", action="store_true", help="print a cProfile of rendering report.html")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         a, b = Path(tmp) / "a", Path(tmp) / "b"
@@ -125,6 +165,14 @@ def main() -> None:
             f"worst sequences {stats['worst_sequences_s']:.2f} s; distributions.json "
             f"{stats['distributions_json_bytes'] / 1e3:.0f} kB"
         )
+        t_analyze = min(fresh_process(a, "analyze") for _ in range(2))
+        t_render = min(fresh_process(a, "render") for _ in range(2))
+        print(
+            f"fresh processes: the analysis pass {t_analyze:.2f} s, report.html from the finished run "
+            f"{t_render:.2f} s: {t_render / t_analyze:.2f}x the analysis (target <= 0.3x)"
+        )
+        if args.profile:
+            fresh_process(a, "render", profile=True)
         one = write_report([a], Path(tmp) / "one.html")
         print(f"report.html from the run directory: {one.n_bytes / 1e6:.2f} MB in {one.seconds:.2f} s")
         old = Path(tmp) / "old"
