@@ -17,9 +17,7 @@ import pyarrow as pa
 
 from mismatch_probe.analysis.distributions import DistributionAccumulator
 from mismatch_probe.analysis.metrics import (
-    GROUP_TURNS as TURN_GROUPS,
-)
-from mismatch_probe.analysis.metrics import (
+    GROUP_TURNS,
     CorrectionThresholds,
     MetricsAccumulator,
     RoutingAccumulator,
@@ -94,12 +92,12 @@ def analyze(
                     router.add(RoutingComparison(cmp.same[keep], cmp.shared[keep]), terms=kept)
     out: dict[str, Any] = {
         "metrics": acc.metrics(),
-        "metrics_by_turn": {name: acc.metrics(name) for name in TURN_GROUPS},
+        "metrics_by_turn": {name: acc.metrics(name) for name in GROUP_TURNS},
         "metrics_by_turn_index": {str(t): acc.metrics(t) for t in acc.turns},
         "corrections": acc.corrections(),
-        "corrections_by_turn": {name: acc.corrections(name) for name in TURN_GROUPS},
+        "corrections_by_turn": {name: acc.corrections(name) for name in GROUP_TURNS},
         "breakdowns": acc.breakdowns(),
-        "breakdowns_by_turn": {name: acc.breakdowns(name) for name in TURN_GROUPS},
+        "breakdowns_by_turn": {name: acc.breakdowns(name) for name in GROUP_TURNS},
         "routing": None,
         "decode_vs_prefill": None,
         "trainer": None,
@@ -115,7 +113,7 @@ def analyze(
     if router_acc and routing:
         layers = routing["moe_layers"]
         out["routing"] = router_acc["all"].result(layers) | {
-            "by_turn": {name: router_acc[name].result(layers) for name in TURN_GROUPS if name in router_acc},
+            "by_turn": {name: router_acc[name].result(layers) for name in GROUP_TURNS if name in router_acc},
             "num_experts": routing.get("num_experts"),
         }
     return out
@@ -124,7 +122,7 @@ def analyze(
 def _turn_groups(turn: np.ndarray):
     """("all", None) and each turn group with its tokens (None: all of them)."""
     yield "all", None
-    for name, select in TURN_GROUPS.items():
+    for name, select in GROUP_TURNS.items():
         keep = select(turn)
         yield name, (None if keep.all() else keep)
 
