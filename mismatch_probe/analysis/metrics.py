@@ -469,7 +469,7 @@ class MetricsAccumulator:
         self._cells: dict[int, TokenStats] = {}  # by turn (0 when no turns are given)
         self._abs_delta: list[np.ndarray] = []  # float32, per chunk
         self._p_bucket: list[np.ndarray] = []
-        self._turn: list[np.ndarray | None] = []
+        self._turn: list[np.ndarray | int] = []  # per token, or the one turn of the chunk
         self._seq: list[SequenceTerms] = []
         self._seg_seq: list[SequenceTerms] = []
         self._seg_turn: list[np.ndarray] = []
@@ -499,6 +499,12 @@ class MetricsAccumulator:
             segments, seg_turn, seg_seq = starts, np.zeros(len(starts), dtype=np.int16), seq
         else:
             turn = np.asarray(turn)
+            if turn.shape != lt.shape:
+                raise ValueError(f"{len(turn)} turns for {n} tokens")
+            if turn.min() < _TURN_MIN or turn.max() >= _TURN_MIN + _TURN_RANGE:
+                raise ValueError(
+                    f"turn indices must fit int16 (the table's turn column), got {turn.min()}..{turn.max()}"
+                )
             change = np.zeros(n, dtype=bool)
             change[starts] = True
             change[1:] |= turn[1:] != turn[:-1]
@@ -514,7 +520,8 @@ class MetricsAccumulator:
         self._n += n
         self._abs_delta.append(t.abs_delta.astype(np.float32))
         self._p_bucket.append(p_bucket)
-        self._turn.append(None if turn is None else turn.astype(np.int16))
+        # a shard of one turn (most are: single-turn runs) keeps the turn, not a copy per token
+        self._turn.append(int(turns[0]) if turn is None or len(turns) == 1 else turn.astype(np.int16))
         self._seq.append(seq)
         self._seg_seq.append(seg_seq)
         self._seg_turn.append(seg_turn)
@@ -610,7 +617,10 @@ class MetricsAccumulator:
 
         def chunks():
             for abs_delta, bucket, turn in zip(self._abs_delta, self._p_bucket, self._turn):
-                cell = lut[turn.astype(np.int64) - _TURN_MIN] if turn is not None else lut[-_TURN_MIN]
+                if isinstance(turn, int):
+                    cell = np.full(len(abs_delta), lut[turn - _TURN_MIN])
+                else:
+                    cell = lut[turn.astype(np.int64) - _TURN_MIN]
                 yield float32_bits(abs_delta), (np.where(cell >= 0, cell * width + bucket, -1) if by_bucket else cell)
 
         ranks = [needed_ranks(size, QUANTILES) for _, _, size in requests]

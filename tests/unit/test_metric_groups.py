@@ -142,3 +142,12 @@ def test_bin_index_is_numpys_search_at_every_edge(edges: np.ndarray) -> None:
     )
     want = np.clip(np.searchsorted(edges, values, side="right") - 1, 0, len(edges) - 2)
     np.testing.assert_array_equal(bin_index(values, edges), want)
+
+
+def test_turns_that_do_not_fit_the_tables_column_are_refused():
+    acc = MetricsAccumulator()
+    lt, li = np.log(np.full(3, 0.5)), np.log(np.full(3, 0.4))
+    with pytest.raises(ValueError, match="int16"):
+        acc.add(lt, li, np.array([0]), None, np.array([0, 1, 40000]))
+    with pytest.raises(ValueError, match="2 turns for 3 tokens"):
+        acc.add(lt, li, np.array([0]), None, np.array([0, 1]))
