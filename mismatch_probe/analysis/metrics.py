@@ -459,7 +459,8 @@ class MetricsAccumulator:
     result equals one call over the concatenation (sums up to the order of summation). One pass
     per chunk serves every group: per-turn statistics (:func:`cell_stats`) merged per group. The
     per-token state kept for exact |delta| quantiles is float32 |delta|, its p_infer bucket and its
-    turn (7 bytes a token), selected exactly at the end (:mod:`.order_stats`).
+    turn when the chunk has several (5-7 bytes a token), selected exactly at the end
+    (:mod:`.order_stats`).
     """
 
     thresholds: CorrectionThresholds = field(default_factory=CorrectionThresholds)
