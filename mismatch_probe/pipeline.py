@@ -460,7 +460,7 @@ def analyze_run(ctx: RunContext) -> dict:
 def render(ctx: RunContext, dist: dict) -> None:
     """Stage 4: figures, report.md and report.html, rendered once from the in-memory record (what
     ``mismatch-probe report`` renders from run.json). A failure here keeps the complete run."""
-    from mismatch_probe.report.plots import run_figures
+    from mismatch_probe.report.figures import run_figures
 
     out, record = ctx.out, ctx.record
     try:
@@ -485,8 +485,8 @@ def rerender(run_dir: str | Path) -> Path:
     """Render a finished run's figures, report.md and report.html again from its directory, as
     stage 4 does (after an upgrade, or a rendering that failed); returns report.html's path.
     run.json is rewritten only when its list of figures changes."""
+    from mismatch_probe.report.figures import run_figures
     from mismatch_probe.report.html import REPORT_HTML, load_run
-    from mismatch_probe.report.plots import run_figures
 
     data = load_run(run_dir)
     figures = run_figures(data.record, data.dist)
@@ -499,15 +499,15 @@ def rerender(run_dir: str | Path) -> Path:
 
 
 def _write_figure_files(run_dir: Path, figures: list[dict]) -> list[dict]:
-    """The report's figures as PNG files too, for report.md and for slides."""
+    """The report's figures as SVG files too, for report.md and for slides."""
     d = run_dir / FIGURES_DIR
     d.mkdir(exist_ok=True)
     for stale in d.glob("*"):  # figures of an earlier version of the report
         if stale.is_file():
             stale.unlink()
     for f in figures:
-        (d / f"{f['id']}.png").write_bytes(f["png"])
-    return [{"id": f["id"], "title": f["title"], "path": f"{FIGURES_DIR}/{f['id']}.png"} for f in figures]
+        (d / f"{f['id']}.svg").write_bytes(f["svg"])
+    return [{"id": f["id"], "title": f["title"], "path": f"{FIGURES_DIR}/{f['id']}.svg"} for f in figures]
 
 
 def _write_reports(run_dir: Path, record: RunRecord, dist: dict, figures: list[dict]) -> None:

@@ -3,9 +3,9 @@
 Built from run directories alone (run.json and distributions.json; the per-token table only for
 runs written before distributions.json existed), so it needs no engine and no GPU. This module
 shapes the records into what the templates show; the templates (``templates/*.j2``, Jinja2 with
-autoescape on) lay it out; :mod:`.plots` draws the figures. No number is computed here.
+autoescape on) lay it out; :mod:`.figures` (SVG) and :mod:`.plots` (matplotlib, comparisons) draw the figures. No number is computed here.
 
-The page is self-contained and inert: figures are embedded PNG data URIs, styles are inline,
+The page is self-contained and inert: figures are embedded SVG (a run) or PNG (comparisons) data URIs, styles are inline,
 there is no script at all, and a Content-Security-Policy forbids scripts and network loads
 anyway, so a prompt or a model output that smuggled markup past escaping still could not run.
 """
@@ -180,8 +180,8 @@ def run_label(record: RunRecord, path: Path) -> str:
 # ---- formatting -----------------------------------------------------------------------------
 
 
-def _data_uri(png: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+def _data_uri(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode("ascii")
 
 
 def _gap_class(gap: float) -> str:
@@ -397,7 +397,7 @@ def _templates():
 
 def render_run(run: RunData, figures: list[dict] | None = None) -> str:
     """The one-run report as an HTML string (figures drawn here unless given)."""
-    from mismatch_probe.report.plots import run_figures
+    from mismatch_probe.report.figures import run_figures
 
     record, dist = run.record, run.dist
     if figures is None:
@@ -418,7 +418,7 @@ def render_run(run: RunData, figures: list[dict] | None = None) -> str:
         "environment": _environment_rows(record),
         "metric_columns": columns,
         "metric_rows": metric_rows,
-        "figures": [{**f, "src": _data_uri(f["png"])} for f in figures],
+        "figures": [{**f, "src": _data_uri(f["svg"], "image/svg+xml")} for f in figures],
         "corrections": corrections,
         "correction_columns": ["all"] + (["first turn", "later turns"] if len(corrections[0]["values"]) > 1 else []),
         "p_buckets": bd.get("p_infer_buckets") or [],

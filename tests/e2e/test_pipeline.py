@@ -81,12 +81,12 @@ def test_overwrite_refuses_a_directory_that_is_not_a_run(tmp_path):
 
 def test_a_report_that_fails_to_render_keeps_the_complete_run(tmp_path, monkeypatch):
     from mismatch_probe.errors import ProbeError
-    from mismatch_probe.report import plots
+    from mismatch_probe.report import figures
 
     def broken(record, dist):
         raise ValueError("no backend")
 
-    monkeypatch.setattr(plots, "run_figures", broken)
+    monkeypatch.setattr(figures, "run_figures", broken)
     with pytest.raises(ProbeError, match="complete in .*rendering its report failed: ValueError: no backend"):
         run(spec(tmp_path / "r"))
     rec = json.loads((tmp_path / "r" / "run.json").read_text())

@@ -3,6 +3,7 @@ comparisons, and the ``report`` command's errors. The browser test is test_repor
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import re
@@ -18,6 +19,7 @@ from mismatch_probe.report.html import RunData, load_run, render_comparison, ren
 
 PAYLOAD = "<script>alert(1)</script>"
 ATTR_PAYLOAD = '"><img src=x onerror=alert(2)>'
+SVG_URI = "data:image/svg+xml;base64,"
 
 
 class Elements(HTMLParser):
@@ -44,7 +46,13 @@ def assert_inert_and_self_contained(html: str) -> Elements:
         assert not any(name.startswith("on") for name in attrs), (tag, attrs)
         for name in ("src", "href"):
             if name in attrs:  # embedded data or an anchor on the page, never a fetch
-                assert attrs[name].startswith(("data:image/png;base64,", "#")), (tag, attrs[name][:80])
+                assert attrs[name].startswith(("data:image/png;base64,", SVG_URI, "#")), (tag, attrs[name][:80])
+                if attrs[name].startswith(SVG_URI):  # a figure: no script, nothing it could fetch
+                    svg = base64.b64decode(attrs[name][len(SVG_URI) :]).decode()
+                    assert (
+                        "<script" not in svg and "<foreignObject" not in svg and not re.search(r"<[^>]*\son\w+=", svg)
+                    )
+                    assert set(re.findall(r'href="([a-z]+):', svg)) <= {"data"}
     assert "url(" not in html.split("</style>")[0]  # no fonts or images pulled in by the CSS
     csp = [a for t, a in doc.tags if t == "meta" and a.get("http-equiv") == "Content-Security-Policy"]
     assert csp and "default-src 'none'" in csp[0]["content"]
@@ -58,9 +66,9 @@ def test_compare_writes_a_report_and_report_rebuilds_it_from_the_directory(bf16_
     for section in ("summary", "setup", "metrics", "figures", "corrections", "worst", "run"):
         assert f'id="{section}"' in html, section
     images = [a for t, a in doc.tags if t == "img"]
-    assert len(images) == 7 and all(a["src"].startswith("data:image/png;base64,iVBORw0KGgo") for a in images)
+    assert len(images) == 7 and all(a["src"].startswith(SVG_URI) for a in images)
     rec = json.loads((bf16_run / "run.json").read_text())
-    assert [f["path"] for f in rec["figures"]] == [f"figures/{f['id']}.png" for f in rec["figures"]]
+    assert [f["path"] for f in rec["figures"]] == [f"figures/{f['id']}.svg" for f in rec["figures"]]
     text = " ".join(doc.text)
     assert rec["environment"]["cpu_model"] in text and "torch " + rec["environment"]["packages"]["torch"] in text
     assert "NeMo-RL" in text and "H20" in text  # published reference points
@@ -194,7 +202,7 @@ def test_a_run_with_no_model_tokens_renders(tmp_path):
     )
     html = render_run(RunData(tmp_path, record, dist))
     assert_inert_and_self_contained(html)
-    assert "No model tokens." in html and html.count("data:image/png;base64,") == 7
+    assert "No model tokens." in html and html.count(SVG_URI) == 7
     assert render_comparison([RunData(tmp_path, record, dist), RunData(tmp_path / "b", record, dist)])
 
 
