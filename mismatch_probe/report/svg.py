@@ -120,7 +120,7 @@ class Figure:
         self.parts.append(_text(x, y, s, size, anchor, **kw))
 
     def colorbar(self, left: float, top: float, width: float, height: float, vmax: float, caption: str) -> None:
-        """A vertical log color scale from 1 to ``vmax`` (what :func:`density_png` maps)."""
+        """A vertical log color scale from 1 to ``vmax`` (what :func:`density_rgba` maps)."""
         steps = np.linspace(1.0, 0.0, 128)[:, None]
         rgba = np.concatenate([_viridis(steps), np.full((128, 1, 1), 255, np.uint8)], axis=-1)
         self.parts.append(_image(rgba, left, top, width, height))
