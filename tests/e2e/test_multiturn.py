@@ -121,7 +121,7 @@ def test_every_token_has_its_turn_and_mask(tmp_path, tokenizer):
     dist = load_run(result.run_dir).dist  # what the first-vs-later figure draws: one point per sample-turn
     assert len(dist["groups"]["first"]["log_ppl_infer"]) == 1 and len(dist["groups"]["later"]["log_ppl_infer"]) == 2
     assert dist["groups"]["later"]["n_tokens"] == n_later
-    assert all((result.run_dir / f["path"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for f in rec["figures"])
+    assert all((result.run_dir / f["path"]).read_bytes().startswith(b"<svg ") for f in rec["figures"])
     html = (result.run_dir / "report.html").read_text()
     assert 'id="turns"' in html and "tool output" in html
     assert rec["samples"]["finish_reasons"] == {"stop": 1}
