@@ -14,20 +14,27 @@ import numpy as np
 
 from mismatch_probe.analysis.distributions import dense
 from mismatch_probe.record import RunRecord
-from mismatch_probe.report.plots import (
-    FIRST,
-    FLOOR,
-    LATER,
-    bucket_labels,
-    buckets,
-    group_label,
-    pct,
-    present_groups,
-    short,
-)
-from mismatch_probe.report.svg import Figure, Scale, density_rgba
+from mismatch_probe.report.plots import FLOOR, bucket_labels, buckets
+from mismatch_probe.report.svg import Figure, Scale, density_rgba, label
 
 BLUE, RED, GREEN = "#1f77b4", "#d62728", "#2ca02c"
+FIRST, LATER = BLUE, RED
+
+
+def _group_label(group: str) -> str:
+    return {"first": "first turn", "later": "later turns (after tool output)"}[group]
+
+
+def _present_groups(dist: dict) -> list[str]:
+    return [g for g in ("first", "later") if dist["groups"][g]["n_tokens"]]
+
+
+def _short(v) -> str:
+    return "-" if v is None else f"{v:.4g}"
+
+
+def _pct(v) -> str:
+    return "-" if v is None else f"{100 * v:.2f}%"
 
 
 def _log_scale(values, floor: float = FLOOR, pad: float = 1.6) -> Scale:
@@ -40,7 +47,7 @@ def _log_scale(values, floor: float = FLOOR, pad: float = 1.6) -> Scale:
 
 def prob_density(dist: dict) -> bytes:
     """p_train against p_infer as a 2-D histogram (log colour), one panel per turn group."""
-    groups = present_groups(dist) or ["first"]
+    groups = _present_groups(dist) or ["first"]
     fig = Figure(80 + 500 * len(groups) + 90, 470)
     hists = {g: dense(dist["groups"][g]["prob_hist"]) for g in groups}
     vmax = max(1, max(int(h.max(initial=0)) for h in hists.values()))
@@ -49,7 +56,7 @@ def prob_density(dist: dict) -> bytes:
         ax.image(density_rgba(hists[g], vmax), 0, 1, 0, 1)
         ax.line([0, 1], [0, 1], "#999", 1.0, "4 3")
         ax.frame(
-            "p_infer (engine)", "p_train (reference)", f"{group_label(g)}: {dist['groups'][g]['n_tokens']:,} tokens"
+            "p_infer (engine)", "p_train (reference)", f"{_group_label(g)}: {dist['groups'][g]['n_tokens']:,} tokens"
         )
     fig.colorbar(80 + 500 * len(groups) - 60, 60, 16, 340, vmax, "tokens per cell")
     return fig.svg()
@@ -66,8 +73,8 @@ def log_ppl_by_turn(dist: dict, record: RunRecord) -> bytes:
             continue
         m = by_turn.get(g) or {}
         text = (
-            f"{group_label(g)}: {m.get('n_sequences', len(x)):,} sample-turns, r = {short(m.get('pearson_log_ppl'))}, "
-            f"mean |Δ| = {short(m.get('log_ppl_abs_diff_mean'))}"
+            f"{_group_label(g)}: {m.get('n_sequences', len(x)):,} sample-turns, r = {_short(m.get('pearson_log_ppl'))}, "
+            f"mean |Δ| = {_short(m.get('log_ppl_abs_diff_mean'))}"
         )
         series.append((x, y, color, text))
         values += [x[np.isfinite(x)], y[np.isfinite(y)]]
@@ -193,7 +200,7 @@ def seq_max_mismatch_hist(dist: dict, record: RunRecord) -> bytes:
         if i == 0:
             share = m.get("seq_max_mismatch_gt_0_5_share")
             count, total = m.get("seq_max_mismatch_gt_0_5_count", 0), m.get("n_sequences", 0)
-            ax.note(0.5, 0.93, f"> 0.5: {count:,} of {total:,} sequences ({pct(share)})", RED)
+            ax.note(0.5, 0.93, f"> 0.5: {count:,} of {total:,} sequences ({_pct(share)})", RED)
         ax.frame("max |p_train − p_infer| in the sequence" + (" (log)" if i else ""), "sequences")
     return fig.svg()
 
@@ -241,14 +248,10 @@ def importance_ratio(dist: dict, record: RunRecord) -> bytes:
             xlabel + " (symlog)",
             f"share of {unit}",
             xticks=RATIO_TICKS,
-            xticklabels=[_signed(t) for t in RATIO_TICKS],
+            xticklabels=[label(t) for t in RATIO_TICKS],
             tick_size=8.5,
         )
     return fig.svg()
-
-
-def _signed(v: float) -> str:
-    return "0" if v == 0 else f"{v:g}"
 
 
 def run_figures(record: RunRecord, dist: dict) -> list[dict]:

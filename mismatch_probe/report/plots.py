@@ -19,7 +19,6 @@ from mismatch_probe.analysis.distributions import dense
 from mismatch_probe.record import RunRecord
 
 DPI = 100
-FIRST, LATER = "#1f77b4", "#d62728"
 RUN_COLORS = (
     "#1f77b4",
     "#d62728",
@@ -95,14 +94,6 @@ def _plain_log_ticks(fig) -> None:
 
 def _plain(value: float, _pos=None) -> str:
     return f"{value:g}"
-
-
-def group_label(group: str) -> str:
-    return {"first": "first turn", "later": "later turns (after tool output)"}[group]
-
-
-def present_groups(dist: dict) -> list[str]:
-    return [g for g in ("first", "later") if dist["groups"][g]["n_tokens"]]
 
 
 # ---- shared with a run's figures (figures.py) -------------------------------------------------
@@ -279,11 +270,3 @@ def comparison_figures(runs: list[dict]) -> list[dict]:
         {"id": fid, "title": title, "caption": caption, "png": to_png(draw(runs))}
         for fid, title, caption, draw in figures
     ]
-
-
-def short(v) -> str:
-    return "-" if v is None else f"{v:.4g}"
-
-
-def pct(v) -> str:
-    return "-" if v is None else f"{100 * v:.2f}%"
