@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from mismatch_probe.analysis.order_stats import float32_bits, needed_ranks, order_statistics, quantiles_from_bits
 from mismatch_probe.config.spec import CorrectionThresholds
 from mismatch_probe.errors import DataError
 
@@ -608,8 +609,6 @@ class MetricsAccumulator:
     def _select(self, requests: list, cell_of_turn: dict[int, int], n_turn_cells: int, by_bucket: bool = True) -> dict:
         """Run the requests ((key, cells, size)) in one :func:`.order_stats.order_statistics` call;
         a token's cell is ``cell_of_turn[turn]`` (times the buckets, plus its bucket, ``by_bucket``)."""
-        from mismatch_probe.analysis.order_stats import float32_bits, needed_ranks, order_statistics
-
         requests = [r for r in requests if r[2]]
         lut = np.full(_TURN_RANGE, -1, dtype=np.int64)  # the table's turn is int16: a lookup over its range
         for t, c in cell_of_turn.items():
@@ -633,8 +632,6 @@ class MetricsAccumulator:
 
     def _quantiles(self, group: Group, bucket: int | None, n: int) -> tuple[dict[str, float | None], float | None]:
         """|delta| quantiles (QUANTILES) and maximum of a group (and p_infer bucket)."""
-        from mismatch_probe.analysis.order_stats import quantiles_from_bits
-
         if n == 0:
             return quantiles(np.zeros(0), QUANTILES), None
         found = self._order_statistics()

@@ -332,9 +332,10 @@ def iter_model_tokens(run_dir: Path, columns=MODEL_TOKEN_COLUMNS, prefetch: bool
 
 
 def _read_model_tokens(path: Path, columns) -> dict[str, Any]:
-    present = set(pq.read_schema(path).names)
-    wanted = [c for c in columns if c in present or c not in OPTIONAL_COLUMNS]
-    t = read_parquet(path, columns=list(dict.fromkeys((*wanted, "is_model_token"))))
+    with pq.ParquetFile(path) as f:  # one open: the footer gives the schema, then the columns
+        present = set(f.schema_arrow.names)
+        wanted = [c for c in columns if c in present or c not in OPTIONAL_COLUMNS]
+        t = f.read(columns=list(dict.fromkeys((*wanted, "is_model_token"))))
     keep = t.column("is_model_token").to_numpy(zero_copy_only=False)
     return {
         c: None
