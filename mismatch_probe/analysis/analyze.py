@@ -21,8 +21,6 @@ from mismatch_probe.analysis.metrics import (
     CorrectionThresholds,
     MetricsAccumulator,
     RoutingAccumulator,
-    RoutingComparison,
-    TokenTerms,
     compare_routing,
     segment_starts,
 )
@@ -84,12 +82,7 @@ def analyze(
             n_layers, top_k = len(routing["moe_layers"]), routing["top_k"]
             cmp = compare_routing(ei, et, n_layers, top_k)  # once per shard, shared by the groups
             for name, keep in _turn_groups(turn):
-                router = router_acc.setdefault(name, RoutingAccumulator(n_layers, top_k))
-                if keep is None:
-                    router.add(cmp, terms=done.terms)
-                elif keep.any():
-                    kept = TokenTerms(*(a[keep] for a in done.terms))
-                    router.add(RoutingComparison(cmp.same[keep], cmp.shared[keep]), terms=kept)
+                router_acc.setdefault(name, RoutingAccumulator(n_layers, top_k)).add(cmp, terms=done.terms, keep=keep)
     out: dict[str, Any] = {
         "metrics": acc.metrics(),
         "metrics_by_turn": {name: acc.metrics(name) for name in GROUP_TURNS},

@@ -893,17 +893,22 @@ class RoutingAccumulator:
         logp_train: np.ndarray | None = None,
         logp_infer: np.ndarray | None = None,
         terms: TokenTerms | None = None,
+        keep: np.ndarray | None = None,
     ) -> None:
-        """Add the comparisons of some tokens, with their log-probs or their :func:`token_terms`."""
+        """Add the comparisons of some tokens, with their log-probs or their :func:`token_terms`;
+        ``keep`` (a mask) takes only some of them, without copying the terms it does not use."""
         if terms is None:
             if logp_train is None or logp_infer is None:
                 raise ValueError("RoutingAccumulator.add needs the log-probs or their token terms")
             terms = token_terms(logp_train, logp_infer)
-        t = terms
-        n = len(t.delta)
+        same, shared = comparison
+        abs_delta, prob_diff, k3 = terms.abs_delta, terms.prob_diff, terms.k3
+        if keep is not None:
+            same, shared = same[keep], shared[keep]
+            abs_delta, prob_diff, k3 = abs_delta[keep], prob_diff[keep], k3[keep]
+        n = len(abs_delta)
         if n == 0:
             return
-        same, shared = comparison
         self._n += n
         self._same += same.sum(axis=0)
         self._overlap += shared.sum(axis=0)
@@ -914,10 +919,10 @@ class RoutingAccumulator:
                 g = self._groups[name]
                 if sel.any():
                     g["n"] += int(sel.sum())
-                    g["abs_delta"] += float(t.abs_delta[sel].sum())
-                    g["prob_diff"] += float(t.prob_diff[sel].sum())
-                    g["k3"] += float(t.k3[sel].sum())
-                    g["prob_diff_max"] = max(g["prob_diff_max"], float(t.prob_diff[sel].max()))
+                    g["abs_delta"] += float(abs_delta[sel].sum())
+                    g["prob_diff"] += float(prob_diff[sel].sum())
+                    g["k3"] += float(k3[sel].sum())
+                    g["prob_diff_max"] = max(g["prob_diff_max"], float(prob_diff[sel].max()))
 
     def result(self, moe_layers: list[int] | None = None) -> dict:
         n = self._n
