@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -12,6 +13,12 @@ from mismatch_probe.config.keys import did_you_mean
 from mismatch_probe.config.spec import SamplingSpec
 from mismatch_probe.errors import ConfigError
 from mismatch_probe.modeling.logprobs import LogprobSemantics
+
+
+def batch_seed(seed: int, batch_key: int) -> int:
+    """A per-batch (or per-request) seed, so a resumed run draws the same samples as an uninterrupted one."""
+    digest = hashlib.sha256(f"{seed}:{batch_key}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 @dataclass

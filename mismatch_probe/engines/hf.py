@@ -11,7 +11,6 @@ decode steps against a ``DynamicCache``, logits cast to float32 before sampling.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import numpy as np
 import torch
 
 from mismatch_probe.config.spec import EngineSpec, SamplingSpec
-from mismatch_probe.engines.base import Completion, GenerationRequest, ScoreRequest
+from mismatch_probe.engines.base import Completion, GenerationRequest, ScoreRequest, batch_seed
 from mismatch_probe.modeling.loading import (
     choose_attention,
     free_accelerator_memory,
@@ -31,12 +30,6 @@ from mismatch_probe.modeling.logprobs import LogprobSemantics, engine_semantics,
 from mismatch_probe.modeling.routing import RouterRecorder
 
 DEFAULT_BATCH_SIZE = 32
-
-
-def batch_seed(seed: int, batch_key: int) -> int:
-    """A per-batch seed, so a resumed run draws the same samples as an uninterrupted one."""
-    digest = hashlib.sha256(f"{seed}:{batch_key}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 class HFEngine:
