@@ -199,6 +199,27 @@ def compare(
     max_total_tokens: Annotated[
         int | None, typer.Option(help="Engine KV-cache size in tokens, a memory cap (sglang).")
     ] = None,
+    engine_url: Annotated[
+        str | None,
+        typer.Option(help="A running rollout server to probe instead of starting an engine: http(s)://HOST:PORT."),
+    ] = None,
+    engine_api: Annotated[
+        str | None,
+        typer.Option(help="The server's API: openai (vllm serve: /v1/completions) or sglang (/generate)."),
+    ] = None,
+    engine_model: Annotated[
+        str | None, typer.Option(help="The model name requests to the server carry (default: the only one it serves).")
+    ] = None,
+    engine_api_key_env: Annotated[
+        str | None, typer.Option(help="Environment variable holding the server's API key (the key is never recorded).")
+    ] = None,
+    check_model: Annotated[
+        bool | None,
+        typer.Option(
+            "--check-model/--no-check-model",
+            help="Refuse a server whose model is not the checkpoint (names, architectures, tokenizer).",
+        ),
+    ] = None,
     prefill_check: Annotated[
         bool | None,
         typer.Option(
@@ -308,6 +329,11 @@ def compare(
             "engine.logits_fp32": engine_logits_fp32,
             "engine.max_total_tokens": max_total_tokens,
             "engine.prefill_check": prefill_check,
+            "engine.url": engine_url,
+            "engine.api": engine_api,
+            "engine.served_model": engine_model,
+            "engine.api_key_env": engine_api_key_env,
+            "engine.check_model": check_model,
             "reference.logprobs": reference_logprobs,
             "reference.dtype": train_dtype,
             "reference.attn_implementation": train_attn,

@@ -57,6 +57,7 @@ from mismatch_probe.record import (
     read_record,
 )
 from mismatch_probe.table.tokens import (
+    RECEIVED_DIR,
     ROLLOUTS_DIR,
     TOKENS_DIR,
     Rollout,
@@ -362,6 +363,7 @@ def sample(ctx: RunContext, *, engine: Engine | None = None, rollouts_from: str 
                     spec.engine,
                     log_path=out / ENGINE_LOG,
                     trust_remote_code=spec.trust_remote_code,
+                    state_dir=rollout_dir / RECEIVED_DIR,
                 )
         try:
             _rollouts(ctx, engine, missing)
@@ -373,6 +375,8 @@ def sample(ctx: RunContext, *, engine: Engine | None = None, rollouts_from: str 
     except BaseException as exc:
         ctx.fail(exc)
         raise
+    # every shard is written: the answers a remote engine kept for a resume are in them now
+    shutil.rmtree(rollout_dir / RECEIVED_DIR, ignore_errors=True)
 
 
 def score(ctx: RunContext) -> None:

@@ -196,6 +196,19 @@ class EngineSpec(_Settings):
     max_total_tokens: int | None = None  # KV-cache size in tokens (a memory cap)
     # any other engine argument, by the engine's own name (vLLM: EngineArgs fields; SGLang: ServerArgs fields)
     extra_args: dict[str, Any] = Field(default_factory=dict)
+    # remote: a rollout server that is already running (engines/remote.py)
+    url: str | None = added_later(None)  # http(s)://HOST:PORT, the server's base address
+    api: str = added_later("openai")  # openai: /v1/completions (vllm serve); sglang: SGLang's /generate
+    served_model: str | None = added_later(None)  # the model name requests carry (default: the only one served)
+    api_key_env: str | None = added_later(None)  # the environment variable holding the API key (never the key)
+    check_model: bool = added_later(True)  # refuse a server whose model is not the checkpoint
+    seed_requests: bool = added_later(True)  # send each request its own seed (the same draw on a re-run)
+    max_concurrency: int = added_later(32)  # requests in flight
+    request_timeout_s: float = added_later(600.0)  # per request, each attempt
+    max_retries: int = added_later(5)  # on 408/429/5xx, connection refused or reset, timeouts
+    retry_backoff_s: float = added_later(1.0)  # the first wait; doubled at each retry (capped at 30 s)
+    tls_verify: bool = added_later(True)
+    ca_bundle: str | None = added_later(None)  # a CA bundle for a server with a private certificate
 
     def dist_init_host_port(self) -> tuple[str, int] | None:
         """``dist_init_addr`` as ``(host, port)``: ``HOST:PORT``, an IPv6 host in brackets
@@ -276,7 +289,7 @@ class ReferenceSpec(_Settings):
 
 REFERENCE_LOGPROBS = ("engine", "raw", "temperature", "processed")
 # what each engine returns when nobody asks: SGLang's sampler gives log_softmax(logits / T)
-ENGINE_DEFAULT_LOGPROBS_MODE = {"sglang": "processed"}
+ENGINE_DEFAULT_LOGPROBS_MODE = {"sglang": "processed", "remote-sglang": "processed"}
 
 
 class _Patch(BaseModel):
@@ -445,6 +458,7 @@ class ProbeSpec(_Settings):
         d = self._resolved_dict()
         d.pop("out", None)
         d.pop("name", None)
+        d["engine"] = {k: v for k, v in d["engine"].items() if k not in CLIENT_SETTINGS}
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
     def validate(self) -> ProbeSpec:  # type: ignore[override]  # (pydantic v1's deprecated classmethod)
@@ -466,8 +480,12 @@ class ProbeSpec(_Settings):
                 _choice(spec.attn_implementation, ATTN_IMPLEMENTATIONS, f"{side}.attn_implementation")
             _choice(spec.device, DEVICES, f"{side}.device")
         _choice(r.logprobs, REFERENCE_LOGPROBS, "reference.logprobs")
+        if e.url is not None and e.name == "hf":  # a server's address means the remote engine
+            e.name = "remote"
         if e.logprobs_mode is None:
-            e.logprobs_mode = ENGINE_DEFAULT_LOGPROBS_MODE.get(e.name, "raw")
+            # a server's default: vLLM's raw_logprobs; SGLang's log_softmax(logits / T)
+            name = f"remote-{e.api}" if e.name == "remote" else e.name
+            e.logprobs_mode = ENGINE_DEFAULT_LOGPROBS_MODE.get(name, "raw")
         _choice(e.logprobs_mode, LOGPROBS_MODES, "engine.logprobs_mode")
         if s.top_k == -1:
             s.top_k = 0
@@ -486,6 +504,10 @@ class ProbeSpec(_Settings):
         ):
             value = getattr(e, name)
             _check(value is None or value >= 1, f"engine.{name} must be >= 1, got {value}")
+        _check(e.max_concurrency >= 1, f"engine.max_concurrency must be >= 1, got {e.max_concurrency}")
+        _check(e.max_retries >= 0, f"engine.max_retries must be >= 0, got {e.max_retries}")
+        _check(e.request_timeout_s > 0, f"engine.request_timeout_s must be > 0, got {e.request_timeout_s}")
+        _check(e.retry_backoff_s >= 0, f"engine.retry_backoff_s must be >= 0, got {e.retry_backoff_s}")
         _check(e.tensor_parallel_size >= 1, f"engine.tensor_parallel_size must be >= 1, got {e.tensor_parallel_size}")
         e.check_layout()
         _check(
@@ -538,12 +560,32 @@ ROLLOUT_KEYS = ("model", "prompts", "max_prompts", "shard_size", "max_turns", "t
 VARIANT_SECTIONS = ("reference", "corrections")
 
 
+# How a remote engine reaches its server, not what the server samples: a run resumes, and shares its
+# rollouts, when the server comes back at another address or under another name, or with other timeouts.
+CLIENT_SETTINGS = (
+    "url",
+    "served_model",
+    "api_key_env",
+    "check_model",
+    "max_concurrency",
+    "request_timeout_s",
+    "max_retries",
+    "retry_backoff_s",
+    "tls_verify",
+    "ca_bundle",
+)
+
+
 def rollout_fingerprint(spec_dict: dict[str, Any]) -> str:
     """:meth:`ProbeSpec.rollout_fingerprint` of a stored spec (a run.json's ``spec``)."""
     d = {k: spec_dict.get(k) for k in ROLLOUT_KEYS}
     # where the engine ran from, and where its nodes met, do not change what it sampled (run.json
     # records its versions and its layout)
-    d["engine"] = {k: v for k, v in (d["engine"] or {}).items() if k not in ("python", "dist_init_addr", "node_rank")}
+    d["engine"] = {
+        k: v
+        for k, v in (d["engine"] or {}).items()
+        if k not in ("python", "dist_init_addr", "node_rank", *CLIENT_SETTINGS)
+    }
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -72,7 +72,36 @@ FLAG_NAMES = {
     "extra_args": "[engine.extra_args] in the spec",
     "logits_fp32": "--engine-logits-fp32",
     **{name: f"engine.{name} in the spec" for name in (*MULTINODE_SETTINGS, "distributed_executor_backend")},
+    "url": "--engine-url",
+    "api": "--engine-api",
+    "served_model": "--engine-model",
+    "api_key_env": "--engine-api-key-env",
+    "check_model": "--check-model/--no-check-model",
+    **{
+        name: f"engine.{name} in the spec"
+        for name in ("seed_requests", "max_concurrency", "request_timeout_s", "max_retries", "retry_backoff_s")
+    },
+    **{name: f"engine.{name} in the spec" for name in ("tls_verify", "ca_bundle")},
 }
+
+# a remote engine's settings: the server's address and how to talk to it (its own flags were set
+# where it was started, and are read back)
+REMOTE_SETTINGS = frozenset(
+    {
+        "url",
+        "api",
+        "served_model",
+        "api_key_env",
+        "check_model",
+        "seed_requests",
+        "max_concurrency",
+        "request_timeout_s",
+        "max_retries",
+        "retry_backoff_s",
+        "tls_verify",
+        "ca_bundle",
+    }
+)
 
 
 def _flag(field_name: str) -> str:
@@ -152,6 +181,15 @@ BUILTIN_ENGINES = {
         "--gpu-memory-utilization F (engine.gpu_memory_utilization, SGLang's mem_fraction_static), or shorten it "
         "with --max-model-len N (engine.max_model_len)",
         check="mismatch_probe.engines.sglang:check_spec",
+    ),
+    "remote": EngineEntry(
+        name="remote",
+        target="mismatch_probe.engines.remote:RemoteEngine",
+        requires=("httpx",),
+        install_hint="pip install httpx",
+        description="a running rollout server over HTTP: vllm serve (--engine-api openai) or SGLang (--engine-api sglang)",
+        settings=REMOTE_SETTINGS,
+        check="mismatch_probe.engines.remote:check_spec",
     ),
 }
 

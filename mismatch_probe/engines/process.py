@@ -41,6 +41,7 @@ class EngineProcess:
         *,
         log_path: str | Path,
         trust_remote_code: bool = False,
+        state_dir: str | Path | None = None,
     ):
         self.name = entry.name
         self.memory_hint = entry.memory_hint
@@ -81,12 +82,12 @@ class EngineProcess:
         self._replies = os.fdopen(replies_r, "rb")
 
         try:
-            self._start(entry, model_path, spec, trust_remote_code)
+            self._start(entry, model_path, spec, trust_remote_code, state_dir)
         except BaseException:
             self._kill()  # a worker whose engine did not start must not linger
             raise
 
-    def _start(self, entry, model_path, spec: EngineSpec, trust_remote_code: bool) -> None:
+    def _start(self, entry, model_path, spec: EngineSpec, trust_remote_code: bool, state_dir) -> None:
         hello = self._reply("start-up", expect="hello")
         if hello.header.get("protocol") != wire.PROTOCOL_VERSION:
             raise ConfigError(
@@ -103,6 +104,7 @@ class EngineProcess:
                 "model": str(model_path),
                 "spec": spec.model_dump(),
                 "trust_remote_code": trust_remote_code,
+                "state_dir": str(state_dir) if state_dir is not None else None,
             },
             expect="started",
         )

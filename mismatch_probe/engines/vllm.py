@@ -23,9 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from mismatch_probe.config.spec import EngineSpec, SamplingSpec
-from mismatch_probe.engines.base import Completion, GenerationRequest, ScoreRequest, check_extra_args
+from mismatch_probe.engines.base import Completion, GenerationRequest, ScoreRequest, batch_seed, check_extra_args
 from mismatch_probe.engines.cpu_threads import cpu_thread_binding
-from mismatch_probe.engines.hf import batch_seed
 from mismatch_probe.errors import ConfigError
 from mismatch_probe.modeling.logprobs import LogprobSemantics, engine_semantics
 

@@ -56,7 +56,12 @@ def serve(requests, replies) -> bool:
         try:
             if op == "start":
                 spec = EngineSpec(**h["spec"])
-                engine = _load(h["target"])(h["model"], spec, trust_remote_code=h["trust_remote_code"])
+                cls = _load(h["target"])
+                # an adapter that keeps state between runs (a remote engine's answers received) gets a place for it
+                state = (
+                    {"state_dir": h["state_dir"]} if h.get("state_dir") and getattr(cls, "keeps_state", False) else {}
+                )
+                engine = cls(h["model"], spec, trust_remote_code=h["trust_remote_code"], **state)
                 wire.send(replies, {"op": "started", "prefill": hasattr(engine, "prefill_logprobs")})
             elif op == "info":
                 wire.send(replies, {"op": "info", "info": engine.info()})

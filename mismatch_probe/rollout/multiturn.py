@@ -151,17 +151,24 @@ def roll_out(
             convs[i].finish_reason = "context_full"
         live = [i for i in live if budget[i] >= 1]
         next_live = []
+        # in every conversation's last turn the engine reports each sample as it finishes (a remote
+        # server's answers arrive one by one); before that, a conversation counts once it ends
+        last = all(turn == limits[i] - 1 for i in live)
         if live:
             requests = [GenerationRequest(convs[i].token_ids(), budget[i]) for i in live]
             # turn 0 keeps the single-turn seed, so a one-turn probe draws what it always drew
             completions = engine.generate(
-                requests, sampling, stop_token_ids=stop_token_ids, seed=seed + turn * 7_919, on_progress=None
+                requests,
+                sampling,
+                stop_token_ids=stop_token_ids,
+                seed=seed + turn * 7_919,
+                on_progress=on_progress if last else None,
             )
             for i, request, c in zip(live, requests, completions):
                 if _extend(convs[i], request, c, turn, turn == limits[i] - 1, stops, tokenizer, template, recorded[i]):
                     next_live.append(i)
         if on_progress:
-            on_progress(n_live - len(next_live))
+            on_progress(n_live - len(next_live) - (len(live) if last else 0))
         live = next_live
         if not live:
             break

@@ -25,6 +25,9 @@ import pyarrow.parquet as pq
 from mismatch_probe.record import SEQUENCES_PARQUET
 
 ROLLOUTS_DIR = "rollouts"
+# rollouts/.received/: a remote engine's answers as they arrived, until their shards are written
+# (a dot-directory, which Arrow's readers skip)
+RECEIVED_DIR = ".received"
 TOKENS_DIR = "tokens.parquet"
 
 # One row per token of every sequence (ARCHITECTURE.md, Per-token table).

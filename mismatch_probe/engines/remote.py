@@ -1,0 +1,744 @@
+"""The ``remote`` engine: a rollout server that is already running, over HTTP (``engine.url``).
+
+RL setups that sample out of process (ms-swift's ``swift rollout``, verl's agent loop, slime)
+talk to a vLLM or SGLang server, and that server, with its own flags, build and GPU, is what
+causes the mismatch. This adapter probes it as it runs instead of re-creating it in process.
+
+Two dialects (``engine.api``):
+
+* ``openai``: ``POST /v1/completions`` (``vllm serve``, ``swift rollout``, any OpenAI-compatible
+  server that returns token ids and log-probs). The prompt goes out as a list of token ids; the
+  sampled ids come back in ``token_ids`` (``return_token_ids``) and as ``token_id:N`` in the
+  log-prob entries (``return_tokens_as_token_ids``), which must agree; the log-prob of each sampled
+  token is ``token_logprobs``. The prefill re-score asks for ``prompt_logprobs`` over prompt +
+  response, each entry looked up by the token's id.
+* ``sglang``: SGLang's native ``POST /generate`` with ``input_ids``; the answer's
+  ``meta_info.output_token_logprobs`` carries ``(logprob, token_id, text)`` per sampled token;
+  the prefill re-score uses ``logprob_start_len`` and ``input_token_logprobs``.
+
+Nothing is re-tokenized: a server that answers with text only is refused with the option that
+turns ids on. The server's settings are read back wherever it exposes them (vLLM: ``/version``,
+``/v1/models``, ``/metrics``' ``vllm:cache_config_info``, and ``/server_info`` when started with
+``VLLM_SERVER_DEV_MODE=1``; SGLang: ``/server_info`` and ``/model_info``); every setting it
+does not expose is recorded as unknown, with what would expose it, never guessed. The served
+model must be the checkpoint the reference loads (names, architectures, and the server's
+tokenizer on a probe text where it has one), unless ``engine.check_model = false``.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from mismatch_probe.config.spec import EngineSpec, SamplingSpec
+from mismatch_probe.engines.base import Completion, GenerationRequest, ScoreRequest, batch_seed
+from mismatch_probe.engines.http_client import AUTH_HINT, Client, Journal, RequestFailed, api_key_from, redact_url
+from mismatch_probe.errors import ConfigError, EngineError
+from mismatch_probe.modeling.logprobs import LogprobSemantics, engine_semantics
+
+APIS = ("openai", "sglang")
+# the text whose token ids the server's tokenizer must give as the checkpoint's does
+TOKENIZER_PROBE = "mismatch-probe: The quick brown fox jumps over 13 lazy dogs. ünïcödé, 漢字, 🙂\n\tend"
+# settings the in-process engines record under these names (the report's engine label reads them)
+VLLM_SERVER_INFO = {
+    "dtype": ("model_config", "dtype"),
+    "logprobs_mode": ("model_config", "logprobs_mode"),
+    "max_model_len": ("model_config", "max_model_len"),
+    "enforce_eager": ("model_config", "enforce_eager"),
+    "quantization": ("model_config", "quantization"),
+    "served_model_name": ("model_config", "served_model_name"),
+    "model": ("model_config", "model"),
+    "tensor_parallel_size": ("parallel_config", "tensor_parallel_size"),
+    "pipeline_parallel_size": ("parallel_config", "pipeline_parallel_size"),
+    "data_parallel_size": ("parallel_config", "data_parallel_size"),
+    "distributed_executor_backend": ("parallel_config", "distributed_executor_backend"),
+    "chunked_prefill": ("scheduler_config", "enable_chunked_prefill"),
+    "max_num_seqs": ("scheduler_config", "max_num_seqs"),
+    "max_num_batched_tokens": ("scheduler_config", "max_num_batched_tokens"),
+    "async_scheduling": ("scheduler_config", "async_scheduling"),
+    "prefix_caching": ("cache_config", "enable_prefix_caching"),
+    "kv_cache_dtype": ("cache_config", "cache_dtype"),
+    "gpu_memory_utilization": ("cache_config", "gpu_memory_utilization"),
+    "kv_cache_memory_bytes": ("cache_config", "kv_cache_memory_bytes"),
+    "compilation_mode": ("compilation_config", "mode"),
+    "cudagraph_mode": ("compilation_config", "cudagraph_mode"),
+    "attention_backend": ("attention_config", "backend"),
+    "device": ("device_config", "device"),
+}
+# what vLLM's /metrics exposes without dev mode (vllm:cache_config_info's labels)
+VLLM_CACHE_LABELS = {
+    "prefix_caching": "enable_prefix_caching",
+    "kv_cache_dtype": "cache_dtype",
+    "gpu_memory_utilization": "gpu_memory_utilization",
+    "kv_cache_memory_bytes": "kv_cache_memory_bytes",
+    "block_size": "block_size",
+}
+VLLM_ENV_RECORDED = ("VLLM_BATCH_INVARIANT", "VLLM_ATTENTION_BACKEND", "VLLM_USE_V2_MODEL_RUNNER")
+# SGLang server_info field -> the name the in-process engines record it under
+SGLANG_SERVER_INFO = {
+    "dtype": "dtype",
+    "tp_size": "tensor_parallel_size",
+    "pp_size": "pipeline_parallel_size",
+    "dp_size": "data_parallel_size",
+    "device": "device",
+    "attention_backend": "attention_backend",
+    "prefill_attention_backend": "prefill_attention_backend",
+    "decode_attention_backend": "decode_attention_backend",
+    "sampling_backend": "sampling_backend",
+    "disable_cuda_graph": "disable_cuda_graph",
+    "enable_torch_compile": "enable_torch_compile",
+    "disable_radix_cache": "disable_radix_cache",
+    "chunked_prefill_size": "chunked_prefill_size",
+    "enable_deterministic_inference": "batch_invariant",
+    "rl_on_policy_target": "rl_on_policy_target",
+    "enable_fp32_lm_head": "logits_fp32",
+    "mem_fraction_static": "gpu_memory_utilization",
+    "max_total_tokens": "max_total_tokens",
+    "max_running_requests": "max_num_seqs",
+    "context_length": "max_model_len",
+    "kv_cache_dtype": "kv_cache_dtype",
+    "quantization": "quantization",
+    "page_size": "page_size",
+    "disable_overlap_schedule": "disable_overlap_schedule",
+    "random_seed": "random_seed",
+    "schedule_policy": "schedule_policy",
+    "skip_tokenizer_init": "skip_tokenizer_init",
+    "model_path": "model",
+    "served_model_name": "served_model_name",
+}
+LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def check_spec(spec: EngineSpec) -> None:
+    """What a remote engine needs before anything starts (``EngineEntry.check``)."""
+    if not spec.url:
+        raise ConfigError(
+            "engine 'remote' needs the server's address",
+            hint="pass --engine-url http://HOST:PORT (engine.url in the spec)",
+        )
+    parts = urlsplit(spec.url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(
+            f"engine.url {redact_url(spec.url)!r} is not an http(s) address",
+            hint="give the server's base address, e.g. http://10.0.0.5:8000 (no /v1 path)",
+        )
+    if parts.path.rstrip("/").endswith("/v1"):
+        raise ConfigError(
+            f"engine.url {redact_url(spec.url)!r} ends in /v1",
+            hint="give the server's base address without /v1; mismatch-probe adds each endpoint's path",
+        )
+    if spec.api not in APIS:
+        raise ConfigError(
+            f"engine.api must be one of {', '.join(APIS)}, got {spec.api!r}",
+            hint="openai: vllm serve, swift rollout (POST /v1/completions); sglang: SGLang's /generate",
+        )
+
+
+class RemoteEngine:
+    name = "remote"
+    keeps_state = True  # the worker gives it a directory for the journal of answers received
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        spec: EngineSpec,
+        *,
+        trust_remote_code: bool = False,
+        state_dir: str | Path | None = None,
+    ):
+        check_spec(spec)
+        self.spec = spec
+        self.model_path = Path(model_path)
+        self.trust_remote_code = trust_remote_code
+        self.dialect: _Dialect = OpenAIDialect() if spec.api == "openai" else SGLangDialect()
+        self.client = Client(
+            url=spec.url,
+            api_key=api_key_from(spec.api_key_env),
+            timeout_s=spec.request_timeout_s,
+            max_concurrency=spec.max_concurrency,
+            max_retries=spec.max_retries,
+            backoff_s=spec.retry_backoff_s,
+            verify=spec.ca_bundle if spec.ca_bundle else spec.tls_verify,
+            log=lambda msg: print(f"[remote] {msg}", file=sys.stderr, flush=True),
+        )
+        self.journal = Journal(state_dir)
+        if len(self.journal):
+            self.client.log(f"{len(self.journal)} answers received before are reused ({self.journal.path})")
+        self.server = self.dialect.read_server(self.client, spec.served_model)
+        self.served_model = self.server.model
+        self.model_check = check_served_model(self, spec.check_model)
+        self.logprobs_source = self._check_declared()
+        self.seeds_off_because = None
+        if self.server.software == "vllm" and self.server.settings.get("device") == "cpu":
+            # as in process (engines/vllm.py): a seeded request split by chunked prefill kills the engine
+            self.seeds_off_because = (
+                "the server is vLLM's CPU build, whose runner cannot rewind a seeded generator after a "
+                "chunked-prefill discard ('CPU Generator does not use offset'); sampling uses the server's seed"
+            )
+
+    # ---- settings ------------------------------------------------------------------------
+    def _check_declared(self) -> str:
+        """The spec's dtype and logprobs_mode say what the server runs with: where the server
+        tells, they must agree (the reference would otherwise match the wrong distribution)."""
+        settings = self.server.settings
+        dtype = _dtype_name(settings.get("dtype"))
+        if self.spec.dtype != "auto" and dtype not in (None, "auto") and dtype != self.spec.dtype:
+            raise ConfigError(
+                f"the server at {self.client.where('')} runs in {dtype}, but engine.dtype says {self.spec.dtype}",
+                hint=f"set engine.dtype = {dtype!r} (or auto), or restart the server with the dtype you meant",
+            )
+        served_mode = settings.get("logprobs_mode")
+        if served_mode is None:
+            return "declared (engine.logprobs_mode; the server does not say what its log-probs are)"
+        mode = {"raw_logprobs": "raw", "processed_logprobs": "processed"}.get(str(served_mode))
+        if mode is None:
+            raise ConfigError(
+                f"the server returns {served_mode} (vLLM --logprobs-mode), which are not log-probabilities",
+                hint="restart it with --logprobs-mode raw_logprobs or processed_logprobs",
+            )
+        if mode != self.spec.logprobs_mode:
+            raise ConfigError(
+                f"the server returns {served_mode}, but engine.logprobs_mode is {self.spec.logprobs_mode}",
+                hint=f"pass --logprobs-mode {mode} (engine.logprobs_mode = {mode!r})",
+            )
+        return "read from the server"
+
+    # ---- Engine protocol -----------------------------------------------------------------
+    def semantics(self, sampling: SamplingSpec) -> LogprobSemantics:
+        mode = self.spec.logprobs_mode or "raw"
+        if self.spec.api == "sglang":
+            if mode == "raw" or sampling.temperature <= 0:
+                return LogprobSemantics("raw")
+            # SGLang's sampler returns log_softmax(logits / T): top-k/top-p shape the draw only
+            return LogprobSemantics("processed", sampling.temperature, 0, 1.0)
+        return engine_semantics(mode, sampling.temperature, sampling.top_k, sampling.top_p)
+
+    def info(self) -> dict:
+        s = self.server
+        return {
+            "engine": self.name,
+            "api": self.spec.api,
+            "url": redact_url(self.spec.url or ""),
+            "served_model": self.served_model,
+            "platform": s.settings.get("device") or "unknown",
+            **{k: v for k, v in s.settings.items() if k not in ("model", "served_model_name")},
+            "server": s.raw,
+            "unknown": s.unknown,
+            "model_check": self.model_check,
+            "logprobs_mode": self.spec.logprobs_mode,
+            "logprobs_mode_source": self.logprobs_source,
+            # SGLang honors a request's sampling_seed only with --enable-deterministic-inference
+            "per_request_seeds": self._seeded()
+            and (self.spec.api != "sglang" or bool(s.settings.get("batch_invariant"))),
+            **({"per_request_seeds_off_because": self.seeds_off_because} if self.seeds_off_because else {}),
+            "client": {
+                "max_concurrency": self.client.max_concurrency,
+                "request_timeout_s": self.client.timeout_s,
+                "max_retries": self.client.max_retries,
+                "retry_backoff_s": self.client.backoff_s,
+                "tls_verify": bool(self.client.verify),
+                "api_key": "from $" + self.spec.api_key_env if self.spec.api_key_env else None,
+            },
+            "routing": None,
+            "routing_unavailable": "expert ids are not read from a remote server yet",
+            "versions": {s.software: s.version} if s.software else {},
+        }
+
+    def generate(
+        self,
+        requests: Sequence[GenerationRequest],
+        sampling: SamplingSpec,
+        *,
+        stop_token_ids: Sequence[int],
+        seed: int,
+        on_progress: Callable[[int], None] | None = None,
+    ) -> list[Completion]:
+        seeds = [batch_seed(seed, i) % (2**31) if self._seeded() else None for i in range(len(requests))]
+        bodies = [
+            self.dialect.generate_body(self.served_model, r, sampling, stop_token_ids, s)
+            for r, s in zip(requests, seeds)
+        ]
+        completions: list[Completion | None] = [None] * len(requests)
+
+        def parse(i: int, answer: dict) -> None:
+            completions[i] = self.dialect.completion(answer, requests[i], self._where(f"sampling request {i}"))
+            if on_progress is not None:
+                on_progress(1)
+
+        self._post(self.dialect.generate_path, bodies, "sampling request", parse)
+        return completions  # type: ignore[return-value]
+
+    def prefill_logprobs(
+        self, requests: Sequence[ScoreRequest], on_progress: Callable[[int], None] | None = None
+    ) -> list[np.ndarray]:
+        limit = self.server.max_model_len or 0
+        # a sequence the server cannot prefill (as long as its context) stays NaN, as in process
+        result = [np.full(len(r.token_ids) - r.start, np.nan, np.float32) for r in requests]
+        todo = [i for i, r in enumerate(requests) if not limit or len(r.token_ids) < limit]
+        if on_progress is not None and len(todo) < len(requests):
+            on_progress(len(requests) - len(todo))
+        bodies = [self.dialect.prefill_body(self.served_model, requests[i]) for i in todo]
+
+        def parse(k: int, answer: dict) -> None:
+            i = todo[k]
+            result[i] = self.dialect.prefill(answer, requests[i], self._where(f"prefill request {i}"))
+            if on_progress is not None:
+                on_progress(1)
+
+        self._post(self.dialect.generate_path, bodies, "prefill request", parse)
+        return result
+
+    def close(self) -> None:
+        self.journal.close()
+
+    # ---- plumbing ------------------------------------------------------------------------
+    def _seeded(self) -> bool:
+        return self.spec.seed_requests and self.seeds_off_because is None
+
+    def _where(self, what: str) -> str:
+        return f"{what} to {self.client.where(self.dialect.generate_path)}"
+
+    def _post(self, path: str, bodies: list[dict], what: str, parse: Callable[[int, dict], None]) -> None:
+        try:
+            self.client.post_all(path, bodies, what=lambda i: f"{what} {i}", journal=self.journal, on_answer=parse)
+        except RequestFailed as exc:
+            kept = f"; the {len(self.journal)} answers received are kept" if self.journal.path else ""
+            message = f"the server at {self.client.where(path)}: {exc}{kept}"
+            if exc.status in (401, 403):
+                raise ConfigError(message, hint=AUTH_HINT) from None
+            raise EngineError(
+                message,
+                hint="re-run the same command once the server is back: it resumes, sending only what is missing",
+            ) from None
+
+
+class ServerInfo:
+    """What the server says about itself, in the in-process engines' names where they have one."""
+
+    def __init__(self, *, model: str, names: set[str], software: str | None, version: str | None):
+        self.model = model  # the name requests carry
+        self.names = names  # every name and path the server gives the model
+        self.software = software  # "vllm", "sglang", or None (another OpenAI-compatible server)
+        self.version = version
+        self.settings: dict = {}  # in the in-process engines' names
+        self.raw: dict = {}  # as the server names them, by endpoint
+        self.unknown: dict[str, str] = {}  # setting -> what would expose it
+        self.architectures: list[str] | None = None
+        self.tokenizer_probe: list[int] | None = None  # the server's ids of TOKENIZER_PROBE
+        self.max_model_len: int | None = None
+
+
+class _Dialect:
+    generate_path: str
+
+    def read_server(self, client: Client, served_model: str | None) -> ServerInfo:
+        raise NotImplementedError
+
+    def generate_body(
+        self, model: str, r: GenerationRequest, sampling: SamplingSpec, stops: Sequence[int], seed: int | None
+    ) -> dict:
+        raise NotImplementedError
+
+    def completion(self, answer: dict, request: GenerationRequest, where: str) -> Completion:
+        raise NotImplementedError
+
+    def prefill_body(self, model: str, r: ScoreRequest) -> dict:
+        raise NotImplementedError
+
+    def prefill(self, answer: dict, request: ScoreRequest, where: str) -> np.ndarray:
+        raise NotImplementedError
+
+
+class OpenAIDialect(_Dialect):
+    """``/v1/completions`` with vLLM's token-id extensions."""
+
+    generate_path = "/v1/completions"
+
+    def read_server(self, client: Client, served_model: str | None) -> ServerInfo:
+        status, models = client.get("/v1/models")
+        if status != 200 or not isinstance(models, dict) or not isinstance(models.get("data"), list):
+            if status == 404 and client.get("/get_world_size/")[0] == 200:
+                raise ConfigError(
+                    f"{client.where('')} is ms-swift's `swift rollout` server: it takes chat messages (it applies "
+                    "the chat template itself) rather than token ids, and returns no prompt log-probs",
+                    hint="probe its engine as `vllm serve` started with the same settings (README: Probe the "
+                    "rollout server you train with), or sample in process with --engine vllm",
+                )
+            raise ConfigError(
+                f"{client.where('/v1/models')} answered HTTP {status}: not an OpenAI-compatible server",
+                hint="check --engine-url; for SGLang's native API pass --engine-api sglang",
+            )
+        cards = {c.get("id"): c for c in models["data"] if isinstance(c, dict)}
+        model = _choose_model(cards, served_model, client)
+        card = cards[model]
+        status, version = client.get("/version")
+        is_vllm = status == 200 and isinstance(version, dict) and "version" in version
+        info = ServerInfo(
+            model=model,
+            names={n for n in (model, card.get("root")) if n},
+            software="vllm" if is_vllm else None,
+            version=version.get("version") if is_vllm else None,
+        )
+        info.raw["model_card"] = {k: card.get(k) for k in ("id", "root", "parent", "owned_by", "max_model_len")}
+        info.max_model_len = card.get("max_model_len")
+        info.settings["max_model_len"] = info.max_model_len
+        if is_vllm:
+            self._vllm_settings(client, info)
+        else:
+            info.unknown["everything"] = "the server has no /version: not vLLM, so only its model card is read"
+        status, tokens = client.post(
+            "/tokenize", {"model": model, "prompt": TOKENIZER_PROBE, "add_special_tokens": False}
+        )
+        if status == 200 and isinstance(tokens, dict) and isinstance(tokens.get("tokens"), list):
+            info.tokenizer_probe = [int(t) for t in tokens["tokens"]]
+        else:
+            info.unknown["tokenizer"] = "the server has no working /tokenize (started with --skip-tokenizer-init?)"
+        return info
+
+    def _vllm_settings(self, client: Client, info: ServerInfo) -> None:
+        status, server_info = client.get("/server_info", params={"config_format": "json"})
+        config = server_info.get("vllm_config") if status == 200 and isinstance(server_info, dict) else None
+        if isinstance(config, dict):
+            for name, (section, key) in VLLM_SERVER_INFO.items():
+                value = (config.get(section) or {}).get(key)
+                if value is not None:
+                    info.settings[name] = value
+            info.settings["dtype"] = _dtype_name(info.settings.get("dtype"))
+            env = server_info.get("vllm_env") or {}
+            info.settings["batch_invariant"] = bool(env.get("VLLM_BATCH_INVARIANT", False))
+            info.raw["vllm_env"] = {k: env[k] for k in VLLM_ENV_RECORDED if k in env}
+            hf = (config.get("model_config") or {}).get("hf_config") or {}
+            if isinstance(hf, dict) and hf.get("architectures"):
+                info.architectures = list(hf["architectures"])
+            for name in ("model", "served_model_name"):
+                value = info.settings.get(name)
+                info.names.update(value if isinstance(value, list) else [value] if value else [])
+        else:
+            why = "vLLM exposes it at /server_info only when started with VLLM_SERVER_DEV_MODE=1"
+            for name in VLLM_SERVER_INFO:
+                if name not in VLLM_CACHE_LABELS and name not in ("max_model_len", "model", "served_model_name"):
+                    info.unknown[name] = why
+            info.unknown["batch_invariant"] = why
+        status, metrics = client.get("/metrics")
+        labels = _prometheus_labels(metrics, "vllm:cache_config_info") if status == 200 else None
+        if labels:
+            info.raw["cache_config_info"] = labels
+            for name, label in VLLM_CACHE_LABELS.items():
+                if label in labels and name not in info.settings:
+                    info.settings[name] = _label_value(labels[label])
+        else:
+            for name in VLLM_CACHE_LABELS:
+                if name not in info.settings:
+                    info.unknown[name] = (
+                        "vLLM's /metrics has no vllm:cache_config_info (started with --disable-log-stats?)"
+                    )
+
+    def generate_body(self, model, r, sampling, stops, seed) -> dict:
+        body = {
+            "model": model,
+            "prompt": [int(t) for t in r.prompt_token_ids],
+            "max_tokens": int(r.max_tokens),
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k if sampling.top_k > 0 else -1,
+            "logprobs": 0,  # the sampled token's own log-prob
+            "stop_token_ids": [int(t) for t in stops],
+            "skip_special_tokens": False,
+            "add_special_tokens": False,
+            "return_tokens_as_token_ids": True,
+            "return_token_ids": True,
+            "n": 1,
+            "stream": False,
+        }
+        if seed is not None:
+            body["seed"] = seed
+        return body
+
+    def completion(self, answer: dict, request: GenerationRequest, where: str) -> Completion:
+        choice = _first_choice(answer, where)
+        logprobs = choice.get("logprobs")
+        if not isinstance(logprobs, dict) or not isinstance(logprobs.get("token_logprobs"), list):
+            raise ConfigError(
+                f"{where}: the answer has no log-probs (logprobs=0 was asked for)",
+                hint="the server must return log-probs: vLLM does unless started with --max-logprobs 0",
+            )
+        ids_from_entries = [_token_id(t) for t in logprobs.get("tokens") or []]
+        ids = choice.get("token_ids")
+        if ids is None:
+            if any(t is None for t in ids_from_entries):
+                raise ConfigError(
+                    f"{where}: the server returns sampled tokens as text, not ids; mismatch-probe never "
+                    "re-tokenizes text (the ids would not be the ones sampled)",
+                    hint="use a vLLM that honors return_token_ids (0.10.2 or later) or return_tokens_as_token_ids "
+                    "(start it with --return-tokens-as-token-ids); other servers: use one that returns token ids",
+                )
+            ids = ids_from_entries
+        tokens = np.asarray(ids, dtype=np.int32)
+        values = logprobs["token_logprobs"]
+        if len(values) != len(tokens):
+            raise EngineError(f"{where}: {len(tokens)} sampled tokens but {len(values)} log-probs")
+        if ids_from_entries and ids_from_entries != [int(t) for t in tokens]:
+            k = next(j for j, (a, b) in enumerate(zip(ids_from_entries, tokens)) if a != b)
+            raise EngineError(f"{where}: log-prob entry {k} is for token {ids_from_entries[k]}, not {int(tokens[k])}")
+        if any(v is None for v in values):
+            raise EngineError(f"{where}: the server returned no log-prob for a sampled token")
+        prompt = choice.get("prompt_token_ids")
+        return Completion(
+            token_ids=tokens,
+            logprobs=np.asarray(values, dtype=np.float64).astype(np.float32),
+            finish_reason=_finish(choice.get("finish_reason"), where),
+            prompt_token_ids=np.asarray(prompt, dtype=np.int32) if prompt is not None else None,
+        )
+
+    def prefill_body(self, model, r) -> dict:
+        return {
+            "model": model,
+            "prompt": [int(t) for t in r.token_ids],
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "prompt_logprobs": 0,  # the given token's own log-prob at each position, from the raw logits
+            "add_special_tokens": False,
+            "return_tokens_as_token_ids": True,
+            "n": 1,
+            "stream": False,
+        }
+
+    def prefill(self, answer: dict, request: ScoreRequest, where: str) -> np.ndarray:
+        entries = _first_choice(answer, where).get("prompt_logprobs")
+        ids = request.token_ids
+        if not isinstance(entries, list) or len(entries) != len(ids):
+            got = "none" if not isinstance(entries, list) else len(entries)
+            raise EngineError(
+                f"{where}: {got} prompt log-prob entries for {len(ids)} tokens",
+                hint="the server must honor prompt_logprobs (vLLM does); or turn the re-score off with "
+                "--no-prefill-check",
+            )
+        out = np.empty(len(ids) - request.start, np.float64)
+        for k, p in enumerate(range(request.start, len(ids))):
+            entry = entries[p] or {}
+            hit = entry.get(str(int(ids[p])))
+            if hit is None:
+                raise EngineError(f"{where}: no prompt log-prob for token {int(ids[p])} at position {p}")
+            out[k] = hit["logprob"] if isinstance(hit, dict) else hit
+        return out.astype(np.float32)
+
+
+class SGLangDialect(_Dialect):
+    """SGLang's native ``/generate`` (token ids in and out)."""
+
+    generate_path = "/generate"
+
+    def read_server(self, client: Client, served_model: str | None) -> ServerInfo:
+        server_info = _first_found(client, ("/server_info", "/get_server_info"))
+        model_info = _first_found(client, ("/model_info", "/get_model_info"))
+        if server_info is None:
+            raise ConfigError(
+                f"{client.where('/server_info')} (and /get_server_info) did not answer: not an SGLang server",
+                hint="check --engine-url; for vllm serve or swift rollout pass --engine-api openai",
+            )
+        model_info = model_info or {}
+        names = {n for n in (model_info.get("model_path"), model_info.get("served_model_name")) if n}
+        names |= {n for n in (server_info.get("model_path"), server_info.get("served_model_name")) if n}
+        model = served_model or model_info.get("served_model_name") or server_info.get("served_model_name") or ""
+        info = ServerInfo(model=model, names=names, software="sglang", version=server_info.get("version"))
+        for key, name in SGLANG_SERVER_INFO.items():
+            if key in server_info:
+                info.settings[name] = server_info[key]
+        # the in-process engines' names for SGLang's negated switches
+        if "disable_cuda_graph" in info.settings:
+            info.settings["enforce_eager"] = info.settings["disable_cuda_graph"]
+        if "disable_radix_cache" in info.settings:
+            info.settings["prefix_caching"] = not info.settings["disable_radix_cache"]
+        info.raw["server_info"] = {k: server_info[k] for k in SGLANG_SERVER_INFO if k in server_info}
+        info.raw["model_info"] = {
+            k: model_info.get(k) for k in ("model_path", "served_model_name", "weight_version", "model_type")
+        }
+        info.architectures = model_info.get("architectures")
+        info.max_model_len = server_info.get("context_length")
+        info.unknown["logprobs_mode"] = (
+            "SGLang does not expose SGLANG_RETURN_ORIGINAL_LOGPROB (set on the server: raw log-probs; "
+            "unset: log_softmax(logits / T)); engine.logprobs_mode must say which"
+        )
+        info.unknown["tokenizer"] = "SGLang's native API has no tokenizer endpoint; names and architectures are checked"
+        return info
+
+    def generate_body(self, model, r, sampling, stops, seed) -> dict:
+        params = {
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k if sampling.top_k > 0 else -1,
+            "max_new_tokens": int(r.max_tokens),
+            "stop_token_ids": [int(t) for t in stops],
+            "skip_special_tokens": False,
+            "no_stop_trim": True,
+        }
+        if seed is not None:
+            params["sampling_seed"] = seed  # honored with --enable-deterministic-inference
+        return {"input_ids": [int(t) for t in r.prompt_token_ids], "sampling_params": params, "return_logprob": True}
+
+    def completion(self, answer: dict, request: GenerationRequest, where: str) -> Completion:
+        from mismatch_probe.engines.sglang import finish_reason, sampled_logprobs
+
+        if "output_ids" not in answer:
+            raise ConfigError(
+                f"{where}: the answer has no output_ids",
+                hint="is it SGLang's /generate? For vllm serve or swift rollout pass --engine-api openai",
+            )
+        tokens = np.asarray(answer["output_ids"], dtype=np.int32)
+        meta = answer.get("meta_info") or {}
+        try:
+            return Completion(
+                token_ids=tokens,
+                logprobs=sampled_logprobs(meta.get("output_token_logprobs"), tokens),
+                finish_reason=finish_reason(meta, where),
+            )
+        except RuntimeError as exc:
+            raise EngineError(str(exc)) from None
+
+    def prefill_body(self, model, r) -> dict:
+        return {
+            "input_ids": [int(t) for t in r.token_ids],
+            "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
+            "return_logprob": True,
+            # SGLang's first returned position has no log-prob: start one before the first to score
+            "logprob_start_len": int(r.start) - 1,
+        }
+
+    def prefill(self, answer: dict, request: ScoreRequest, where: str) -> np.ndarray:
+        from mismatch_probe.engines.sglang import finish_reason, sampled_logprobs
+
+        meta = answer.get("meta_info") or {}
+        try:
+            finish_reason(meta, where)
+            entries = meta.get("input_token_logprobs")
+            return sampled_logprobs(entries[1:] if entries else entries, request.token_ids[request.start :])
+        except RuntimeError as exc:
+            raise EngineError(str(exc)) from None
+
+
+# ---- the served model -----------------------------------------------------------------------
+def check_served_model(engine: RemoteEngine, enforce: bool) -> dict:
+    """Is the server's model the checkpoint the reference loads? Compared where both sides say:
+    names (the checkpoint directory's, its config's ``_name_or_path``; the server's model ids and
+    paths, by their last path component), architectures, and the server's tokenizer on
+    :data:`TOKENIZER_PROBE`. A difference is refused unless ``enforce`` is off (then recorded)."""
+    from mismatch_probe.modeling.loading import read_config
+
+    server, local = engine.server, engine.model_path
+    config = read_config(local)
+    ours = {local.resolve().name, _basename(config.get("_name_or_path") or "")} - {""}
+    theirs = {_basename(n) for n in server.names} - {""}
+    checks: dict = {"checkpoint_names": sorted(ours), "server_names": sorted(theirs)}
+    differences = []
+    if theirs:
+        checks["names"] = bool(ours & theirs)
+        if not checks["names"]:
+            differences.append(f"it serves {', '.join(sorted(theirs))}")
+    if server.architectures and config.get("architectures"):
+        checks["architectures"] = list(server.architectures) == list(config["architectures"])
+        if not checks["architectures"]:
+            differences.append(f"architectures {server.architectures} vs the checkpoint's {config['architectures']}")
+    if server.tokenizer_probe is not None:
+        from mismatch_probe.modeling.loading import load_tokenizer
+
+        tokenizer = load_tokenizer(local, trust_remote_code=engine.trust_remote_code)
+        mine = tokenizer(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
+        checks["tokenizer"] = list(mine) == server.tokenizer_probe
+        if not checks["tokenizer"]:
+            differences.append("its tokenizer splits a probe text into other ids")
+    checks["matched"] = not differences
+    if differences and enforce:
+        raise ConfigError(
+            f"the server at {engine.client.where('')} does not serve the checkpoint the reference loads "
+            f"({local.name}): {'; '.join(differences)}",
+            hint="point --model at the checkpoint the server loaded; if it is the same weights under another "
+            "name, pass --no-check-model (engine.check_model = false)",
+        )
+    if differences:
+        checks["overridden"] = "engine.check_model = false"
+    return checks
+
+
+def _choose_model(cards: dict, served_model: str | None, client: Client) -> str:
+    if served_model is not None:
+        if served_model not in cards:
+            raise ConfigError(
+                f"the server at {client.where('')} does not serve a model named {served_model!r}",
+                hint=f"it serves: {', '.join(map(repr, sorted(cards)))} (engine.served_model)",
+            )
+        return served_model
+    if len(cards) != 1:
+        raise ConfigError(
+            f"the server at {client.where('')} serves {len(cards)} models",
+            hint=f"name one with --engine-model ({', '.join(map(repr, sorted(cards))) or 'none listed'})",
+        )
+    return next(iter(cards))
+
+
+def _first_found(client: Client, paths: Sequence[str]) -> dict | None:
+    for path in paths:
+        status, answer = client.get(path)
+        if status == 200 and isinstance(answer, dict):
+            return answer
+    return None
+
+
+def _first_choice(answer: dict, where: str) -> dict:
+    choices = answer.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise EngineError(f"{where}: the answer has no choices: {str(answer)[:200]}")
+    return choices[0]
+
+
+def _token_id(token: str) -> int | None:
+    """``token_id:N`` (vLLM's return_tokens_as_token_ids) -> N; text -> None."""
+    if isinstance(token, str) and token.startswith("token_id:") and token[9:].lstrip("-").isdigit():
+        return int(token[9:])
+    return None
+
+
+def _finish(reason, where: str) -> str:
+    if reason in ("stop", "length"):
+        return reason
+    raise EngineError(
+        f"{where} ended with finish_reason {reason!r}, not stop or length: the server aborted it",
+        hint="see the server's log; a prompt over its context length or a KV cache too small are the usual causes",
+    )
+
+
+def _dtype_name(value) -> str | None:
+    return None if value is None else str(value).removeprefix("torch.")
+
+
+def _basename(name: str) -> str:
+    return str(name).rstrip("/").rsplit("/", 1)[-1]
+
+
+def _prometheus_labels(text, metric: str) -> dict[str, str] | None:
+    """The labels of ``metric``'s first sample in Prometheus' text format."""
+    if not isinstance(text, str):
+        return None
+    for line in text.splitlines():
+        if line.startswith(metric + "{"):
+            body = line[len(metric) + 1 : line.rindex("}")]
+            return {k: v.replace('\\"', '"') for k, v in LABEL.findall(body)}
+    return None
+
+
+def _label_value(value: str):
+    """A Prometheus label's text as the value it stands for (``True``, ``0.92``, ``None``)."""
+    if value in ("True", "False"):
+        return value == "True"
+    if value == "None":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
