@@ -535,9 +535,21 @@ def _rollouts(ctx: RunContext, engine: Engine, missing: list[int]) -> None:
     semantics = engine.semantics(spec.sampling)
     s = spec.sampling
     prefill_skip = _prefill_skip_reason(spec, engine, semantics)
+    info = engine.info()
+    sampled_before = len(missing) < len(shards) or (rollout_dir / RECEIVED_DIR).is_dir()
+    if sampled_before and record.engine is not None:
+        from mismatch_probe.engines.remote import server_changes
+
+        # a remote server restarted between two invocations may run other settings than the
+        # rollouts already kept were sampled with; one run must not mix the two
+        if changes := server_changes(record.engine.to_dict(), info):
+            raise ConfigError(
+                f"the server now runs {'; '.join(changes)}, unlike when this run's first samples were drawn",
+                hint="restart the server as it was to resume, or start the run again with --overwrite",
+            )
     record.update_sections(
         {
-            "engine": engine.info(),
+            "engine": info,
             "logprob_semantics": _semantics_record(spec, semantics, prefill=prefill_skip is None),
             "decode_vs_prefill": {"skipped": prefill_skip} if prefill_skip else None,
         }

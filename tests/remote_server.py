@@ -130,7 +130,7 @@ def make_handler(state: State):
                 root = args.root or args.model
                 self._send(200, {"object": "list", "data": [{"id": args.model, "root": root, "max_model_len": 1024}]})
             elif path == "/version":
-                self._send(200, {"version": "0.0.0-scripted"})
+                self._send(200, {"version": args.version})
             else:
                 self._send(404, {"detail": "Not Found"})
 
@@ -172,6 +172,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--model", default="tiny-qwen2")
     parser.add_argument("--root", default=None)
+    parser.add_argument("--version", default="0.0.0-scripted", help="what /version says")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--fail-attempts", type=int, default=0)
     parser.add_argument("--throttle-attempts", type=int, default=0)

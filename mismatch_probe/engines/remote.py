@@ -621,6 +621,47 @@ class SGLangDialect(_Dialect):
             raise EngineError(str(exc)) from None
 
 
+# settings of a server that change what it samples, as info() records them
+SAMPLING_SETTINGS = (
+    "dtype",
+    "logprobs_mode",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "data_parallel_size",
+    "enforce_eager",
+    "compilation_mode",
+    "cudagraph_mode",
+    "chunked_prefill",
+    "prefix_caching",
+    "kv_cache_dtype",
+    "quantization",
+    "attention_backend",
+    "sampling_backend",
+    "batch_invariant",
+    "rl_on_policy_target",
+    "logits_fp32",
+    "device",
+)
+
+
+def server_changes(before: dict, after: dict) -> list[str]:
+    """What a remote server runs differently now (``after``, an ``info()``) than when ``before``
+    was recorded: its software, version or a setting both records know. Not a remote engine on
+    both sides: nothing to compare (an in-process engine is built from the spec, which resumes only
+    unchanged)."""
+    if before.get("engine") != "remote" or after.get("engine") != "remote":
+        return []
+    changes = [
+        f"{name} {(after.get('versions') or {}).get(name, 'absent')} (was {version})"
+        for name, version in (before.get("versions") or {}).items()
+        if (after.get("versions") or {}).get(name) != version
+    ]
+    for key in SAMPLING_SETTINGS:
+        if key in before and key in after and before[key] != after[key]:
+            changes.append(f"{key}={after[key]!r} (was {before[key]!r})")
+    return changes
+
+
 # ---- the served model -----------------------------------------------------------------------
 def check_served_model(engine: RemoteEngine, enforce: bool) -> dict:
     """Is the server's model the checkpoint the reference loads? Compared where both sides say:

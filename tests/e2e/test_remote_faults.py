@@ -84,6 +84,11 @@ def test_a_server_killed_mid_run_keeps_its_answers_and_the_rerun_completes_ident
     assert len(received) == 10
     assert json.loads((run / "run.json").read_text())["status"] == "failed"
 
+    with scripted_server(tmp_path, "--version", "0.0.1-other") as upgraded:  # another build: no mixing
+        proc = compare(spec, upgraded.url, run)
+        assert proc.returncode == 2 and upgraded.stats()["attempts"] == 0
+        assert "the server now runs vllm 0.0.1-other (was 0.0.0-scripted)" in proc.stderr
+
     with scripted_server(tmp_path) as restarted:  # back, at another port
         proc = compare(spec, restarted.url, run)
         assert proc.returncode == 0, proc.stderr

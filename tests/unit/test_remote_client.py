@@ -13,7 +13,7 @@ from remote_fixtures import scripted_server
 from mismatch_probe.config.spec import ProbeSpec
 from mismatch_probe.engines import get_entry
 from mismatch_probe.engines.http_client import Client, Journal, RequestFailed, body_key, redact_url
-from mismatch_probe.engines.remote import _label_value, _prometheus_labels, _token_id, check_spec
+from mismatch_probe.engines.remote import _label_value, _prometheus_labels, _token_id, check_spec, server_changes
 from mismatch_probe.errors import ConfigError
 
 MODEL = "tiny-qwen2"
@@ -186,3 +186,14 @@ def test_the_remote_engine_is_listed(tmp_path):
     entry = get_entry("remote")
     assert entry.missing() == [] and "openai" in entry.description
     assert json.dumps(sorted(entry.settings))  # a plain list of names, for `mismatch-probe engines`
+
+
+def test_a_server_restarted_with_other_settings_is_a_change():
+    before = {"engine": "remote", "versions": {"vllm": "0.11.0"}, "dtype": "bfloat16", "block_size": 16}
+    assert server_changes(before, {**before, "block_size": 32}) == []  # not a sampling setting
+    assert server_changes(before, {**before, "dtype": "float16", "versions": {"vllm": "0.11.1"}}) == [
+        "vllm 0.11.1 (was 0.11.0)",
+        "dtype='float16' (was 'bfloat16')",
+    ]
+    assert server_changes(before, {k: v for k, v in before.items() if k != "dtype"}) == []  # unknown now
+    assert server_changes({**before, "engine": "vllm"}, {**before, "dtype": "float16"}) == []
