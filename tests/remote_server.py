@@ -2,7 +2,7 @@
 
     python tests/remote_server.py --port 0 [--fail-attempts N] [--hang-attempts N --hang-s S]
         [--throttle-attempts N] [--die-after N] [--api-key KEY] [--model NAME] [--root PATH]
-        [--text-only] [--swift] [--latency-s S]
+        [--text-only] [--swift] [--sglang-router] [--latency-s S]
 
 It prints ``PORT <n>`` once it listens. It speaks the parts of vLLM's API the remote engine uses
 (``/v1/models``, ``/version``, ``/v1/completions`` with token-id prompts, ``return_token_ids``,
@@ -69,6 +69,34 @@ def completion(body: dict, text_only: bool) -> dict:
     return {"choices": [choice]}
 
 
+def sglang_generate(body: dict) -> dict:
+    """The same answers in SGLang's /generate format (a router in front of workers: no /server_info)."""
+    ids, params = body["input_ids"], body["sampling_params"]
+    if params.get("max_new_tokens") == 0:  # a prefill re-score from logprob_start_len
+        start = body["logprob_start_len"]
+        entries = completion({"prompt": ids, "prompt_logprobs": 0}, False)["choices"][0]["prompt_logprobs"]
+        scored = [[None, ids[start], None]] + [
+            [entries[p][str(ids[p])]["logprob"], ids[p], None] for p in range(start + 1, len(ids))
+        ]
+        return {"output_ids": [], "meta_info": {"input_token_logprobs": scored, "finish_reason": {"type": "length"}}}
+    as_openai = {
+        "prompt": ids,
+        "max_tokens": params["max_new_tokens"],
+        "stop_token_ids": params.get("stop_token_ids"),
+        "seed": params.get("sampling_seed"),
+        "temperature": params.get("temperature"),
+    }
+    choice = completion(as_openai, False)["choices"][0]
+    tokens, logprobs = choice["token_ids"], choice["logprobs"]["token_logprobs"]
+    return {
+        "output_ids": tokens,
+        "meta_info": {
+            "output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, tokens)],
+            "finish_reason": {"type": choice["finish_reason"]},
+        },
+    }
+
+
 class State:
     def __init__(self, args):
         self.args = args
@@ -121,6 +149,9 @@ def make_handler(state: State):
                 return
             if not self._authorized():
                 return
+            if args.sglang_router:
+                self._send(200, {}) if path == "/health" else self._send(404, {"detail": "Not Found"})
+                return
             if args.swift:  # ms-swift's `swift rollout`: its own routes, no OpenAI ones
                 if path == "/get_world_size/":
                     self._send(200, {"world_size": 1})
@@ -139,6 +170,10 @@ def make_handler(state: State):
             length = int(self.headers.get("Content-Length") or 0)
             body = json.loads(self.rfile.read(length) or b"{}")
             if not self._authorized():
+                return
+            if args.sglang_router and self.path == "/generate":
+                state.attempt(body)
+                self._send(200, sglang_generate(body))
                 return
             if self.path != "/v1/completions":
                 self._send(404, {"detail": "Not Found"})
@@ -183,6 +218,7 @@ def main() -> None:
     parser.add_argument("--latency-s", type=float, default=0.0)
     parser.add_argument("--text-only", action="store_true")
     parser.add_argument("--swift", action="store_true", help="answer as ms-swift's `swift rollout` server")
+    parser.add_argument("--sglang-router", action="store_true", help="answer /generate as an SGLang router")
     args = parser.parse_args()
     ThreadingHTTPServer.request_queue_size = 512  # the client opens up to max_concurrency connections at once
     server = ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(State(args)))

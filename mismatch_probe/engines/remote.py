@@ -78,6 +78,14 @@ VLLM_CACHE_LABELS = {
     "kv_cache_memory_bytes": "kv_cache_memory_bytes",
     "block_size": "block_size",
 }
+# of vllm:cache_config_info's labels (one per CacheConfig field), those recorded as the server gives them
+CACHE_LABELS_RECORDED = (
+    *VLLM_CACHE_LABELS.values(),
+    "num_gpu_blocks",
+    "kv_cache_size_tokens",
+    "sliding_window",
+    "prefix_caching_hash_algo",
+)
 VLLM_ENV_RECORDED = ("VLLM_BATCH_INVARIANT", "VLLM_ATTENTION_BACKEND", "VLLM_USE_V2_MODEL_RUNNER")
 # SGLang server_info field -> the name the in-process engines record it under
 SGLANG_SERVER_INFO = {
@@ -246,7 +254,7 @@ class RemoteEngine:
             },
             "routing": None,
             "routing_unavailable": "expert ids are not read from a remote server yet",
-            "versions": {s.software: s.version} if s.software else {},
+            "versions": {s.software: s.version} if s.software and s.version else {},
         }
 
     def generate(
@@ -427,7 +435,7 @@ class OpenAIDialect(_Dialect):
         status, metrics = client.get("/metrics")
         labels = _prometheus_labels(metrics, "vllm:cache_config_info") if status == 200 else None
         if labels:
-            info.raw["cache_config_info"] = labels
+            info.raw["cache_config_info"] = {k: labels[k] for k in CACHE_LABELS_RECORDED if k in labels}
             for name, label in VLLM_CACHE_LABELS.items():
                 if label in labels and name not in info.settings:
                     info.settings[name] = _label_value(labels[label])
@@ -535,13 +543,16 @@ class SGLangDialect(_Dialect):
 
     def read_server(self, client: Client, served_model: str | None) -> ServerInfo:
         server_info = _first_found(client, ("/server_info", "/get_server_info"))
-        model_info = _first_found(client, ("/model_info", "/get_model_info"))
+        model_info = _first_found(client, ("/model_info", "/get_model_info")) or {}
         if server_info is None:
-            raise ConfigError(
-                f"{client.where('/server_info')} (and /get_server_info) did not answer: not an SGLang server",
-                hint="check --engine-url; for vllm serve or swift rollout pass --engine-api openai",
-            )
-        model_info = model_info or {}
+            if client.get("/health")[0] != 200:
+                raise ConfigError(
+                    f"{client.where('/server_info')} (and /get_server_info, /health) did not answer: "
+                    "not an SGLang server",
+                    hint="check --engine-url; for vllm serve pass --engine-api openai",
+                )
+            # a router in front of SGLang workers (slime's, sgl-model-gateway) serves /generate only
+            server_info = {}
         names = {n for n in (model_info.get("model_path"), model_info.get("served_model_name")) if n}
         names |= {n for n in (server_info.get("model_path"), server_info.get("served_model_name")) if n}
         model = served_model or model_info.get("served_model_name") or server_info.get("served_model_name") or ""
@@ -565,6 +576,10 @@ class SGLangDialect(_Dialect):
             "unset: log_softmax(logits / T)); engine.logprobs_mode must say which"
         )
         info.unknown["tokenizer"] = "SGLang's native API has no tokenizer endpoint; names and architectures are checked"
+        if not server_info:
+            why = "the server (a router?) has no /server_info: point --engine-url at one SGLang worker to read it"
+            info.unknown.update({name: why for name in SGLANG_SERVER_INFO.values() if name not in info.settings})
+            info.unknown["version"] = why
         return info
 
     def generate_body(self, model, r, sampling, stops, seed) -> dict:

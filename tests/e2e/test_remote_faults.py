@@ -172,3 +172,16 @@ def test_servers_that_cannot_give_token_ids_are_refused(tmp_path):
     assert proc.returncode == 2 and "ms-swift's `swift rollout` server" in proc.stderr
     proc = compare(spec, "http://127.0.0.1:9", tmp_path / "nothing", prompts=2)
     assert proc.returncode == 2 and "cannot reach the rollout server at http://127.0.0.1:9/v1/models" in proc.stderr
+
+
+def test_an_sglang_router_without_server_info_is_probed_with_its_settings_unknown(tmp_path):
+    spec = write_spec(tmp_path, api="sglang", logprobs_mode="raw")
+    with scripted_server(tmp_path, "--sglang-router") as router:
+        proc = compare(spec, router.url, tmp_path / "run", prompts=2)
+        assert proc.returncode == 0, proc.stderr
+        assert router.stats()["attempts"] == 8  # 4 samples, sampled and prefilled
+    rec = json.loads((tmp_path / "run" / "run.json").read_text())
+    unknown = rec["engine"]["unknown"]
+    assert "a router?" in unknown["dtype"] and "a router?" in unknown["tensor_parallel_size"]
+    assert rec["engine"]["versions"] == {} and "a router?" in unknown["version"]
+    assert rec["decode_vs_prefill"]["n_model_tokens"] == rec["metrics"]["n_model_tokens"] > 0

@@ -14,7 +14,7 @@ import sys
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import DENSE, SGLANG_PYTHON, SINGLE_TURN
+from conftest import DENSE, MULTI_TURN, SGLANG_PYTHON, SINGLE_TURN, check_first_and_later_turns
 from engine_fixtures import CONFIGS
 from remote_fixtures import Server, free_port
 
@@ -110,6 +110,13 @@ def test_vllm_server_probe_agrees_with_the_in_process_engine(vllm_server, vllm_e
     dvp = rec["decode_vs_prefill"]
     assert dvp["n_model_tokens"] == rec["metrics"]["n_model_tokens"] > 0
     assert dvp["abs_delta_max"] == 0.0 and dvp["k3_kl"] == 0.0
+
+    # multi-turn tool use through the server: each turn's context goes out as ids and comes back the same
+    multi = probe(tmp_path / "multi-turn", remote_spec, sampling, prompts=8, n=2)
+    multi.prompts, multi.max_turns = str(MULTI_TURN), 3
+    rec = run_compare(multi).record
+    check_first_and_later_turns(rec)
+    assert rec["tokenization_check"]["n_differing"] == 0
 
 
 @pytest.mark.sglang
