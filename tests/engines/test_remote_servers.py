@@ -40,7 +40,8 @@ def assert_within_noise(a, b) -> dict:
     intervals = unpaired_intervals([cols[0]], cols[1], n_boot=2000, level=0.999, seed=1)
     checked = {k: v.difference for k, v in intervals.items() if v is not None}
     assert len(checked) >= 8, checked
-    print({k: (getattr(a.run.metrics, k, None), d) for k, d in checked.items()})  # pytest -s: the figures
+    for k, d in checked.items():  # pytest -s: the figures
+        print(f"{k}: in process {a.record['metrics'].get(k)}, server {b.record['metrics'].get(k)}, difference {d}")
     outside = {k: d for k, d in checked.items() if not d.covers(0.0)}
     assert not outside, outside
     return checked
