@@ -179,8 +179,9 @@ class Client:
     ) -> list[dict]:
         """POST every body (at most ``max_concurrency`` in flight) and return the JSON answers in
         order. Answers already in ``journal`` are not sent again; new ones are added to it as they
-        arrive, before anything else can fail. ``on_answer(i, answer)`` runs as each arrives (it may
-        raise, e.g. on an answer that cannot be used). ``what(i)`` names request ``i`` in messages."""
+        arrive. ``on_answer(i, answer)`` runs as each arrives, before it is journaled: it may raise
+        on an answer that cannot be used, which is then not kept (a re-run against a server set up
+        right asks again). ``what(i)`` names request ``i`` in messages."""
         answers: list[dict | None] = [None] * len(bodies)
         keys = [body_key(path, b) for b in bodies]
         todo = []
@@ -201,7 +202,7 @@ class Client:
 
         # max_concurrency workers take requests off one queue. They share connection pools of
         # POOL_CONNECTIONS each: httpcore's pool scans all its connections for every request it
-        # assigns, so one pool of 128 costs ~10x the CPU per request of pools of 8 (bench_remote.py).
+        # assigns, so one pool of 128 cost 7x the CPU per request of pools of 8 (bench_remote.py).
         queue = deque(todo)
         n_workers = min(self.max_concurrency, len(todo))
         limits = httpx.Limits(max_connections=POOL_CONNECTIONS, max_keepalive_connections=POOL_CONNECTIONS)
@@ -218,11 +219,11 @@ class Client:
                 while queue:
                     i = queue.popleft()
                     answer = await self._post_retrying(http, path, bodies[i], what(i))
-                    if journal is not None:
-                        journal.put(keys[i], answer)
                     answers[i] = answer
                     if on_answer is not None:
-                        on_answer(i, answer)
+                        on_answer(i, answer)  # an answer that cannot be used raises before it is kept
+                    if journal is not None:
+                        journal.put(keys[i], answer)
 
             tasks = [asyncio.ensure_future(worker(k)) for k in range(n_workers)]
             try:

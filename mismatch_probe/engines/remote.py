@@ -274,7 +274,9 @@ class RemoteEngine:
         completions: list[Completion | None] = [None] * len(requests)
 
         def parse(i: int, answer: dict) -> None:
-            completions[i] = self.dialect.completion(answer, requests[i], self._where(f"sampling request {i}"))
+            completions[i] = self.dialect.completion(
+                answer, requests[i], self._where(f"sampling request {i + 1} of {len(requests)}")
+            )
             if on_progress is not None:
                 on_progress(1)
 
@@ -294,7 +296,9 @@ class RemoteEngine:
 
         def parse(k: int, answer: dict) -> None:
             i = todo[k]
-            result[i] = self.dialect.prefill(answer, requests[i], self._where(f"prefill request {i}"))
+            result[i] = self.dialect.prefill(
+                answer, requests[i], self._where(f"prefill request {i + 1} of {len(requests)}")
+            )
             if on_progress is not None:
                 on_progress(1)
 
@@ -313,7 +317,9 @@ class RemoteEngine:
 
     def _post(self, path: str, bodies: list[dict], what: str, parse: Callable[[int, dict], None]) -> None:
         try:
-            self.client.post_all(path, bodies, what=lambda i: f"{what} {i}", journal=self.journal, on_answer=parse)
+            self.client.post_all(
+                path, bodies, what=lambda i: f"{what} {i + 1} of {len(bodies)}", journal=self.journal, on_answer=parse
+            )
         except RequestFailed as exc:
             kept = f"; the {len(self.journal)} answers received are kept" if self.journal.path else ""
             message = f"the server at {self.client.where(path)}: {exc}{kept}"
@@ -490,7 +496,8 @@ class OpenAIDialect(_Dialect):
         values = logprobs["token_logprobs"]
         if len(values) != len(tokens):
             raise EngineError(f"{where}: {len(tokens)} sampled tokens but {len(values)} log-probs")
-        if ids_from_entries and ids_from_entries != [int(t) for t in tokens]:
+        # the entries name their tokens as ids only with return_tokens_as_token_ids; then they must agree
+        if ids_from_entries and None not in ids_from_entries and ids_from_entries != [int(t) for t in tokens]:
             k = next(j for j, (a, b) in enumerate(zip(ids_from_entries, tokens)) if a != b)
             raise EngineError(f"{where}: log-prob entry {k} is for token {ids_from_entries[k]}, not {int(tokens[k])}")
         if any(v is None for v in values):
