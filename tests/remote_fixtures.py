@@ -43,9 +43,11 @@ class Server:
                 raise RuntimeError(f"the scripted server did not start: {line!r}; log: {log.read_text()[-2000:]}")
             self.port = int(line.split()[1])
 
+    scheme = "http"
+
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     def wait_ready(self, path: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -64,7 +66,7 @@ class Server:
         raise RuntimeError(f"the server was not ready in {timeout_s} s; log tail:\n{self.log.read_text()[-3000:]}")
 
     def stats(self) -> dict:
-        return httpx.get(self.url + "/stats", timeout=5).json()
+        return httpx.get(self.url + "/stats", timeout=5, verify=False).json()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -91,3 +93,18 @@ def scripted_server(tmp_path: Path, *args: str) -> Server:
     """tests/remote_server.py with these options (see its docstring)."""
     log = tmp_path / f"scripted-server-{time.monotonic_ns()}.log"
     return Server([sys.executable, str(HERE / "remote_server.py"), "--port", "0", *args], log=log)
+
+
+def self_signed_certificate(directory: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and its key, made by the system's openssl."""
+    cert, key = directory / "server.pem", directory / "server.key"
+    subprocess.run(
+        [
+            *("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"),
+            *("-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"),
+            *("-keyout", str(key), "-out", str(cert)),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return cert, key

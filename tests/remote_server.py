@@ -2,7 +2,7 @@
 
     python tests/remote_server.py --port 0 [--fail-attempts N] [--hang-attempts N --hang-s S]
         [--throttle-attempts N] [--die-after N] [--api-key KEY] [--model NAME] [--root PATH]
-        [--text-only] [--swift] [--sglang-router] [--latency-s S]
+        [--text-only] [--swift] [--sglang-router] [--tls-cert PEM --tls-key PEM] [--latency-s S]
 
 It prints ``PORT <n>`` once it listens. It speaks the parts of vLLM's API the remote engine uses
 (``/v1/models``, ``/version``, ``/v1/completions`` with token-id prompts, ``return_token_ids``,
@@ -219,10 +219,18 @@ def main() -> None:
     parser.add_argument("--text-only", action="store_true")
     parser.add_argument("--swift", action="store_true", help="answer as ms-swift's `swift rollout` server")
     parser.add_argument("--sglang-router", action="store_true", help="answer /generate as an SGLang router")
+    parser.add_argument("--tls-cert", default=None, help="serve HTTPS with this certificate (PEM)")
+    parser.add_argument("--tls-key", default=None, help="its private key (PEM)")
     args = parser.parse_args()
     ThreadingHTTPServer.request_queue_size = 512  # the client opens up to max_concurrency connections at once
     server = ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(State(args)))
     server.daemon_threads = True
+    if args.tls_cert:  # HTTPS with the given certificate (the TLS test's self-signed one)
+        import ssl
+
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(args.tls_cert, args.tls_key)
+        server.socket = context.wrap_socket(server.socket, server_side=True)
     print(f"PORT {server.server_address[1]}", flush=True)
     sys.stdout.flush()
     server.serve_forever()

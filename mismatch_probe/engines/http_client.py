@@ -129,6 +129,14 @@ class Client:
     def where(self, path: str) -> str:
         return redact_url(self.url.rstrip("/") + path)
 
+    def _tls(self):
+        """httpx's ``verify``: True, False, or an SSL context trusting the CA bundle at ``verify``."""
+        if isinstance(self.verify, str):
+            import ssl
+
+            return ssl.create_default_context(cafile=self.verify)
+        return self.verify
+
     def _timeout(self):
         import httpx
 
@@ -147,7 +155,7 @@ class Client:
         import httpx
 
         last: Exception | None = None
-        with httpx.Client(timeout=self._timeout(), verify=self.verify, headers=self.headers) as http:
+        with httpx.Client(timeout=self._timeout(), verify=self._tls(), headers=self.headers) as http:
             for attempt in range(attempts):
                 try:
                     reply = http.request(method, self.url.rstrip("/") + path, json=body, params=params)
@@ -209,7 +217,7 @@ class Client:
         async with AsyncExitStack() as stack:
             pools = [
                 await stack.enter_async_context(
-                    httpx.AsyncClient(timeout=self._timeout(), verify=self.verify, headers=self.headers, limits=limits)
+                    httpx.AsyncClient(timeout=self._timeout(), verify=self._tls(), headers=self.headers, limits=limits)
                 )
                 for _ in range(-(-n_workers // POOL_CONNECTIONS))
             ]

@@ -140,6 +140,11 @@ def check_spec(spec: EngineSpec) -> None:
             f"engine.url {redact_url(spec.url)!r} ends in /v1",
             hint="give the server's base address without /v1; mismatch-probe adds each endpoint's path",
         )
+    if spec.ca_bundle is not None and not Path(spec.ca_bundle).is_file():
+        raise ConfigError(
+            f"engine.ca_bundle {spec.ca_bundle!r} is not a file",
+            hint="give the PEM file of the CA that signed the server's certificate",
+        )
     if spec.api not in APIS:
         raise ConfigError(
             f"engine.api must be one of {', '.join(APIS)}, got {spec.api!r}",
@@ -250,6 +255,7 @@ class RemoteEngine:
                 "max_retries": self.client.max_retries,
                 "retry_backoff_s": self.client.backoff_s,
                 "tls_verify": bool(self.client.verify),
+                "ca_bundle": self.spec.ca_bundle,
                 "api_key": "from $" + self.spec.api_key_env if self.spec.api_key_env else None,
             },
             "routing": None,

@@ -6,9 +6,10 @@ spec's remote settings."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
-from remote_fixtures import scripted_server
+from remote_fixtures import scripted_server, self_signed_certificate
 
 from mismatch_probe.config.spec import ProbeSpec
 from mismatch_probe.engines import get_entry
@@ -178,6 +179,8 @@ def test_remote_settings_are_checked_before_anything_starts():
     assert err.value.hint == "it applies to: remote"
     with pytest.raises(ConfigError, match=r"engine 'remote' has no setting engine.tensor_parallel_size"):
         get_entry("remote").check_settings(spec(url="http://h:1", tensor_parallel_size=2).engine)
+    with pytest.raises(ConfigError, match="engine.ca_bundle '/nowhere.pem' is not a file"):
+        check_spec(spec(url="https://h:1", ca_bundle="/nowhere.pem").engine)
     with pytest.raises(ConfigError, match="max_concurrency must be >= 1"):
         spec(url="http://h:1", max_concurrency=0)
 
@@ -197,3 +200,15 @@ def test_a_server_restarted_with_other_settings_is_a_change():
     ]
     assert server_changes(before, {k: v for k, v in before.items() if k != "dtype"}) == []  # unknown now
     assert server_changes({**before, "engine": "vllm"}, {**before, "dtype": "float16"}) == []
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_tls_certificates_are_verified_unless_a_ca_bundle_vouches_for_them(tmp_path):
+    cert, key = self_signed_certificate(tmp_path)
+    with scripted_server(tmp_path, "--tls-cert", str(cert), "--tls-key", str(key)) as server:
+        server.scheme = "https"
+        with pytest.raises(ConfigError, match="cannot reach the rollout server at https://.*CERTIFICATE_VERIFY_FAILED"):
+            Client(url=server.url, backoff_s=0.01).get("/v1/models")
+        status, models = Client(url=server.url, verify=str(cert)).get("/v1/models")
+        assert status == 200 and models["data"][0]["id"] == MODEL
+        assert Client(url=server.url, verify=False).get("/version")[0] == 200
