@@ -1,13 +1,13 @@
 """The ``remote`` engine: a rollout server that is already running, over HTTP (``engine.url``).
 
-RL setups that sample out of process (ms-swift's ``swift rollout``, verl's agent loop, slime)
+RL setups that sample out of process (slime, ms-swift's external mode, a server of one's own)
 talk to a vLLM or SGLang server, and that server, with its own flags, build and GPU, is what
 causes the mismatch. This adapter probes it as it runs instead of re-creating it in process.
 
 Two dialects (``engine.api``):
 
-* ``openai``: ``POST /v1/completions`` (``vllm serve``, ``swift rollout``, any OpenAI-compatible
-  server that returns token ids and log-probs). The prompt goes out as a list of token ids; the
+* ``openai``: ``POST /v1/completions`` (``vllm serve``, any OpenAI-compatible server that returns
+  token ids and log-probs; ms-swift's ``swift rollout`` is not one: it takes chat messages). The prompt goes out as a list of token ids; the
   sampled ids come back in ``token_ids`` (``return_token_ids``) and as ``token_id:N`` in the
   log-prob entries (``return_tokens_as_token_ids``), which must agree; the log-prob of each sampled
   token is ``token_logprobs``. The prefill re-score asks for ``prompt_logprobs`` over prompt +
@@ -148,7 +148,7 @@ def check_spec(spec: EngineSpec) -> None:
     if spec.api not in APIS:
         raise ConfigError(
             f"engine.api must be one of {', '.join(APIS)}, got {spec.api!r}",
-            hint="openai: vllm serve, swift rollout (POST /v1/completions); sglang: SGLang's /generate",
+            hint="openai: vllm serve and OpenAI-compatible servers (POST /v1/completions); sglang: SGLang's /generate",
         )
 
 
