@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 
 from mismatch_probe.config.keys import did_you_mean
-from mismatch_probe.config.spec import EngineSpec
+from mismatch_probe.config.spec import CLIENT_SETTINGS, EngineSpec
 from mismatch_probe.engines.base import Completion, Engine, GenerationRequest, PrefillScorer, ScoreRequest
 from mismatch_probe.errors import ConfigError
 
@@ -86,22 +86,7 @@ FLAG_NAMES = {
 
 # a remote engine's settings: the server's address and how to talk to it (its own flags were set
 # where it was started, and are read back)
-REMOTE_SETTINGS = frozenset(
-    {
-        "url",
-        "api",
-        "served_model",
-        "api_key_env",
-        "check_model",
-        "seed_requests",
-        "max_concurrency",
-        "request_timeout_s",
-        "max_retries",
-        "retry_backoff_s",
-        "tls_verify",
-        "ca_bundle",
-    }
-)
+REMOTE_SETTINGS = frozenset({"api", "seed_requests", *CLIENT_SETTINGS})
 
 
 def _flag(field_name: str) -> str:
