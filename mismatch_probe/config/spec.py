@@ -203,7 +203,8 @@ class EngineSpec(_Settings):
     api_key_env: str | None = added_later(None)  # the environment variable holding the API key (never the key)
     check_model: bool = added_later(True)  # refuse a server whose model is not the checkpoint
     seed_requests: bool = added_later(True)  # send each request its own seed (the same draw on a re-run)
-    max_concurrency: int = added_later(32)  # requests in flight
+    # requests in flight; vLLM schedules 256 sequences a step by default, and RL trainers send a whole batch at once
+    max_concurrency: int = added_later(256)
     request_timeout_s: float = added_later(600.0)  # per request, each attempt
     max_retries: int = added_later(5)  # on 408/429/5xx, connection refused or reset, timeouts
     retry_backoff_s: float = added_later(1.0)  # the first wait; doubled at each retry (capped at 30 s)

