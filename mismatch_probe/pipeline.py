@@ -349,6 +349,8 @@ def sample(ctx: RunContext, *, engine: Engine | None = None, rollouts_from: str 
         }
     missing = ctx.missing(ROLLOUTS_DIR)
     if not missing:
+        # a run stopped right after its last shard may have left a remote engine's answers
+        shutil.rmtree(rollout_dir / RECEIVED_DIR, ignore_errors=True)
         return
     owned = engine is None
     try:
