@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from mismatch_probe.errors import ProbeError
-from mismatch_probe.files import portable_path
+from mismatch_probe.files import portable_path, write_atomic
 
 app = typer.Typer(
     name="mismatch-probe",
@@ -407,11 +407,9 @@ def _gate(run_dir, thresholds, baseline, gate=None, *, quiet=False, junit=None, 
 
     result = run_gate(run_dir, thresholds, baseline, gate)
     if junit is not None:
-        junit.parent.mkdir(parents=True, exist_ok=True)
-        junit.write_text(junit_xml(result))
+        write_atomic(junit, junit_xml(result))
     if markdown is not None:
-        markdown.parent.mkdir(parents=True, exist_ok=True)
-        markdown.write_text(render_markdown(result))
+        write_atomic(markdown, render_markdown(result))
     if not quiet:
         out.print(rich_table(result))
     return result

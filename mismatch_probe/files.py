@@ -1,12 +1,17 @@
-"""Reading the user's text files, and writing paths into records so that they travel.
+"""Reading the user's text files, writing run and sweep files atomically, and writing paths into
+records so that they travel.
 
-Both sit at the bottom of the package (they import nothing of ours but :mod:`errors`): every
-layer that reads a spec, a prompts file or a thresholds file, or records a path, uses them.
+All sit at the bottom of the package (they import nothing of ours but :mod:`errors`): every
+layer that reads a spec, a prompts file or a thresholds file, writes a file of a run or sweep
+directory, or records a path, uses them.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from mismatch_probe.errors import ConfigError
@@ -63,3 +68,34 @@ def resolve_from_dir(directory: str | Path, recorded: str) -> Path:
     """A path recorded by :func:`relative_to_dir` (or an absolute one, as older records hold),
     back as an absolute path."""
     return Path(os.path.normpath(Path(os.path.abspath(directory)) / recorded))
+
+
+# ---- atomic writes ----------------------------------------------------------------------------
+
+
+@contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """A temporary path beside ``path`` to write to; renamed onto ``path`` when the block ends
+    without an error, removed otherwise. A reader (or a resumed run) therefore sees the previous
+    file or the new one, never half of one, whatever kills the writer. The temporary name is
+    hidden (a leading dot: Arrow's dataset reader skips it) and unique to this call, so two
+    writers of one file never share a temporary file."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # not mkstemp: its files are private (0600), and a report must keep the umask's permissions
+    tmp = target.with_name(f".{target.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    try:
+        yield tmp
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)  # after a successful rename there is nothing left to remove
+
+
+def write_atomic(path: str | Path, data: str | bytes) -> Path:
+    """Write ``data`` (text as UTF-8) to ``path`` atomically (:func:`atomic_path`); returns ``path``."""
+    with atomic_path(path) as tmp:
+        if isinstance(data, bytes):
+            tmp.write_bytes(data)
+        else:
+            tmp.write_text(data, encoding="utf-8")
+    return Path(path)

@@ -44,7 +44,7 @@ from mismatch_probe.analysis.sequences import SequenceCollector
 from mismatch_probe.config.spec import ProbeSpec
 from mismatch_probe.engines.base import Engine
 from mismatch_probe.errors import ConfigError, DataError, ProbeError
-from mismatch_probe.files import portable_path, relative_to_dir, resolve_from_dir
+from mismatch_probe.files import atomic_path, portable_path, relative_to_dir, resolve_from_dir, write_atomic
 from mismatch_probe.modeling.logprobs import LogprobSemantics, reference_semantics
 from mismatch_probe.record import (
     SCHEMA_VERSION,
@@ -512,7 +512,7 @@ def _write_figure_files(run_dir: Path, figures: list[dict]) -> list[dict]:
         if stale.is_file():
             stale.unlink()
     for f in figures:
-        (d / f"{f['id']}.svg").write_bytes(f["svg"])
+        write_atomic(d / f"{f['id']}.svg", f["svg"])
     return [{"id": f["id"], "title": f["title"], "path": f"{FIGURES_DIR}/{f['id']}.svg"} for f in figures]
 
 
@@ -520,11 +520,8 @@ def _write_reports(run_dir: Path, record: RunRecord, dist: dict, figures: list[d
     from mismatch_probe.report.html import REPORT_HTML, RunData, render_run
     from mismatch_probe.report.markdown import render_markdown
 
-    (run_dir / REPORT_MD).write_text(render_markdown(record))
-    html = render_run(RunData(run_dir, record, dist), figures)
-    tmp = run_dir / (REPORT_HTML + ".tmp")
-    tmp.write_text(html, encoding="utf-8")
-    tmp.replace(run_dir / REPORT_HTML)
+    write_atomic(run_dir / REPORT_MD, render_markdown(record))
+    write_atomic(run_dir / REPORT_HTML, render_run(RunData(run_dir, record, dist), figures))
 
 
 def _rollouts(ctx: RunContext, engine: Engine, missing: list[int]) -> None:
@@ -650,13 +647,11 @@ def _adopt_rollouts(
                 f"--rollouts-from {source} lacks rollout shard {i} ({src.name})",
                 hint="finish it first (run its compare command again; it resumes)",
             )
-        tmp = mine.with_name(f".{mine.name}.tmp")
-        tmp.unlink(missing_ok=True)
-        try:
-            os.link(src, tmp)
-        except OSError:  # another file system, or links not allowed
-            shutil.copyfile(src, tmp)
-        tmp.replace(mine)
+        with atomic_path(mine) as tmp:
+            try:
+                os.link(src, tmp)
+            except OSError:  # another file system, or links not allowed
+                shutil.copyfile(src, tmp)
     for key in ADOPTED_FIELDS:
         setattr(record, key, getattr(theirs, key))
     prefill = theirs.logprob_semantics is not None and theirs.logprob_semantics.prefill is not None

@@ -33,6 +33,7 @@ from pydantic import (
 )
 
 from mismatch_probe.errors import ConfigError
+from mismatch_probe.files import write_atomic
 
 RUN_JSON = "run.json"
 SEQUENCES_PARQUET = "sequences.parquet"
@@ -339,11 +340,7 @@ class RunRecord(Section):
 
     def write(self, run_dir: str | Path) -> Path:
         """Write ``run.json`` atomically (a kill leaves the previous record, never half of one)."""
-        path = Path(run_dir) / RUN_JSON
-        tmp = path.with_name(f".{RUN_JSON}.tmp")
-        tmp.write_text(self.to_json())
-        tmp.replace(path)
-        return path
+        return write_atomic(Path(run_dir) / RUN_JSON, self.to_json())
 
     def stopped_by(self, exc: BaseException) -> None:
         """Say why the run stopped before it was complete (a Ctrl-C is ``interrupted``)."""

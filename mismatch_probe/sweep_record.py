@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mismatch_probe.errors import ConfigError
+from mismatch_probe.files import write_atomic
 from mismatch_probe.record import json_safe
 
 SWEEP_JSON = "sweep.json"
@@ -73,9 +74,7 @@ class SweepRecord(_Section):
         return json_safe(self.model_dump())
 
     def write(self, sweep_dir: Path) -> None:
-        tmp = sweep_dir / (SWEEP_JSON + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n")
-        tmp.replace(sweep_dir / SWEEP_JSON)
+        write_atomic(sweep_dir / SWEEP_JSON, json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n")
 
 
 def read_sweep(sweep_dir: str | Path) -> SweepRecord:

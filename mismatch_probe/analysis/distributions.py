@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from mismatch_probe.analysis.metrics import TokenTerms, segment_starts, token_terms
+from mismatch_probe.files import write_atomic
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -317,9 +318,7 @@ def save(run_dir: str | Path, distributions: dict) -> Path:
     from mismatch_probe.record import json_safe
 
     path = Path(run_dir) / DISTRIBUTIONS_JSON
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(json_safe(distributions), separators=(",", ":"), allow_nan=False))
-    tmp.replace(path)
+    write_atomic(path, json.dumps(json_safe(distributions), separators=(",", ":"), allow_nan=False))
     return path
 
 

@@ -25,7 +25,7 @@ from typing import Any
 from mismatch_probe import __version__
 from mismatch_probe.analysis.metric_docs import CORRECTION_DOCS, METRIC_DOC, METRIC_DOCS, k3_context, rank
 from mismatch_probe.errors import ConfigError
-from mismatch_probe.files import portable_path, resolve_from_dir
+from mismatch_probe.files import portable_path, resolve_from_dir, write_atomic
 from mismatch_probe.numbers import fmt, pct
 from mismatch_probe.record import EngineInfo, Environment, Inputs, ReferenceInfo, RunRecord, read_record
 from mismatch_probe.report.summary import (
@@ -626,8 +626,5 @@ def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> W
     target = Path(out) if out else (runs[0].path / REPORT_HTML if len(runs) == 1 else Path("compare.html"))
     if target.is_dir():
         raise ConfigError(f"--out {target} is a directory", hint="give a file name, e.g. --out compare.html")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(html, encoding="utf-8")
-    tmp.replace(target)
+    write_atomic(target, html)
     return WrittenReport(target, len(html.encode("utf-8")), time.perf_counter() - t0, len(runs))

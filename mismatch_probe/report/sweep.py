@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from mismatch_probe import __version__
+from mismatch_probe.files import write_atomic
 from mismatch_probe.numbers import fmt, pct
 from mismatch_probe.sweep_record import SweepPointRecord, SweepRecord
 
@@ -315,11 +316,8 @@ def render_html(record: SweepRecord) -> str:
 
 def write_sweep_reports(sweep_dir: Path, record: SweepRecord) -> Path:
     """Write sweep.md and sweep.html beside sweep.json; returns sweep.html's path."""
-    (sweep_dir / SWEEP_MD).write_text(render_markdown(record))
-    tmp = sweep_dir / (SWEEP_HTML + ".tmp")
-    tmp.write_text(render_html(record), encoding="utf-8")
-    tmp.replace(sweep_dir / SWEEP_HTML)
-    return sweep_dir / SWEEP_HTML
+    write_atomic(sweep_dir / SWEEP_MD, render_markdown(record))
+    return write_atomic(sweep_dir / SWEEP_HTML, render_html(record))
 
 
 __all__ = ["render_html", "render_markdown", "write_sweep_reports"]

@@ -30,7 +30,7 @@ import numpy as np
 from mismatch_probe.config.spec import ProbeSpec, load_spec_file
 from mismatch_probe.config.sweep import BASELINE, SweepPlan, SweepPoint, engine_key, sweep_points
 from mismatch_probe.errors import ConfigError, ProbeError
-from mismatch_probe.files import portable_path
+from mismatch_probe.files import portable_path, write_atomic
 from mismatch_probe.pipeline import Progress, RunContext, analyze_run, prepare, render, rerender, sample, score
 from mismatch_probe.record import find_record, json_safe, now, read_record
 from mismatch_probe.report.html import REPORT_HTML
@@ -153,9 +153,7 @@ class _Sweep:
         self._save_state()
 
     def _save_state(self) -> None:
-        tmp = self.out / (STATE_JSON + ".tmp")
-        tmp.write_text(json.dumps(self.state, indent=2) + "\n")
-        tmp.replace(self.out / STATE_JSON)
+        write_atomic(self.out / STATE_JSON, json.dumps(self.state, indent=2) + "\n")
 
     def _refuse(self, point: SweepPoint, reason: str) -> None:
         # a refusal is the engine's (or the spec's) answer to a setting: the same on a re-run
@@ -432,9 +430,7 @@ class _Sweep:
         elapsed = time.perf_counter() - t
         self.timings["determinism_s"] += elapsed
         self.compute_s += elapsed
-        tmp = self.out / (DETERMINISM_JSON + ".tmp")
-        tmp.write_text(json.dumps(json_safe(result), indent=2) + "\n")
-        tmp.replace(self.out / DETERMINISM_JSON)
+        write_atomic(self.out / DETERMINISM_JSON, json.dumps(json_safe(result), indent=2) + "\n")
 
     # ---- the record ----------------------------------------------------------------------
     def _finish(self) -> SweepResult:

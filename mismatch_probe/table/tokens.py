@@ -12,7 +12,6 @@ shards, and a re-run with the same spec skips them.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from mismatch_probe.files import atomic_path
 from mismatch_probe.record import SEQUENCES_PARQUET
 
 ROLLOUTS_DIR = "rollouts"
@@ -103,10 +103,8 @@ def shard_name(index: int) -> str:
 
 
 def write_table_atomic(table: pa.Table, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    pq.write_table(table, tmp, compression="zstd")
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp, compression="zstd")
 
 
 def rollouts_to_table(rollouts: list[Rollout]) -> pa.Table:
