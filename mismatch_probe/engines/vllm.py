@@ -53,8 +53,9 @@ SETTINGS = {
     "max_model_len": ("max_model_len", lambda c: c.model_config.max_model_len),
     "kv_cache_memory_bytes": ("kv_cache_memory_bytes", lambda c: c.cache_config.kv_cache_memory_bytes),
 }
-# EngineSpec fields passed only when set (older vLLMs lack the arguments; a default changes nothing)
-ONLY_WHEN_SET = {"pipeline_parallel_size": 1, "data_parallel_size": 1, "nnodes": 1, "node_rank": 0}
+# EngineSpec fields passed only when they differ from the spec's defaults (older vLLMs lack the
+# arguments; a default changes nothing)
+ONLY_WHEN_SET = ("pipeline_parallel_size", "data_parallel_size", "nnodes", "node_rank")
 # engine.dist_init_addr "HOST:PORT" -> EngineArgs master_addr and master_port (vLLM's multi-node mp
 # rendezvous), read back from the ParallelConfig as "HOST:PORT" again
 ADDRESS_ARGS = ("master_addr", "master_port")
@@ -87,7 +88,7 @@ def engine_args(
         value = getattr(spec, field_name)
         if value is None or (field_name == "dtype" and value == "auto"):
             continue
-        if field_name in ONLY_WHEN_SET and value == ONLY_WHEN_SET[field_name]:
+        if field_name in ONLY_WHEN_SET and value == EngineSpec.model_fields[field_name].default:
             continue
         args[arg] = value
     if spec.dtype == "auto":

@@ -27,11 +27,21 @@ from typing import Any
 
 import numpy as np
 
-from mismatch_probe.config.spec import ProbeSpec, load_spec_file
+from mismatch_probe.config.spec import FINGERPRINT_SCHEMA, ProbeSpec, load_spec_file
 from mismatch_probe.config.sweep import BASELINE, SweepPlan, SweepPoint, engine_key, sweep_points
 from mismatch_probe.errors import ConfigError, ProbeError
 from mismatch_probe.files import portable_path, write_atomic
-from mismatch_probe.pipeline import Progress, RunContext, analyze_run, prepare, render, rerender, sample, score
+from mismatch_probe.pipeline import (
+    Progress,
+    RunContext,
+    analyze_run,
+    prepare,
+    render,
+    rerender,
+    same_spec,
+    sample,
+    score,
+)
 from mismatch_probe.record import find_record, json_safe, now, read_record
 from mismatch_probe.report.html import REPORT_HTML
 from mismatch_probe.sweep_record import SWEEP_JSON, SweepRecord
@@ -141,14 +151,15 @@ class _Sweep:
                     shutil.rmtree(out / name, ignore_errors=True)
                 for name in (STATE_JSON, SWEEP_JSON, DETERMINISM_JSON, "sweep.md", "sweep.html"):
                     (out / name).unlink(missing_ok=True)
-            elif state.get("fingerprint") != self.plan.fingerprint:
+            elif state.get("fingerprint") != self.plan.fingerprint(state.get("fingerprint_schema", 3)):
                 raise ConfigError(
                     f"--out {str(out)!r} holds a sweep of another spec",
                     hint="use another --out, or --no-resume to replace it",
                 )
         out.mkdir(parents=True, exist_ok=True)
         self.state = json.loads(state_path.read_text()) if state_path.is_file() else {}
-        self.state.setdefault("fingerprint", self.plan.fingerprint)
+        if "fingerprint" not in self.state:
+            self.state.update(fingerprint=self.plan.fingerprint(), fingerprint_schema=FINGERPRINT_SCHEMA)
         self.state.setdefault("refused", {})
         self._save_state()
 
@@ -171,7 +182,7 @@ class _Sweep:
     def _is_complete(self, point: SweepPoint) -> bool:
         assert point.spec is not None
         rec = find_record(point.run_dir)
-        done = rec is not None and rec.is_complete and rec.spec_fingerprint == point.spec.fingerprint()
+        done = rec is not None and rec.is_complete and same_spec(rec, point.spec)
         if done and not (point.run_dir / REPORT_HTML).is_file():
             rerender(point.run_dir)  # stopped between its analysis and its pages
         return done

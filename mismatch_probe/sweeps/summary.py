@@ -26,6 +26,7 @@ from mismatch_probe.analysis.sweep import (
 )
 from mismatch_probe.config.sweep import SweepPoint, engine_key
 from mismatch_probe.files import portable_path, relative_to_dir
+from mismatch_probe.pipeline import same_spec
 from mismatch_probe.record import SEQUENCES_PARQUET, RunRecord, find_record
 from mismatch_probe.sweep_record import SweepPointRecord, SweepRecord
 from mismatch_probe.table.tokens import read_parquet
@@ -40,7 +41,7 @@ def _complete(point: SweepPoint) -> RunRecord | None:
     if point.spec is None:
         return None
     rec = find_record(point.run_dir)
-    if rec is None or not rec.is_complete or rec.spec_fingerprint != point.spec.fingerprint():
+    if rec is None or not rec.is_complete or not same_spec(rec, point.spec):
         return None
     return rec
 
@@ -195,7 +196,7 @@ def summarize(sweep: _Sweep) -> SweepRecord:
     return SweepRecord(
         probe_version=__version__,
         status="complete",
-        spec_fingerprint=plan.fingerprint,
+        spec_fingerprint=plan.fingerprint(),
         spec=sweep.spec.to_dict(),
         mode=settings.mode,
         repeats=settings.repeats,

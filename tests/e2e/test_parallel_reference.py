@@ -15,7 +15,7 @@ import pytest
 from conftest import DENSE, MOE
 from reference_checks import RAW, independent, make_rollouts
 
-from mismatch_probe.config.spec import ProbeSpec, ReferenceSpec
+from mismatch_probe.config.spec import ProbeSpec, ReferenceSpec, apply_overrides
 from mismatch_probe.errors import ConfigError, DataError
 from mismatch_probe.files import resolve_from_dir
 from mismatch_probe.reference import open_reference_scorer
@@ -146,9 +146,8 @@ def test_heads_that_do_not_split_fail_before_any_rank_starts():
 )
 def test_spec_rejects_layouts_that_cannot_run(change, message):
     spec = ProbeSpec(model=str(DENSE), prompts="p.jsonl")
-    spec.reference = ReferenceSpec(**{"sequence_parallel_size": 2, **change})
     with pytest.raises(ConfigError, match=message):
-        spec.validate()
+        apply_overrides(spec, {f"reference.{k}": v for k, v in {"sequence_parallel_size": 2, **change}.items()})
 
 
 def test_an_error_on_a_rank_reaches_the_caller_and_stops_the_ranks():

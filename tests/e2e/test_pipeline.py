@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import DENSE, SINGLE_TURN, cli, token_rows
+from conftest import DENSE, SINGLE_TURN, cli, registered, token_rows
 from fake_engine import FakeEngine
 
 from mismatch_probe import engines
@@ -17,15 +17,11 @@ from mismatch_probe.pipeline import run_compare
 
 
 @pytest.fixture(autouse=True)
-def fake_engine(monkeypatch):
-    monkeypatch.setitem(
-        engines.BUILTIN_ENGINES,
-        "fake",
-        engines.EngineEntry("fake", "fake_engine:FakeEngine", (), "", "scripted, for tests"),
-    )
+def fake_engine():
     FakeEngine.calls, FakeEngine.fail_on_call, FakeEngine.echo_prompt_offset = [], None, 0
     FakeEngine.logprob = -0.6931471805599453
-    yield
+    with registered(engines.EngineEntry("fake", "fake_engine:FakeEngine", (), "", "scripted, for tests")):
+        yield
 
 
 def spec(out):

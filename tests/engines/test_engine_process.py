@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import DENSE, SINGLE_TURN, cli
+from conftest import DENSE, SINGLE_TURN, cli, registered
 
 from mismatch_probe import engines
 from mismatch_probe.config.spec import EngineSpec, ProbeSpec, SamplingSpec
@@ -27,10 +27,9 @@ def scripted(monkeypatch, tmp_path):
     """Register the scripted engines; the worker finds them through PYTHONPATH."""
     monkeypatch.setenv("PYTHONPATH", TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""))
     monkeypatch.setenv("MISMATCH_PROBE_TEST_CALLS", str(tmp_path / "calls"))
-    for name in ("DiesOnSecondShard", "RaisesOnGenerate", "RefusesSetting", "KilledOnGenerate"):
-        monkeypatch.setitem(
-            engines.BUILTIN_ENGINES, name, engines.EngineEntry(name, f"scripted_engines:{name}", (), "", "test")
-        )
+    names = ("DiesOnSecondShard", "RaisesOnGenerate", "RefusesSetting", "KilledOnGenerate")
+    with registered(*(engines.EngineEntry(name, f"scripted_engines:{name}", (), "", "test") for name in names)):
+        yield
 
 
 def spec(out, engine="hf", **engine_settings):

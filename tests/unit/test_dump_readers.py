@@ -95,7 +95,7 @@ def test_import_in_process_writes_a_run_and_refuses_bad_input(tmp_path):
     bad = runner.invoke(app, [*args, "--trainer-logprobs", "logits"])
     assert bad.exit_code == 2 and "--trainer-logprobs 'logits': choose one of raw, temperature, processed" in bad.output
     bad = runner.invoke(app, [*args, "--engine-logprobs", "sampled"])
-    assert bad.exit_code == 2 and "engine.logprobs_mode is 'sampled'; choose one of raw, processed" in bad.output
+    assert bad.exit_code == 2 and "--engine-logprobs must be one of raw, processed, got 'sampled'" in bad.output
     assert not (tmp_path / "x").exists()
 
 

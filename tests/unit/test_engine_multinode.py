@@ -15,7 +15,7 @@ from conftest import DENSE, SGLANG_PYTHON, SINGLE_TURN
 from typer.testing import CliRunner
 
 from mismatch_probe.cli import app
-from mismatch_probe.config.spec import EngineSpec, ProbeSpec, spec_from_dict
+from mismatch_probe.config.spec import EngineSpec, ProbeSpec, flag_of, spec_from_dict
 from mismatch_probe.engines import BUILTIN_ENGINES, get_entry
 from mismatch_probe.engines import sglang as sglang_adapter
 from mismatch_probe.engines import vllm as vllm_adapter
@@ -40,10 +40,12 @@ def refusal(fn, *args, **kwargs) -> ConfigError:
 # ---- the spec keys ------------------------------------------------------------------------------
 
 
-def test_the_keys_parse_validate_and_are_recorded_only_when_set():
+def test_the_keys_parse_validate_and_are_recorded():
     plain = spec({"name": "vllm"})
     before = (plain.fingerprint(), plain.rollout_fingerprint())
-    assert not set(LAYOUT + ("distributed_executor_backend",)) & set(plain.to_dict()["engine"])
+    assert set(LAYOUT + ("distributed_executor_backend",)) <= set(plain.to_dict()["engine"])
+    # a schema-3 record held them only when set, so its fingerprints did not change with them
+    assert not set(LAYOUT + ("distributed_executor_backend",)) & set(plain.dump(3)["engine"])
     s = spec(
         {
             "name": "vllm",
@@ -53,15 +55,14 @@ def test_the_keys_parse_validate_and_are_recorded_only_when_set():
             "dist_init_addr": "10.0.0.1:29500",
             "distributed_executor_backend": "mp",
         }
-    ).validate()
+    ).normalized()
     recorded = s.to_dict()["engine"]
     assert (recorded["pipeline_parallel_size"], recorded["nnodes"], recorded["dist_init_addr"]) == (
         2,
         2,
         "10.0.0.1:29500",
     )
-    # the defaults leave earlier runs' specs (and the rollouts they share) as they were
-    assert "node_rank" not in recorded and "data_parallel_size" not in recorded
+    assert (recorded["node_rank"], recorded["data_parallel_size"]) == (0, 1)
     assert (plain.fingerprint(), plain.rollout_fingerprint()) == before != (s.fingerprint(), s.rollout_fingerprint())
     assert EngineSpec(**s.engine.model_dump()) == s.engine  # what the engine worker rebuilds from the wire
 
@@ -76,13 +77,12 @@ def test_the_keys_parse_validate_and_are_recorded_only_when_set():
         ({"dist_init_addr": "10.0.0.1"}, "'10.0.0.1' is not HOST:PORT"),
         ({"dist_init_addr": "fd00::1:29500"}, "is not HOST:PORT"),  # IPv6 needs brackets
         ({"dist_init_addr": "h:70000"}, "is not HOST:PORT"),
-        ({"distributed_executor_backend": "mpi"}, "choose one of mp, ray, uni, external_launcher"),
+        ({"distributed_executor_backend": "mpi"}, "must be one of mp, ray, uni, external_launcher, got 'mpi'"),
     ],
 )
 def test_bad_values_are_refused_naming_the_key(settings, message):
-    s = spec({"name": "vllm", **settings})
     with pytest.raises(ConfigError, match=message) as info:
-        s.validate()
+        spec({"name": "vllm", **settings})
     assert "\n" not in str(info.value)
 
 
@@ -114,9 +114,13 @@ def test_each_engine_lists_the_keys_it_maps():
     mapped_vllm = set(vllm_adapter.SETTINGS) | {"dist_init_addr"}
     assert BUILTIN_ENGINES["vllm"].settings & (set(LAYOUT) | {"distributed_executor_backend"}) <= mapped_vllm
     assert BUILTIN_ENGINES["sglang"].settings & set(LAYOUT) <= set(sglang_adapter.SETTINGS)
-    for name, value in [("pipeline_parallel_size", 2), ("nnodes", 2), ("distributed_executor_backend", "mp")]:
+    for name, value in [
+        ("pipeline_parallel_size", 2),
+        ("dist_init_addr", "h:1"),
+        ("distributed_executor_backend", "mp"),
+    ]:
         err = refusal(get_entry("hf").check_settings, EngineSpec(name="hf", **{name: value}))
-        assert f"no setting engine.{name} (engine.{name} in the spec)" in err.message
+        assert f"no setting engine.{name} ({flag_of('engine.' + name)})" in err.message
     err = refusal(get_entry("sglang").check_settings, EngineSpec(name="sglang", distributed_executor_backend="ray"))
     assert "it applies to: vllm" in err.hint
 

@@ -28,10 +28,13 @@ def test_committed_examples_load_and_round_trip_key_for_key(run_dir):
     stored = json.loads((run_dir / "run.json").read_text())
     record = read_record(run_dir)
     assert record.schema_version == SCHEMA_VERSION and record.is_complete
-    # everything stored comes back as stored; the migration adds only the sequences key (None before v3)
+    # everything stored comes back as stored; the migrations add only the sequences key (None before
+    # v3) and the schema whose rules computed the fingerprints (3 before v4)
     expected = json_safe(stored) | {"schema_version": SCHEMA_VERSION}
     if stored["schema_version"] < 3:
         expected["sequences"] = None
+    if stored["schema_version"] < 4:
+        expected["fingerprint_schema"] = 3
     assert json.loads(record.to_json()) == expected
     assert record.metric("k3_kl") == stored["metrics"]["k3_kl"]
     assert record.metric("n_sequences", "first") == stored["metrics_by_turn"]["first"]["n_sequences"]
@@ -79,12 +82,17 @@ def test_set_sections_are_validated_and_written():
     assert json.loads(record.to_json())["status"] == "failed"
 
 
-def test_migration_from_schema_1_and_2():
-    for version in (1, 2):
+def test_migration_from_every_earlier_schema():
+    for version in (1, 2, 3):
         data = minimal(schema_version=version)
-        assert migrate(data)["schema_version"] == SCHEMA_VERSION and migrate(data)["sequences"] is None
+        migrated = migrate(data)
+        assert migrated["schema_version"] == SCHEMA_VERSION and migrated["fingerprint_schema"] == 3
+        assert ("sequences" in migrated) == (version < 3) and migrated.get("sequences") is None
         assert data["schema_version"] == version  # the caller's dict is not changed
     assert migrate({k: v for k, v in minimal().items() if k != "schema_version"})["sequences"] is None
+    # a current record keeps the rules it states (absent: the current ones)
+    assert parse_record(minimal()).fingerprint_schema == SCHEMA_VERSION
+    assert parse_record(minimal(fingerprint_schema=3)).fingerprint_schema == 3
 
 
 def test_a_newer_record_is_refused_with_what_to_do():

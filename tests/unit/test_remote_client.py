@@ -11,7 +11,7 @@ import shutil
 import pytest
 from remote_fixtures import scripted_server, self_signed_certificate
 
-from mismatch_probe.config.spec import ProbeSpec
+from mismatch_probe.config.spec import ProbeSpec, spec_from_dict
 from mismatch_probe.engines import get_entry
 from mismatch_probe.engines.http_client import Client, Journal, RequestFailed, body_key, redact_url
 from mismatch_probe.engines.remote import _label_value, _prometheus_labels, _token_id, check_spec, server_changes
@@ -147,8 +147,7 @@ def test_prometheus_labels_and_token_ids():
 
 
 def spec(**engine) -> ProbeSpec:
-    s = ProbeSpec.model_validate({"model": "m", "prompts": "p.jsonl", "engine": engine})
-    return s.validate()
+    return spec_from_dict({"model": "m", "prompts": "p.jsonl", "engine": engine}).normalized()
 
 
 def test_a_url_selects_the_remote_engine_and_its_default_logprobs():

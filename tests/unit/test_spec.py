@@ -6,7 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from mismatch_probe.config.spec import EngineSpec, ProbeSpec, apply_overrides, load_spec_file, spec_from_dict
+from mismatch_probe.config.spec import (
+    EngineSpec,
+    ProbeSpec,
+    ReferenceSpec,
+    apply_overrides,
+    load_spec_file,
+    spec_from_dict,
+)
 from mismatch_probe.errors import ConfigError
 
 
@@ -23,12 +30,12 @@ def test_spec_file_paths_are_relative_to_the_file(tmp_path):
     assert spec.model == str((tmp_path / "m").resolve())
     assert spec.prompts == "/abs/p.jsonl"
     assert spec.engine.dtype == "bf16"
-    assert spec.validate().engine.dtype == "bfloat16"
+    assert spec.normalized().engine.dtype == "bfloat16" and spec.engine.dtype == "bf16"  # a normalized copy
 
 
 def test_flags_override_the_file(tmp_path):
     spec = load_spec_file(write(tmp_path, 'model = "m"\nprompts = "p"\n[sampling]\ntemperature = 0.7\nn = 3\n'))
-    apply_overrides(spec, {"sampling.temperature": 1.0, "sampling.n": None, "reference.dtype": "fp16"})
+    spec = apply_overrides(spec, {"sampling.temperature": 1.0, "sampling.n": None, "reference.dtype": "fp16"})
     assert spec.sampling.temperature == 1.0
     assert spec.sampling.n == 3  # None means "flag not given"
     assert spec.reference.dtype == "fp16"
@@ -58,29 +65,37 @@ def test_bad_spec_files_name_the_problem(tmp_path, text, match):
 
 
 @pytest.mark.parametrize(
-    "overrides, match",
+    "overrides, message",
     [
-        ({"engine.dtype": "fp8"}, "unknown dtype 'fp8' for the engine"),
-        ({"reference.dtype": "auto"}, "unknown dtype 'auto' for the reference"),
-        ({"sampling.top_p": 0.0}, "top_p must be in"),
-        ({"sampling.temperature": -1.0}, "temperature must be >= 0"),
-        ({"sampling.max_tokens": 0}, "max_tokens must be >= 1"),
-        ({"engine.logprobs_mode": "scaled"}, "logprobs_mode"),
-        ({"reference.attn_implementation": "magic"}, "attn_implementation"),
+        ({"engine.dtype": "fp8"}, "--engine-dtype must be one of auto, float32, bfloat16, float16, got 'fp8'"),
+        ({"reference.dtype": "auto"}, "--train-dtype must be one of float32, bfloat16, float16, got 'auto'"),
+        ({"sampling.top_p": 0.0}, "--top-p must be > 0, got 0.0"),
+        ({"sampling.temperature": -1.0}, "--temperature must be >= 0, got -1.0"),
+        ({"sampling.max_tokens": 0}, "--max-tokens must be >= 1, got 0"),
+        ({"sampling.top_k": -2}, "--top-k must be >= -1, got -2"),
+        ({"engine.logprobs_mode": "scaled"}, "--logprobs-mode must be one of raw, processed, got 'scaled'"),
+        (
+            {"reference.attn_implementation": "magic"},
+            (
+                "--train-attn must be one of auto, sdpa, eager, flash_attention_2, flash_attention_3, flex_attention, "
+                "got 'magic'"
+            ),
+        ),
+        ({"engine.gpu_memory_utilization": 1.5}, "--gpu-memory-utilization must be <= 1, got 1.5"),
+        ({"reference.packing": "yes"}, "--packing/--no-packing must be true or false, got 'yes'"),
     ],
 )
-def test_validation_messages(overrides, match):
-    spec = ProbeSpec(model="m", prompts="p")
-    apply_overrides(spec, overrides)
-    with pytest.raises(ConfigError, match=match):
-        spec.validate()
+def test_validation_messages_name_the_flag(overrides, message):
+    with pytest.raises(ConfigError) as exc:
+        apply_overrides(ProbeSpec(model="m", prompts="p"), overrides)
+    assert str(exc.value) == message
 
 
 def test_missing_model_and_prompts():
     with pytest.raises(ConfigError, match="no model"):
-        ProbeSpec(prompts="p").validate()
+        ProbeSpec(prompts="p").check_runnable()
     with pytest.raises(ConfigError, match="no prompts"):
-        ProbeSpec(model="m").validate()
+        ProbeSpec(model="m").check_runnable()
 
 
 def test_top_k_minus_one_means_disabled_and_greedy_forces_raw():
@@ -91,7 +106,7 @@ def test_top_k_minus_one_means_disabled_and_greedy_forces_raw():
             "sampling": {"top_k": -1, "temperature": 0.0},
             "engine": {"logprobs_mode": "processed"},
         }
-    ).validate()
+    ).normalized()
     assert spec.sampling.top_k == 0
     assert spec.engine.logprobs_mode == "raw"
 
@@ -100,12 +115,12 @@ def test_engine_logprobs_default_to_what_each_engine_returns():
     """Unset, logprobs_mode is the engine's own default: SGLang's sampler returns log_softmax(logits / T),
     vLLM and hf raw log-probs. An explicit choice is kept."""
     resolved = {
-        name: spec_from_dict({"model": "m", "prompts": "p", "engine": {"name": name}}).validate().engine.logprobs_mode
+        name: spec_from_dict({"model": "m", "prompts": "p", "engine": {"name": name}}).normalized().engine.logprobs_mode
         for name in ("hf", "vllm", "sglang")
     }
     assert resolved == {"hf": "raw", "vllm": "raw", "sglang": "processed"}
     spec = spec_from_dict({"model": "m", "prompts": "p", "engine": {"name": "sglang", "logprobs_mode": "raw"}})
-    assert spec.validate().engine.logprobs_mode == "raw"
+    assert spec.normalized().engine.logprobs_mode == "raw"
 
 
 def test_fingerprint_ignores_output_location():
@@ -114,6 +129,8 @@ def test_fingerprint_ignores_output_location():
     assert a.fingerprint() == b.fingerprint()
     b.sampling.seed = 1
     assert a.fingerprint() != b.fingerprint()
+    c = ProbeSpec(model="m", prompts="p", reference=ReferenceSpec(dtype="bf16"))
+    assert c.fingerprint() == ProbeSpec(model="m", prompts="p").fingerprint()  # of the normalized spec
 
 
 @pytest.mark.parametrize(
@@ -126,7 +143,8 @@ def test_demo_specs_are_valid(name):
     if spec.engine.python and not Path(spec.engine.python).exists():
         assert spec.engine.python.endswith("/.venv-sglang/bin/python")  # built by tests/sglang-cpu/install.sh
         spec.engine.python = None
-    spec.validate()
+    spec.check_runnable()
+    spec = spec.normalized()
     assert Path(spec.model).is_dir() and Path(spec.prompts).is_file()
     get_entry(spec.engine.name).check_settings(spec.engine)
 
@@ -139,7 +157,8 @@ def test_engine_python_and_extra_args_from_a_spec_file(tmp_path):
         'model = "m"\nprompts = "p"\n[engine]\nname = "vllm"\npython = "venv/bin/python"\n'
         "[engine.extra_args]\nmax_logprobs = 5\n"
     )
-    spec = load_spec_file(f).validate()
+    spec = load_spec_file(f)
+    spec.check_runnable()
     assert spec.engine.python == str(tmp_path / "venv" / "bin" / "python")
     assert spec.engine.extra_args == {"max_logprobs": 5}
 
@@ -147,7 +166,9 @@ def test_engine_python_and_extra_args_from_a_spec_file(tmp_path):
 def test_engine_settings_are_checked_per_engine():
     from mismatch_probe.engines import get_entry
 
-    with pytest.raises(ConfigError, match=r"engine 'hf' has no setting engine.prefix_caching \(--prefix-caching\)"):
+    with pytest.raises(
+        ConfigError, match=r"engine .hf. has no setting engine.prefix_caching \(--prefix-caching/--no-prefix-caching\)"
+    ):
         get_entry("hf").check_settings(EngineSpec(prefix_caching=False))
     with pytest.raises(ConfigError, match="engine 'vllm' has no setting engine.attn_implementation"):
         get_entry("vllm").check_settings(EngineSpec(name="vllm", attn_implementation="eager"))
@@ -173,7 +194,7 @@ token_tis = 3.0
 
 
 def test_variants_expand_to_one_spec_each_on_the_same_rollouts(tmp_path):
-    spec = load_spec_file(write(tmp_path, VARIANTS)).validate()
+    spec = load_spec_file(write(tmp_path, VARIANTS)).normalized()
     expanded = dict(spec.expand_variants(tmp_path / "out"))
     assert list(expanded) == ["tp2", "sp2"]
     tp2, sp2 = expanded["tp2"], expanded["sp2"]
@@ -217,4 +238,4 @@ def test_a_variant_that_cannot_run_is_named(tmp_path):
         "[variants.reference]\nsequence_parallel_size = 2\npacking = false\n"
     )
     with pytest.raises(ConfigError, match="variant 'padded-sp': Ulysses"):
-        load_spec_file(write(tmp_path, text)).validate()
+        load_spec_file(write(tmp_path, text))

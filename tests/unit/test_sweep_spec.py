@@ -96,7 +96,7 @@ def test_grid_is_every_combination_and_impossible_ones_are_refused(tmp_path):
 
 
 def test_one_at_a_time_refuses_no_point_quietly_a_bad_value_is_bad_input(tmp_path):
-    with pytest.raises(ConfigError, match=r"\[sweep\] engine.dtype = fp33: unknown dtype"):
+    with pytest.raises(ConfigError, match=r"\[sweep\] engine.dtype = fp33: engine.dtype must be one of auto, float32"):
         sweep_points(spec([{"key": "engine.dtype", "values": ["fp33"]}]), tmp_path)
     with pytest.raises(ConfigError, match="must be an integer"):
         sweep_points(spec([{"key": "engine.tensor_parallel_size", "values": ["2"]}]), tmp_path)
@@ -150,7 +150,10 @@ def test_compare_refuses_a_sweep_spec_and_sweep_refuses_a_bad_one(tmp_path):
     result = runner.invoke(app, ["compare", str(path), "--out", str(tmp_path / "run")])
     assert result.exit_code == 2 and "mismatch-probe sweep" in result.output
     result = runner.invoke(app, ["sweep", str(path), "--out", str(tmp_path / "sweep")])
-    assert result.exit_code == 2 and "unknown dtype 'fp33'" in result.output
+    assert (
+        result.exit_code == 2
+        and "engine.dtype must be one of auto, float32, bfloat16, float16, got 'fp33'" in result.output
+    )
     assert not (tmp_path / "sweep").exists()  # checked before anything is written
 
 
