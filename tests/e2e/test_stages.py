@@ -9,9 +9,9 @@ import shutil
 
 import numpy as np
 import pytest
+from conftest import ROOT, cli, token_rows
 
 from mismatch_probe.files import relative_to_dir
-from tests.conftest import ROOT, cli, token_rows
 
 SPEC = ROOT / "probes" / "demo-hf.toml"
 SMALL = ("--set", "max_prompts=4", "--set", "sampling.max_tokens=16")

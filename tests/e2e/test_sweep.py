@@ -16,8 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from tests.conftest import DENSE, ROOT, SINGLE_TURN, cli, token_rows
+from conftest import DENSE, ROOT, SINGLE_TURN, cli, token_rows
 
 SPEC = """
 name = "sweep-e2e"

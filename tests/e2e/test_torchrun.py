@@ -23,8 +23,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-
-from tests.conftest import ROOT, cli, token_rows
+from conftest import ROOT, cli, token_rows
 
 SPEC = ROOT / "probes" / "demo-hf.toml"
 FP32 = ("--set", "reference.dtype=float32")
