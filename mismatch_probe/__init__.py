@@ -4,7 +4,7 @@
 imported until a run needs it.
 """
 
-__version__ = "0.1.0"
+from mismatch_probe.version import __version__
 
 __all__ = ["__version__", "import_dump", "load_run", "sweep"]
 

@@ -213,7 +213,7 @@ def compare(
     overrides: dict[str, object],
 ) -> None:
     """Sample with an engine, score the same tokens with a training-style forward, report the mismatch."""
-    from mismatch_probe.pipeline import run_compare
+    from mismatch_probe import pipeline
     from mismatch_probe.report.summary import corrections_table, metrics_table, notes, routing_line, timing_line
 
     gate = None
@@ -232,7 +232,7 @@ def compare(
     if spec.variants:
         return _compare_variants(spec, overwrite, rollouts_from, gate_file, gate, as_json)
     with RichProgress(err) as progress:
-        result = run_compare(spec, progress=progress, overwrite=overwrite, rollouts_from=rollouts_from)
+        result = pipeline.compare(spec, progress=progress, overwrite=overwrite, rollouts_from=rollouts_from)
     if as_json:
         sys.stdout.write(json.dumps(result.record, indent=2) + "\n")
         if gate is not None:
@@ -263,11 +263,11 @@ def _spec(spec_file: Path | None, overrides: dict[str, object], settings: list[s
 
 
 def _compare_variants(spec, overwrite, rollouts_from, gate_file, gate, as_json) -> None:
-    from mismatch_probe.pipeline import run_variants
+    from mismatch_probe.pipeline import compare_variants
     from mismatch_probe.report.summary import variants_table
 
     with RichProgress(err) as progress:
-        result = run_variants(spec, progress=progress, overwrite=overwrite, rollouts_from=rollouts_from)
+        result = compare_variants(spec, progress=progress, overwrite=overwrite, rollouts_from=rollouts_from)
     gated = (
         {name: _gate(r.run_dir, gate_file, None, gate, quiet=True) for name, r in result.runs.items()} if gate else {}
     )
@@ -330,11 +330,11 @@ def sample(
     """Stage 1 alone: the engine samples (and re-scores with its prefill) into a run directory;
     `score` and `analyze` take it from there, later or on other machines. `compare` is exactly
     sample + score + analyze."""
-    from mismatch_probe.pipeline import sample_run
+    from mismatch_probe import pipeline
 
     spec = _spec(spec_file, overrides, settings)
     with RichProgress(err) as progress:
-        ctx = sample_run(spec, progress=progress, overwrite=overwrite)
+        ctx = pipeline.sample(spec, progress=progress, overwrite=overwrite)
     where = escape(portable_path(ctx.out))
     out.print(f"sampled {ctx.record.inputs.n_samples} samples into {where}; next: mismatch-probe score {where}")
 
@@ -359,13 +359,13 @@ def score(
     reference.sequence_parallel_size x tensor_parallel_size; RUN_DIR must be on a shared filesystem."""
     from contextlib import nullcontext
 
-    from mismatch_probe.pipeline import Progress, score_run
+    from mismatch_probe import pipeline
     from mismatch_probe.reference.launch import torchrun_launch
 
     launch = torchrun_launch()  # under torchrun, rank 0 alone shows progress and the result
     lead = launch is None or launch.is_lead
-    with RichProgress(err) if lead else nullcontext(Progress()) as progress:
-        ctx = score_run(
+    with RichProgress(err) if lead else nullcontext(pipeline.Progress()) as progress:
+        ctx = pipeline.score(
             run_dir,
             out=out_dir,
             overrides=parse_settings(settings),
@@ -387,11 +387,11 @@ def analyze(
     as_json: Annotated[bool, typer.Option("--json", help="Print run.json instead of the tables.")] = False,
 ) -> None:
     """Stages 3 and 4 alone: metrics, per-sequence rows and the report of a scored run."""
-    from mismatch_probe.pipeline import analyze_existing
+    from mismatch_probe import pipeline
     from mismatch_probe.report.summary import corrections_table, metrics_table
 
     with RichProgress(err) as progress:
-        result = analyze_existing(run_dir, progress=progress, model=model)
+        result = pipeline.analyze(run_dir, progress=progress, model=model)
     if as_json:
         sys.stdout.write(json.dumps(result.record, indent=2) + "\n")
         return
@@ -522,10 +522,10 @@ def report(
         out.print(f"sweep: {escape(str(path))}, sweep.md (the points' own reports: mismatch-probe report POINT_DIR)")
         return
     if len(run_dirs) == 1 and out_file is None:  # the run's own report, as compare writes it
-        from mismatch_probe.pipeline import rerender
+        from mismatch_probe import pipeline
 
         t0 = time.perf_counter()
-        path = rerender(run_dirs[0])
+        path = pipeline.report(run_dirs[0])
         size, seconds = path.stat().st_size, time.perf_counter() - t0
         out.print(
             f"report: {escape(str(path))} ({size / 1e6:.2f} MB, rendered in {seconds:.1f} s), report.md, figures/"

@@ -12,7 +12,7 @@ import subprocess
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from mismatch_probe import __version__
+from mismatch_probe.version import __version__
 
 PACKAGES = (
     "torch",

@@ -27,7 +27,6 @@ from typing import Any
 
 import numpy as np
 
-from mismatch_probe import __version__
 from mismatch_probe.config.spec import FINGERPRINT_SCHEMA, EngineSpec, ProbeSpec, apply_overrides
 from mismatch_probe.dumps import DumpFormat, get_format, open_dump
 from mismatch_probe.dumps.base import DumpReader
@@ -35,8 +34,8 @@ from mismatch_probe.dumps.samples import Checked, to_rollout
 from mismatch_probe.errors import ConfigError
 from mismatch_probe.files import portable_path
 from mismatch_probe.modeling.logprobs import engine_semantics, reference_semantics
-from mismatch_probe.pipeline import Progress, RunContext, open_run, prepare_out_dir
-from mismatch_probe.record import SCHEMA_VERSION, RunRecord, now, parse_record
+from mismatch_probe.pipeline.runs import Progress, RunContext, create_run, open_run
+from mismatch_probe.record import RunRecord, find_record
 from mismatch_probe.table.tokens import (
     ROLLOUTS_DIR,
     TOKENS_DIR,
@@ -138,13 +137,12 @@ def import_dump(
     spec, sources = _spec(fmt, reader, model, path, out, opts)
     out_dir = Path(spec.out or "")
     fingerprint = _import_fingerprint(fmt, reader, opts)
-    previous = prepare_out_dir(
-        out_dir,
-        lambda run: (run.imported_from or {}).get("fingerprint") == fingerprint,
-        "another run",
-        overwrite=overwrite,
-    )
-    if previous is not None and (previous.imported_from or {}).get("samples") is not None:
+
+    def same_import(run: RunRecord) -> bool:
+        return (run.imported_from or {}).get("fingerprint") == fingerprint
+
+    earlier = None if overwrite or not out_dir.is_dir() else find_record(out_dir)
+    if earlier is not None and same_import(earlier) and (earlier.imported_from or {}).get("samples") is not None:
         # the same import, finished (and maybe analyzed since): nothing to redo, nothing to lose
         return open_run(out_dir, progress=progress, model=model_path)
     imported: dict[str, Any] = {
@@ -154,23 +152,23 @@ def import_dump(
         "fingerprint": fingerprint,
         "settings_from": sources,
     }
-    record = parse_record(
-        {
-            "schema_version": SCHEMA_VERSION,
-            "probe_version": __version__,
-            "status": "running",
-            "created_at": now(),
-            "spec": spec.to_dict(),
-            "imported_from": imported,
-            "timings": {},
-        }
+    # written now: a killed import leaves a run directory that the same command resumes
+    ctx = create_run(
+        spec,
+        out_dir,
+        model_path=model_path,
+        shards=[],  # streamed: how many there are is known once they are written
+        overwrite=overwrite,
+        progress=progress,
+        same_run=same_import,
+        other="another run",
+        imported_from=imported,
     )
-    record.write(out_dir)  # a killed import leaves a run directory that the same command resumes
+    record = ctx.record
     try:
         written = _write_shards(reader, out_dir, spec, opts, model_path, config, vocab_size, progress)
     except BaseException as exc:  # the shards written so far stay; the same command resumes
-        record.stopped_by(exc)
-        record.write(out_dir)
+        ctx.fail(exc)
         raise
     tally, layout = written.tally, written.layout
     if tally.samples == 0:
@@ -180,7 +178,7 @@ def import_dump(
     record = _final_record(
         spec, fmt, reader, record, imported, tally, layout, model_path, tokenizer, opts, written.shards, t0
     )
-    if previous is not None:
+    if ctx.resuming:
         record.resumed = {"rollout_shards_reused": written.reused}
     record.write(out_dir)
     return open_run(out_dir, progress=progress, model=model_path)

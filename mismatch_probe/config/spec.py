@@ -966,6 +966,19 @@ class ProbeSpec(_Settings):
                 "a spec has [sweep] or [[variants]], not both",
                 hint="a sweep varies reference settings too: give them as [[sweep.axes]]",
             )
+        for i, axis in enumerate(self.sweep.axes if self.sweep is not None else ()):
+            section = axis.key.partition(".")[0]
+            if section not in SECTIONS:
+                raise rule_error(
+                    f"sweep axis key {axis.key!r} must name a setting as section.setting",
+                    key=("sweep", "axes", i, "key"),
+                    hint=f"section one of {', '.join(SECTIONS)}, e.g. engine.dtype",
+                )
+            setting = spec_settings().get(axis.key)
+            if setting is not None and setting.info.not_an_axis:
+                raise rule_error(
+                    f"{axis.key} cannot be a sweep axis: {setting.info.not_an_axis}", key=("sweep", "axes", i, "key")
+                )
         for i, v in enumerate(self.variants):  # every variant is a valid spec, or the file is refused
             for section in VARIANT_SECTIONS:
                 patch = getattr(v, section)

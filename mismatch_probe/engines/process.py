@@ -19,13 +19,13 @@ from pathlib import Path
 
 import numpy as np
 
-from mismatch_probe import __version__
 from mismatch_probe.config.spec import EngineSpec, SamplingSpec
 from mismatch_probe.engines import wire
 from mismatch_probe.engines.base import Completion, GenerationRequest, ScoreRequest
 from mismatch_probe.errors import ConfigError, EngineError, ProbeError
 from mismatch_probe.files import portable_path
 from mismatch_probe.modeling.logprobs import LogprobSemantics
+from mismatch_probe.version import __version__
 
 CLOSE_TIMEOUT_S = 120
 

@@ -16,10 +16,10 @@ import resource
 import sys
 import traceback
 
-from mismatch_probe import __version__
 from mismatch_probe.config.spec import EngineSpec, SamplingSpec
 from mismatch_probe.engines import wire
 from mismatch_probe.errors import ProbeError
+from mismatch_probe.version import __version__
 
 
 def _load(target: str):

@@ -31,20 +31,12 @@ from mismatch_probe.config.spec import FINGERPRINT_SCHEMA, ProbeSpec, load_spec_
 from mismatch_probe.config.sweep import BASELINE, SweepPlan, SweepPoint, engine_key, sweep_points
 from mismatch_probe.errors import ConfigError, ProbeError
 from mismatch_probe.files import portable_path, write_atomic
-from mismatch_probe.pipeline import (
-    Progress,
-    RunContext,
-    analyze_run,
-    prepare,
-    render,
-    rerender,
-    same_spec,
-    sample,
-    score,
-)
+from mismatch_probe.pipeline import Progress, RunContext, same_spec, stages
+from mismatch_probe.pipeline import report as rerender
 from mismatch_probe.record import find_record, json_safe, now, read_record
 from mismatch_probe.report.html import REPORT_HTML
 from mismatch_probe.sweep_record import SWEEP_JSON, SweepRecord
+from mismatch_probe.sweeps.summary import SweepRun, summarize
 from mismatch_probe.table.tokens import ROLLOUTS_DIR, read_rollout_shard
 
 POINTS_DIR = "points"
@@ -239,7 +231,7 @@ class _Sweep:
             for p in pending:
                 assert p.spec is not None
                 try:
-                    ctx = prepare(p.spec, progress=self.progress, engine=engine)
+                    ctx = stages.prepare(p.spec, progress=self.progress, engine=engine)
                 except ConfigError as exc:
                     if p.is_baseline or p.repeat:
                         raise  # no baseline, nothing to compare with: that is the user's to fix
@@ -249,11 +241,12 @@ class _Sweep:
                     return
                 contexts[p.name] = ctx
                 if ctx.missing(ROLLOUTS_DIR) and engine is None:
-                    engine = self._start_engine(key, p.spec, members, ctx.prompts[0].token_ids)
+                    assert ctx.inputs is not None  # prepared here, to sample
+                    engine = self._start_engine(key, p.spec, members, ctx.inputs.prompts[0].token_ids)
                     if engine is None:
                         return
                 try:
-                    sample(ctx, engine=engine)
+                    stages.sample(ctx, engine=engine)
                 except ProbeError as exc:
                     self._fail(p, exc)
                     contexts.pop(p.name)
@@ -337,8 +330,8 @@ class _Sweep:
     def _score(self, point: SweepPoint, ctx: RunContext) -> None:
         """Score and analyze a sampled point; its figures and report are drawn later (deferred)."""
         try:
-            score(ctx)
-            dist = analyze_run(ctx)
+            stages.score(ctx)
+            dist = stages.analyze(ctx)
         except ProbeError as exc:
             self._fail(point, exc)
             return
@@ -349,7 +342,7 @@ class _Sweep:
     def _render_next(self) -> None:
         point, ctx, dist = self.deferred.pop(0)
         try:
-            render(ctx, dist)
+            stages.render(ctx, dist)
         except ProbeError as exc:  # the run is complete; only its pages are missing
             self.progress.log(f"{point.name}: {exc}")
 
@@ -364,8 +357,8 @@ class _Sweep:
             return
         assert point.spec is not None and source.spec is not None
         try:
-            ctx = prepare(point.spec, progress=self.progress, rollouts_from=source.run_dir)
-            sample(ctx, rollouts_from=source.run_dir)
+            ctx = stages.prepare(point.spec, progress=self.progress, rollouts_from=source.run_dir)
+            stages.sample(ctx, rollouts_from=source.run_dir)
         except ProbeError as exc:
             self._fail(point, exc)
             return
@@ -445,10 +438,21 @@ class _Sweep:
 
     # ---- the record ----------------------------------------------------------------------
     def _finish(self) -> SweepResult:
-        from mismatch_probe.sweeps.summary import summarize
-
         t = time.perf_counter()
-        record = summarize(self)
+        record = summarize(
+            SweepRun(
+                spec=self.spec,
+                plan=self.plan,
+                out=self.out,
+                state=self.state,
+                source=self.source,
+                failures=self.failures,
+                gate=self.gate,
+                gate_file=self.gate_file,
+                engine_configs=self.engine_configs,
+                engine_starts=self.engine_starts,
+            )
+        )
         timings = {k: round(v, 3) for k, v in self.timings.items()}
         compute = self.compute_s + self.timings["engine_start_s"] + self.timings["engine_stop_s"]
         timings["compute_s"] = round(compute, 3)

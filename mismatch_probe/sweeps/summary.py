@@ -9,10 +9,10 @@ ran straight through.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from mismatch_probe import __version__
 from mismatch_probe.analysis.intervals import BOOTSTRAP_METRICS, available, bootstrap_intervals
 from mismatch_probe.analysis.sequences import group_columns
 from mismatch_probe.analysis.sweep import (
@@ -24,15 +24,15 @@ from mismatch_probe.analysis.sweep import (
     recommend,
     throughput,
 )
-from mismatch_probe.config.sweep import SweepPoint, engine_key
+from mismatch_probe.config.spec import ProbeSpec
+from mismatch_probe.config.sweep import SweepPlan, SweepPoint, engine_key
 from mismatch_probe.files import portable_path, relative_to_dir
+from mismatch_probe.gate.checks import GateSpec
 from mismatch_probe.pipeline import same_spec
 from mismatch_probe.record import SEQUENCES_PARQUET, RunRecord, find_record
 from mismatch_probe.sweep_record import SweepPointRecord, SweepRecord
 from mismatch_probe.table.tokens import read_parquet
-
-if TYPE_CHECKING:
-    from mismatch_probe.sweeps.runner import _Sweep
+from mismatch_probe.version import __version__
 
 BOOTSTRAP_SEED = 0  # fixed: the same runs give the same intervals
 
@@ -95,7 +95,25 @@ def changed_sides(point: SweepPoint, baseline: SweepPoint) -> set[str]:
     return sides
 
 
-def summarize(sweep: _Sweep) -> SweepRecord:
+@dataclass
+class SweepRun:
+    """What the summary reads of a sweep that ran (``sweeps.runner``): its spec, plan and directory,
+    what it keeps in sweep-state.json (refusals, throughputs measured), which point each re-scoring
+    point took its tokens from, which points failed and why, its gate, and its engine starts."""
+
+    spec: ProbeSpec
+    plan: SweepPlan
+    out: Path
+    state: dict[str, Any]
+    source: dict[str, SweepPoint]
+    failures: dict[str, str]
+    gate: GateSpec | None
+    gate_file: Path | None
+    engine_configs: int
+    engine_starts: int
+
+
+def summarize(sweep: SweepRun) -> SweepRecord:
     plan, out = sweep.plan, sweep.out
     settings = plan.sweep
     keys = list(BOOTSTRAP_METRICS)

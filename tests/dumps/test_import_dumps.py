@@ -16,9 +16,9 @@ import pytest
 from conftest import DENSE, MOE, SINGLE_TURN, cli
 from training_run import Step, simulate, verl_site, write_generic, write_nemo_rl, write_slime, write_verl
 
+from mismatch_probe import pipeline
 from mismatch_probe.errors import ConfigError
 from mismatch_probe.importing import ImportOptions, import_dump
-from mismatch_probe.pipeline import analyze_existing, score_run
 
 FP32 = {"reference.dtype": "float32", "reference.logits_fp32": True}
 
@@ -94,7 +94,7 @@ def test_a_dump_analyzes_as_what_the_run_saw_and_rescores(fmt, step, tmp_path):
     assert info["model_tokens"] == sum(int(s.model_mask.sum()) for s in step.sequences)
     assert ctx.record.reference.to_dict()["source"] == "trainer"
 
-    rec = analyze_existing(tmp_path / "run").run  # the engine against the trainer, as the run saw it
+    rec = pipeline.analyze(tmp_path / "run").run  # the engine against the trainer, as the run saw it
     want = expected(step)
     for key, value in want.items():
         assert rec.metrics[key] == pytest.approx(value, rel=1e-12, abs=1e-15), key
@@ -106,8 +106,8 @@ def test_a_dump_analyzes_as_what_the_run_saw_and_rescores(fmt, step, tmp_path):
     assert f"engine vs your trainer ({name})" in (tmp_path / "run" / "report.md").read_text()
 
     # the same tokens against mismatch-probe's float32 reference, the trainer's log-probs beside it
-    score_run(tmp_path / "run", out=tmp_path / "ref", overrides=FP32)
-    ref = analyze_existing(tmp_path / "ref").run
+    pipeline.score(tmp_path / "run", out=tmp_path / "ref", overrides=FP32)
+    ref = pipeline.analyze(tmp_path / "ref").run
     assert ref.imported_from["format"] == name and ref.reference.dtype == "float32"
     for key in want:
         assert ref.trainer["engine_vs_trainer"][key] == pytest.approx(rec.metrics[key], rel=1e-12, abs=1e-15), key
@@ -136,8 +136,8 @@ def test_nemo_rl_forced_on_policy_ratio_has_no_trainer_log_probs(step, tmp_path)
     refused = cli("compare", *args, "--rollouts-from", str(tmp_path / "run"))
     assert refused.returncode == 2 and "was imported from a nemo-rl dump" in refused.stderr
     assert f"mismatch-probe score {tmp_path / 'run'} --out NEW_DIR" in refused.stderr and not (tmp_path / "c").exists()
-    score_run(tmp_path / "run", overrides={})  # the engine side, scored in place by the reference
-    rec = analyze_existing(tmp_path / "run").run
+    pipeline.score(tmp_path / "run", overrides={})  # the engine side, scored in place by the reference
+    rec = pipeline.analyze(tmp_path / "run").run
     assert rec.metrics["n_model_tokens"] == expected(step)["n_model_tokens"] and rec.trainer is None
 
 
@@ -210,7 +210,7 @@ def test_an_interrupted_import_resumes_with_the_same_shards(step, tmp_path, monk
         for name in names:  # the same bytes as an import that was never interrupted
             assert (run / sub / name).read_bytes() == (tmp_path / "fresh" / sub / name).read_bytes(), name
     assert fresh.record.imported_from["fingerprint"] == ctx.record.imported_from["fingerprint"]
-    analyze_existing(run)
+    pipeline.analyze(run)
     metrics = json.loads((run / "run.json").read_text())["metrics"]
     again = import_dump("generic", path, model=DENSE, out=run, options=options)  # finished: kept as it is
     assert again.record.metrics == metrics and again.record.status == "complete"
@@ -237,8 +237,8 @@ def test_moe_routing_in_a_dump_is_compared_with_the_reference(fmt, moe_step, tmp
         name, path = "generic", write_generic(step, tmp_path / "dump.jsonl")
     ctx = import_dump(name, path, model=MOE, out=tmp_path / "run", options=ImportOptions(trust_pickle=True))
     assert ctx.record.imported_from["routed_experts"] is True and ctx.record.engine.routing is not None
-    score_run(tmp_path / "run", out=tmp_path / "ref", overrides=FP32)
-    rec = analyze_existing(tmp_path / "ref").run
+    pipeline.score(tmp_path / "run", out=tmp_path / "ref", overrides=FP32)
+    rec = pipeline.analyze(tmp_path / "ref").run
     # independently: a model token flips when any layer's expert set differs between the bf16
     # forward (the dump's) and the float32 one, for the input before it
     flips = []
@@ -293,8 +293,8 @@ def test_verl_rollout_cache_without_trainer_log_probs_scores_in_place(step, tmp_
     assert refused.returncode == 2 and "--trust-pickle" in refused.stderr and not (tmp_path / "run").exists()
     ctx = import_dump("verl", root, model=DENSE, out=tmp_path / "run", options=ImportOptions(trust_pickle=True))
     assert ctx.record.imported_from["step"] == 2 and ctx.record.imported_from["trainer_logprobs"] is False
-    score_run(tmp_path / "run", overrides={})
-    rec = analyze_existing(tmp_path / "run").run
+    pipeline.score(tmp_path / "run", overrides={})
+    rec = pipeline.analyze(tmp_path / "run").run
     li, _ = step.model_arrays()
     assert rec.metrics["n_model_tokens"] == len(li)
     assert rec.metrics["log_ppl_infer"] == pytest.approx(expected(step)["log_ppl_infer"], rel=1e-12)

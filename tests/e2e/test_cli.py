@@ -23,7 +23,8 @@ def record(run_dir):
 
 def test_compare_writes_a_complete_run(bf16_run):
     rec = record(bf16_run)
-    assert rec["status"] == "complete" and rec["schema_version"] == 3  # 3: sequences.parquet
+    assert rec["status"] == "complete" and rec["schema_version"] == 4 == rec["fingerprint_schema"]
+    assert {"url", "fsdp", "nnodes"} <= set(rec["spec"]["engine"]) | set(rec["spec"]["reference"])  # every setting
     assert rec["sequences"] == "sequences.parquet" and (bf16_run / "sequences.parquet").is_file()
     for key in CANONICAL_KEYS:
         assert key in rec["metrics"], key
@@ -215,10 +216,10 @@ def test_summary_table_is_printed(bf16_run, tmp_path):
     [
         (["--model", "/nonexistent/model"], "model path '/nonexistent/model' does not exist"),
         (["--engine", "hff"], "unknown engine 'hff' (did you mean 'hf'?)"),
-        (["--engine-dtype", "fp8"], "unknown dtype 'fp8' for the engine"),
-        (["--train-dtype", "int4"], "unknown dtype 'int4' for the reference"),
+        (["--engine-dtype", "fp8"], "--engine-dtype must be one of auto, float32, bfloat16, float16, got 'fp8'"),
+        (["--train-dtype", "int4"], "--train-dtype must be one of float32, bfloat16, float16, got 'int4'"),
         (["--max-tokens", "5000"], "it needs"),
-        (["--top-p", "1.5"], "top_p must be in (0, 1]"),
+        (["--top-p", "1.5"], "--top-p must be <= 1, got 1.5"),
     ],
 )
 def test_bad_input_gets_one_line_and_exit_2(tmp_path, args, message):

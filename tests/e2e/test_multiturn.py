@@ -9,7 +9,7 @@ from conftest import DENSE, MULTI_TURN
 from mismatch_probe.config.spec import ProbeSpec
 from mismatch_probe.engines import Completion
 from mismatch_probe.modeling.logprobs import LogprobSemantics
-from mismatch_probe.pipeline import run_compare
+from mismatch_probe.pipeline import compare
 from mismatch_probe.rollout.multiturn import ToolTurnTemplate
 
 
@@ -78,7 +78,7 @@ def test_every_token_has_its_turn_and_mask(tmp_path, tokenizer):
         "The answer is 95.<|im_end|>",
     ]
     engine = ScriptedAssistant(tokenizer, turns)
-    result = run_compare(probe(tmp_path, 4), engine=engine)
+    result = compare(probe(tmp_path, 4), engine=engine)
 
     enc = lambda text: tokenizer.encode(text, add_special_tokens=False)
     prompt = list(engine.requests[0])
@@ -129,7 +129,7 @@ def test_every_token_has_its_turn_and_mask(tmp_path, tokenizer):
 
 def test_a_tool_call_in_the_last_allowed_turn_ends_with_max_turns(tmp_path, tokenizer):
     engine = ScriptedAssistant(tokenizer, ["<tool_call>calculator(1+1)</tool_call><|im_end|>"])
-    rec = run_compare(probe(tmp_path, 2), engine=engine).record
+    rec = compare(probe(tmp_path, 2), engine=engine).record
     assert len(engine.requests) == 2
     assert rec["samples"]["finish_reasons"] == {"max_turns": 1}
     assert rec["metrics_by_turn"]["later"]["n_model_tokens"] > 0
@@ -141,7 +141,7 @@ def test_fixture_tool_use_with_the_hf_engine(tmp_path):
     s.engine.dtype = "bfloat16"
     s.reference.dtype = "float32"
     s.sampling.max_tokens = 64
-    rec = run_compare(s).record
+    rec = compare(s).record
     first, later = rec["metrics_by_turn"]["first"], rec["metrics_by_turn"]["later"]
     assert first["n_model_tokens"] > 0 and later["n_model_tokens"] > 0  # the fixture model calls its tool
     assert first["n_model_tokens"] + later["n_model_tokens"] == rec["metrics"]["n_model_tokens"]
@@ -174,7 +174,7 @@ def test_a_recorded_conversation_is_replayed_with_fresh_assistant_turns(tmp_path
     engine = ScriptedAssistant(tokenizer, turns)
     s = ProbeSpec(model=str(DENSE), prompts=str(prompts), out=str(tmp_path / "r"))
     s.reference.dtype = "float32"
-    result = run_compare(s, engine=engine)
+    result = compare(s, engine=engine)
 
     enc = lambda text: tokenizer.encode(text, add_special_tokens=False)
     prompt = enc(tokenizer.apply_chat_template(record["messages"][:2], tokenize=False, add_generation_prompt=True))
@@ -222,12 +222,12 @@ class CharByChar(ScriptedAssistant):
 
 
 def test_retokenization_check_counts_what_a_trainer_would_see_differently(tmp_path, tokenizer):
-    clean = run_compare(probe(tmp_path, 2), engine=ScriptedAssistant(tokenizer, ["The answer is 95.<|im_end|>"]))
+    clean = compare(probe(tmp_path, 2), engine=ScriptedAssistant(tokenizer, ["The answer is 95.<|im_end|>"]))
     assert clean.record["tokenization_check"] == {"n_checked": 1, "n_differing": 0, "n_unchecked": 0, "examples": []}
 
     s = probe(tmp_path, 3)
     engine = CharByChar(tokenizer, [])
-    rec = run_compare(s, engine=engine).record
+    rec = compare(s, engine=engine).record
     check = rec["tokenization_check"]
     assert check["n_checked"] == 1 and check["n_differing"] == 1
     n_prompt = len(engine.requests[0])

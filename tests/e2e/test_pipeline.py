@@ -13,7 +13,7 @@ from fake_engine import FakeEngine
 from mismatch_probe import engines
 from mismatch_probe.config.spec import ProbeSpec
 from mismatch_probe.errors import DataError
-from mismatch_probe.pipeline import run_compare
+from mismatch_probe.pipeline import compare
 
 
 @pytest.fixture(autouse=True)
@@ -32,7 +32,7 @@ def spec(out):
 
 
 def run(s, **kw):
-    return run_compare(s, engine=FakeEngine(s.model, s.engine), **kw)
+    return compare(s, engine=FakeEngine(s.model, s.engine), **kw)
 
 
 def test_engine_crash_keeps_finished_shards_and_rerun_resumes(tmp_path):
@@ -98,7 +98,7 @@ def test_rollouts_from_scores_another_runs_samples_without_an_engine(tmp_path):
     FakeEngine.calls = []
     other = spec(tmp_path / "b")
     other.reference.dtype = "bfloat16"  # a reference setting: allowed to differ
-    result = run_compare(other, rollouts_from=tmp_path / "a")  # no engine passed, and none started
+    result = compare(other, rollouts_from=tmp_path / "a")  # no engine passed, and none started
     assert FakeEngine.calls == [] and "engine_start_s" not in result.record["timings"]
     rec = result.record
     # named relative to the run directory, so the two move together without absolute paths
@@ -122,9 +122,9 @@ def test_rollouts_from_refuses_other_sampling_and_unfinished_runs(tmp_path):
     other = spec(tmp_path / "b")
     other.sampling.temperature = 0.7
     with pytest.raises(ConfigError, match="another model, prompt set, engine or sampling"):
-        run_compare(other, rollouts_from=tmp_path / "a")
+        compare(other, rollouts_from=tmp_path / "a")
     (tmp_path / "a" / "rollouts" / "part-00002.parquet").unlink()
     with pytest.raises(ConfigError, match="lacks rollout shard 2"):
-        run_compare(spec(tmp_path / "c"), rollouts_from=tmp_path / "a")
+        compare(spec(tmp_path / "c"), rollouts_from=tmp_path / "a")
     with pytest.raises(ConfigError, match="not a run directory"):
-        run_compare(spec(tmp_path / "d"), rollouts_from=tmp_path)
+        compare(spec(tmp_path / "d"), rollouts_from=tmp_path)

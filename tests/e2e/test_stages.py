@@ -77,7 +77,7 @@ def test_score_out_rescores_the_same_rollouts_with_another_reference(staged, tmp
         (("--set", "reference.dtype=bfloat16"), "add --out NEW_DIR"),
         (("--out", "X", "--set", "engine.dtype=float32"), "only [reference] and [corrections]"),
         (("--out", "X", "--set", "reference.dtype"), "is not KEY=VALUE"),
-        (("--out", "X", "--set", "reference.dtype=fp33"), "unknown dtype"),
+        (("--out", "X", "--set", "reference.dtype=fp33"), "--set reference.dtype must be one of float32, bfloat16"),
         (
             ("--out", "X", "--set", "reference.tensor_parallel_size=3"),
             "divides 4 and 2",

@@ -21,7 +21,7 @@ from mismatch_probe.config.spec import ProbeSpec, SamplingSpec
 from mismatch_probe.engines import GenerationRequest, get_entry
 from mismatch_probe.engines.process import EngineProcess
 from mismatch_probe.errors import ConfigError
-from mismatch_probe.pipeline import run_compare
+from mismatch_probe.pipeline import compare
 
 pytestmark = pytest.mark.slow
 
@@ -103,8 +103,8 @@ def test_matched_logprob_semantics_sit_at_the_dtype_floor(engine, tmp_path):
     """At T=0.7 the engine returns processed log-probs (of logits / T). A reference scoring the same
     distribution sits at the bf16-vs-fp32 floor; one scoring raw logits (a trainer that forgot the
     temperature) is far off, although nothing about the engine changed."""
-    matched = run_compare(probe(engine, tmp_path / "matched"), engine=engine.process).record
-    raw = run_compare(probe(engine, tmp_path / "raw", logprobs="raw"), engine=engine.process).record
+    matched = compare(probe(engine, tmp_path / "matched"), engine=engine.process).record
+    raw = compare(probe(engine, tmp_path / "raw", logprobs="raw"), engine=engine.process).record
 
     sem = matched["logprob_semantics"]
     assert sem["matched"] is True and raw["logprob_semantics"]["matched"] is False
@@ -244,6 +244,6 @@ def test_multi_turn_tool_use_continues_from_token_ids(engine, tmp_path):
     (the case that kills per-request seeded sampling on vLLM's CPU build)."""
     s = probe(engine, tmp_path / "mt")
     s.prompts, s.max_turns, s.max_prompts = str(MULTI_TURN), 4, MULTI_TURN_PROMPTS[engine.name]
-    rec = run_compare(s, engine=engine.process).record
+    rec = compare(s, engine=engine.process).record
     check_first_and_later_turns(rec)
     assert rec["tokenization_check"]["n_checked"] > 0

@@ -17,7 +17,7 @@ from mismatch_probe.config.spec import EngineSpec, ProbeSpec, SamplingSpec
 from mismatch_probe.engines import GenerationRequest, ScoreRequest, get_entry
 from mismatch_probe.engines.process import EngineProcess
 from mismatch_probe.errors import ConfigError, EngineError
-from mismatch_probe.pipeline import run_compare
+from mismatch_probe.pipeline import compare
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, where scripted_engines.py is
 
@@ -102,7 +102,7 @@ def test_prefill_matches_decode_for_an_fp32_engine(tmp_path):
 def test_a_dying_worker_reports_the_engines_last_words_and_keeps_shards(tmp_path, scripted):
     out = tmp_path / "r"
     with pytest.raises(EngineError) as info:
-        run_compare(spec(out, "DiesOnSecondShard"))
+        compare(spec(out, "DiesOnSecondShard"))
     msg = str(info.value)
     assert "died during generate (exit code 3)" in msg
     assert "CUDA error: an illegal memory access" in msg and "engine.log" in msg
@@ -110,19 +110,19 @@ def test_a_dying_worker_reports_the_engines_last_words_and_keeps_shards(tmp_path
     rec = json.loads((out / "run.json").read_text())
     assert rec["status"] == "failed" and "illegal memory access" in rec["error"]
     # the same command again resumes: shard 0 is reused, the engine is not asked for it again
-    result = run_compare(spec(out, "DiesOnSecondShard"))
+    result = compare(spec(out, "DiesOnSecondShard"))
     assert result.record["status"] == "complete" and result.record["resumed"]["rollout_shards_reused"] == 1
     assert result.record["metrics"]["n_sequences"] == 6
 
 
 def test_an_engine_exception_arrives_with_its_own_message(tmp_path, scripted):
     with pytest.raises(EngineError, match="failed during generate: ValueError: max_num_batched_tokens"):
-        run_compare(spec(tmp_path / "r", "RaisesOnGenerate"))
+        compare(spec(tmp_path / "r", "RaisesOnGenerate"))
 
 
 def test_a_killed_worker_is_named_as_such(tmp_path, scripted):
     with pytest.raises(EngineError, match=r"died during generate \(killed by SIGKILL \(out of memory\?\)\)"):
-        run_compare(spec(tmp_path / "r", "KilledOnGenerate"))
+        compare(spec(tmp_path / "r", "KilledOnGenerate"))
     assert _worker_children() == []
 
 
@@ -144,7 +144,7 @@ def _worker_children() -> list[str]:
 
 def test_an_adapter_config_error_stays_a_config_error_and_the_worker_is_gone(tmp_path, scripted):
     with pytest.raises(ConfigError, match="no such kernel") as info:
-        run_compare(spec(tmp_path / "r", "RefusesSetting"))
+        compare(spec(tmp_path / "r", "RefusesSetting"))
     assert info.value.hint == "drop the flag"
     assert _worker_children() == []
 

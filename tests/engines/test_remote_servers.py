@@ -21,7 +21,7 @@ from remote_fixtures import Server, free_port
 from mismatch_probe.analysis.intervals import unpaired_intervals
 from mismatch_probe.analysis.sequences import group_columns
 from mismatch_probe.config.spec import EngineSpec, ProbeSpec, SamplingSpec
-from mismatch_probe.pipeline import run_compare
+from mismatch_probe.pipeline import compare
 
 pytestmark = pytest.mark.slow
 
@@ -86,11 +86,9 @@ def test_vllm_server_probe_agrees_with_the_in_process_engine(vllm_server, vllm_e
     # top-p 1: with a nucleus, a token inside bf16's can fall outside fp32's (logp_train = -inf,
     # test_vllm_engine.py), and metrics that are infinite on one run and finite on the other compare nothing
     sampling = SamplingSpec(**{**vars(CONFIGS["vllm"].sampling), "top_p": 1.0})
-    in_process = run_compare(
-        probe(tmp_path / "in-process", CONFIGS["vllm"].spec(), sampling), engine=vllm_engine.process
-    )
+    in_process = compare(probe(tmp_path / "in-process", CONFIGS["vllm"].spec(), sampling), engine=vllm_engine.process)
     remote_spec = EngineSpec(url=vllm_server.url, dtype="bfloat16", logprobs_mode="processed")
-    served = run_compare(probe(tmp_path / "server", remote_spec, sampling))
+    served = compare(probe(tmp_path / "server", remote_spec, sampling))
     engine = served.record["engine"]
     # what the server runs with, read back (/server_info in dev mode, /metrics, the model card)
     assert engine["engine"] == "remote" and engine["versions"] == {
@@ -106,7 +104,7 @@ def test_vllm_server_probe_agrees_with_the_in_process_engine(vllm_server, vllm_e
 
     # decode vs the server's own prefill (T = 1: processed log-probs are raw ones), equal as in process
     at_t1 = SamplingSpec(**{**vars(sampling), "temperature": 1.0, "top_p": 1.0})
-    rec = run_compare(probe(tmp_path / "t1", remote_spec, at_t1, prompts=8, n=2)).record
+    rec = compare(probe(tmp_path / "t1", remote_spec, at_t1, prompts=8, n=2)).record
     dvp = rec["decode_vs_prefill"]
     assert dvp["n_model_tokens"] == rec["metrics"]["n_model_tokens"] > 0
     assert dvp["abs_delta_max"] == 0.0 and dvp["k3_kl"] == 0.0
@@ -114,7 +112,7 @@ def test_vllm_server_probe_agrees_with_the_in_process_engine(vllm_server, vllm_e
     # multi-turn tool use through the server: each turn's context goes out as ids and comes back the same
     multi = probe(tmp_path / "multi-turn", remote_spec, sampling, prompts=8, n=2)
     multi.prompts, multi.max_turns = str(MULTI_TURN), 3
-    rec = run_compare(multi).record
+    rec = compare(multi).record
     check_first_and_later_turns(rec)
     assert rec["tokenization_check"]["n_differing"] == 0
 
@@ -123,9 +121,9 @@ def test_vllm_server_probe_agrees_with_the_in_process_engine(vllm_server, vllm_e
 def test_sglang_server_probe_agrees_with_the_in_process_engine(sglang_server, sglang_engine, tmp_path):
     sampling = CONFIGS["sglang"].sampling
     in_process_spec = CONFIGS["sglang"].spec(**CONFIGS["sglang"].probe)
-    in_process = run_compare(probe(tmp_path / "in-process", in_process_spec, sampling), engine=sglang_engine.process)
+    in_process = compare(probe(tmp_path / "in-process", in_process_spec, sampling), engine=sglang_engine.process)
     remote_spec = EngineSpec(url=sglang_server.url, api="sglang", dtype="bfloat16", logprobs_mode="processed")
-    served = run_compare(probe(tmp_path / "server", remote_spec, sampling))
+    served = compare(probe(tmp_path / "server", remote_spec, sampling))
     engine = served.record["engine"]
     assert engine["versions"] == {"sglang": in_process.record["engine"]["versions"]["sglang"]}
     assert engine["attention_backend"] == "torch_native" and engine["device"] == "cpu"
@@ -138,6 +136,6 @@ def test_sglang_server_probe_agrees_with_the_in_process_engine(sglang_server, sg
 
     # decode vs the server's own prefill at T = 1 (processed = raw): measured, as in process
     at_t1 = SamplingSpec(**{**vars(sampling), "temperature": 1.0})
-    rec = run_compare(probe(tmp_path / "t1", remote_spec, at_t1, prompts=8, n=2)).record
+    rec = compare(probe(tmp_path / "t1", remote_spec, at_t1, prompts=8, n=2)).record
     dvp = rec["decode_vs_prefill"]
     assert dvp["n_model_tokens"] == rec["metrics"]["n_model_tokens"] > 0 and dvp["k3_kl"] < 1e-3

@@ -21,7 +21,7 @@ from mismatch_probe.config.spec import ProbeSpec, SamplingSpec
 from mismatch_probe.engines import get_entry
 from mismatch_probe.engines.process import EngineProcess
 from mismatch_probe.errors import ConfigError
-from mismatch_probe.pipeline import run_compare
+from mismatch_probe.pipeline import compare
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
@@ -42,8 +42,8 @@ def test_top_p_leaves_sglang_logprobs_at_temperature_only(sglang_engine, tmp_pat
     """SGLang applies top-p to what it samples from, not to the log-probs it returns: the engine's
     semantics say so, and a reference that renormalizes over the nucleus (vLLM's processed) is
     further off than one that matches."""
-    matched = run_compare(probe(tmp_path / "engine", top_p=0.8), engine=sglang_engine.process).record
-    nucleus = run_compare(
+    matched = compare(probe(tmp_path / "engine", top_p=0.8), engine=sglang_engine.process).record
+    nucleus = compare(
         probe(tmp_path / "processed", top_p=0.8, logprobs="processed"), engine=sglang_engine.process
     ).record
     assert matched["logprob_semantics"]["engine"]["top_p"] == 1.0  # not applied to the log-probs

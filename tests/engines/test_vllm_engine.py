@@ -15,7 +15,7 @@ from conftest import DENSE, MOE, SINGLE_TURN, cli
 from engine_fixtures import CONFIGS
 
 from mismatch_probe.config.spec import ProbeSpec, SamplingSpec
-from mismatch_probe.pipeline import run_compare
+from mismatch_probe.pipeline import compare
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -38,10 +38,10 @@ def test_top_p_semantics_and_the_nucleus_boundary(vllm_engine, tmp_path):
 
     The three modes score the same rollouts (``rollouts_from``): a shared engine samples a new batch
     each run, and comparing p99s across batches measured sampling noise as much as the mode."""
-    sampled = run_compare(probe(tmp_path / "engine", logprobs="engine"), engine=vllm_engine.process)
+    sampled = compare(probe(tmp_path / "engine", logprobs="engine"), engine=vllm_engine.process)
     runs = {"engine": sampled.record["metrics"]}
     for name in ("raw", "temperature"):
-        rescored = run_compare(probe(tmp_path / name, logprobs=name), rollouts_from=sampled.run_dir)
+        rescored = compare(probe(tmp_path / name, logprobs=name), rollouts_from=sampled.run_dir)
         assert rescored.record["samples"] == sampled.record["samples"]
         runs[name] = rescored.record["metrics"]
     p99 = {name: m["abs_delta_p99"] for name, m in runs.items()}

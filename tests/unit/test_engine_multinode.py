@@ -338,11 +338,8 @@ def test_the_report_labels_the_layout_the_engine_reported():
 
 
 def test_where_the_nodes_meet_is_no_sweep_axis_but_the_layout_is():
-    from pydantic import ValidationError
-
-    from mismatch_probe.config.sweep_spec import SweepSpec
-
-    SweepSpec.model_validate({"axes": [{"key": "engine.pipeline_parallel_size", "values": [1, 2]}]})
+    spec({"name": "vllm"})  # the helper's spec, with a [sweep] below
+    spec_from_dict({"sweep": {"axes": [{"key": "engine.pipeline_parallel_size", "values": [1, 2]}]}})
     for key, value in (("engine.dist_init_addr", "h:1"), ("engine.node_rank", 0)):
-        with pytest.raises(ValidationError, match=f"{key} cannot be a sweep axis"):
-            SweepSpec.model_validate({"axes": [{"key": key, "values": [value]}]})
+        with pytest.raises(ConfigError, match=f"{key} cannot be a sweep axis"):
+            spec_from_dict({"sweep": {"axes": [{"key": key, "values": [value]}]}})
