@@ -75,6 +75,18 @@ def check_first_and_later_turns(rec: dict) -> None:
     assert 0 < later["k3_kl"] < 5e-4 and 0 < first["k3_kl"] < 5e-4
 
 
+# The tiers: tests/unit is the fast one (`pytest -m "not slow"`, under a minute), less its tests that
+# start rank processes; whole runs, real engines, dumps and model families are slow by their directory.
+SLOW_DIRECTORIES = ("e2e", "engines", "dumps", "families")
+
+
+def pytest_itemcollected(item):
+    """Mark the slow tier as each test is collected, before -m selects by marker."""
+    tier = Path(str(item.path)).relative_to(ROOT / "tests").parts[0]
+    if tier in SLOW_DIRECTORIES or item.get_closest_marker("distributed") is not None:
+        item.add_marker(pytest.mark.slow)
+
+
 @pytest.hookimpl(trylast=True)  # after -m/-k deselection: the engines' schedule is of what runs
 def pytest_collection_modifyitems(config, items):
     skips = {}

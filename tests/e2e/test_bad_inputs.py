@@ -9,8 +9,6 @@ import tomllib
 import pytest
 from conftest import DENSE, ROOT, SINGLE_TURN, cli
 
-pytestmark = pytest.mark.slow
-
 
 def one_line_exit_2(proc, *fragments: str) -> None:
     assert proc.returncode == 2, proc.stderr

@@ -14,8 +14,6 @@ from conftest import DENSE, MOE, ROOT, SINGLE_TURN, cli
 
 from mismatch_probe.analysis.metrics import CANONICAL_KEYS, CORRECTION_KEYS
 
-pytestmark = pytest.mark.slow
-
 
 def record(run_dir):
     return json.loads((run_dir / "run.json").read_text())

@@ -7,7 +7,6 @@ import math
 import subprocess
 import sys
 
-import pytest
 from conftest import DENSE, FIXTURES, MOE, MULTI_TURN, SINGLE_TURN
 
 from mismatch_probe.modeling.loading import load_tokenizer
@@ -45,7 +44,6 @@ def test_prompt_files():
     assert all(r["messages"][0]["role"] == "system" for r in map(json.loads, MULTI_TURN.read_text().splitlines()))
 
 
-@pytest.mark.slow
 def test_build_script_runs(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(FIXTURES / "build.py"), "--quick", "--out", str(tmp_path)],

@@ -14,8 +14,6 @@ from conftest import DENSE, ROOT, SINGLE_TURN, cli
 from mismatch_probe.errors import ConfigError
 from mismatch_probe.gate.checks import load_gate, sequence_statistic
 
-pytestmark = pytest.mark.slow
-
 
 def thresholds(tmp_path, body: str, name="t.toml"):
     path = tmp_path / name

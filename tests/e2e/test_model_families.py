@@ -20,8 +20,6 @@ from reference_checks import RAW, independent, make_rollouts
 from mismatch_probe.config.spec import ReferenceSpec
 from mismatch_probe.reference.scorer import ReferenceScorer
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture(scope="session")
 def gpt_oss(zoo):

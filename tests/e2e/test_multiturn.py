@@ -135,7 +135,6 @@ def test_a_tool_call_in_the_last_allowed_turn_ends_with_max_turns(tmp_path, toke
     assert rec["metrics_by_turn"]["later"]["n_model_tokens"] > 0
 
 
-@pytest.mark.slow
 def test_fixture_tool_use_with_the_hf_engine(tmp_path):
     s = ProbeSpec(model=str(DENSE), prompts=str(MULTI_TURN), out=str(tmp_path / "r"), max_prompts=8, max_turns=4)
     s.engine.dtype = "bfloat16"

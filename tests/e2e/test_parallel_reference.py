@@ -22,7 +22,7 @@ from mismatch_probe.reference import open_reference_scorer
 from mismatch_probe.reference.distributed import ReferenceRankError
 from mismatch_probe.reference.scorer import ReferenceScorer
 
-pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+pytestmark = pytest.mark.distributed
 ROLLOUTS = make_rollouts(12, seed=3)
 # small enough that the 12 rollouts take several packed micro-batches, each cut over the ranks
 BUDGET = 160

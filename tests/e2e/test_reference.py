@@ -12,8 +12,6 @@ from mismatch_probe.errors import DataError
 from mismatch_probe.modeling.logprobs import LogprobSemantics
 from mismatch_probe.reference.scorer import ReferenceScorer
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.mark.parametrize("model", [DENSE, MOE], ids=["dense", "moe"])
 @pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])

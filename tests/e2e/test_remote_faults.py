@@ -13,11 +13,8 @@ import json
 
 import numpy as np
 import pyarrow.parquet as pq
-import pytest
 from conftest import DENSE, SINGLE_TURN, cli
 from remote_fixtures import scripted_server
-
-pytestmark = pytest.mark.slow
 
 
 def write_spec(tmp_path, **engine) -> str:

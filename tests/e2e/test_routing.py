@@ -55,7 +55,6 @@ def test_dense_model_has_no_routers():
     assert not RouterRecorder(AutoModelForCausalLM.from_pretrained(str(DENSE))).active
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
 def test_reference_routing_matches_router_logits(packing):
     rng = np.random.default_rng(0)
@@ -84,7 +83,6 @@ def test_reference_routing_matches_router_logits(packing):
         assert np.array_equal(got, want)
 
 
-@pytest.mark.slow
 def test_engine_routing_matches_router_logits():
     tok = load_tokenizer(MOE)
     prompts = tokenize_prompts(SINGLE_TURN, tok, max_prompts=4, max_model_len=1024, max_new_tokens=24)

@@ -23,8 +23,6 @@ from mismatch_probe.engines.process import EngineProcess
 from mismatch_probe.errors import ConfigError
 from mismatch_probe.pipeline import compare
 
-pytestmark = pytest.mark.slow
-
 MARKS = {"hf": (), "vllm": (pytest.mark.vllm,), "sglang": (pytest.mark.sglang,)}
 ENGINES = [pytest.param(name, marks=MARKS[name], id=name) for name in ("hf", "vllm", "sglang")]
 

@@ -40,7 +40,6 @@ def spec(out, engine="hf", **engine_settings):
     return s
 
 
-@pytest.mark.slow
 def test_worker_returns_exactly_what_the_engine_computed(tmp_path):
     """The same seeded HF engine in-process and behind the worker gives bit-identical samples."""
     from mismatch_probe.engines.hf import HFEngine

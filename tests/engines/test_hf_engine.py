@@ -12,8 +12,6 @@ from mismatch_probe.engines import GenerationRequest, load_engine
 from mismatch_probe.modeling.loading import load_tokenizer, stop_token_ids
 from mismatch_probe.rollout.prompts import tokenize_prompts
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture(scope="module")
 def prompts():

@@ -33,8 +33,6 @@ from mismatch_probe.engines import vllm as vllm_adapter
 from mismatch_probe.engines.process import EngineProcess
 from mismatch_probe.errors import ConfigError
 
-pytestmark = pytest.mark.slow
-
 FOLLOWER = ROOT / "tests" / "multinode_follower.py"
 PROMPTS = [np.array([1, 7, 80 + k, 90], np.int32) for k in range(32)]
 

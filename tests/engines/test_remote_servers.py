@@ -23,8 +23,6 @@ from mismatch_probe.analysis.sequences import group_columns
 from mismatch_probe.config.spec import EngineSpec, ProbeSpec, SamplingSpec
 from mismatch_probe.pipeline import compare
 
-pytestmark = pytest.mark.slow
-
 
 def probe(out, engine: EngineSpec, sampling: SamplingSpec, prompts: int = 32, n: int = 4) -> ProbeSpec:
     s = ProbeSpec(model=str(DENSE), prompts=str(SINGLE_TURN), out=str(out), max_prompts=prompts, shard_size=64)

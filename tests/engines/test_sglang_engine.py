@@ -23,7 +23,7 @@ from mismatch_probe.engines.process import EngineProcess
 from mismatch_probe.errors import ConfigError
 from mismatch_probe.pipeline import compare
 
-pytestmark = [pytest.mark.sglang, pytest.mark.slow]
+pytestmark = pytest.mark.sglang
 
 SAMPLING = CONFIGS["sglang"].sampling  # T=0.7
 engine_spec = sglang_spec

@@ -17,7 +17,7 @@ from engine_fixtures import CONFIGS
 from mismatch_probe.config.spec import ProbeSpec, SamplingSpec
 from mismatch_probe.pipeline import compare
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = pytest.mark.vllm
 
 SAMPLING = CONFIGS["vllm"].sampling  # T=0.7, top-p 0.9
 

@@ -27,7 +27,6 @@ from mismatch_probe.modeling.logprobs import LogprobSemantics
 from mismatch_probe.reference.scorer import ReferenceScorer
 from mismatch_probe.table.tokens import Rollout
 
-pytestmark = pytest.mark.slow
 # fp32 engine vs fp32 reference: float32 rounding gives K3 ~1e-12 (max |dlogp| a few 1e-6)
 K3_MAX = 1e-9
 DIFFERS = "runs, but its float32 log-probs are not the model's (K3 against the float32 reference above 1e-9)"

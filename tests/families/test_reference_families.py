@@ -34,7 +34,6 @@ from mismatch_probe.reference.scorer import ReferenceScorer
 from mismatch_probe.rollout.prompts import tokenize_prompts
 from mismatch_probe.table.tokens import Rollout
 
-pytestmark = pytest.mark.slow
 RAW = LogprobSemantics("raw")
 # 4 to 49 tokens (prompt and response), across the 16-token sliding windows; one with a tool block
 ROLLOUTS = make_rollouts(6, seed=4)
