@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -19,7 +19,6 @@ from mismatch_probe.record import json_safe
 
 SWEEP_JSON = "sweep.json"
 SWEEP_SCHEMA_VERSION = 1
-POINT_STATUSES = ("ok", "refused", "failed")
 
 
 class _Section(BaseModel):
@@ -29,7 +28,7 @@ class _Section(BaseModel):
 
 class SweepPointRecord(_Section):
     name: str
-    status: str  # ok | refused | failed
+    status: Literal["ok", "refused", "failed"]
     settings: dict[str, Any] = Field(default_factory=dict)  # what differs from the baseline
     run: str | None = None  # its run directory, relative to the sweep directory
     reason: str | None = None  # refused or failed: the engine's (or the spec's) own message

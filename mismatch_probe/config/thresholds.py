@@ -45,9 +45,7 @@ SequenceMetric = Literal[
     "n_tokens",
 ]
 OPS: tuple[str, ...] = typing.get_args(Op)
-SEVERITIES: tuple[str, ...] = typing.get_args(Severity)
 STATISTICS: tuple[str, ...] = typing.get_args(Statistic)
-TURNS: tuple[str, ...] = typing.get_args(Turns)
 SEQUENCE_METRICS = {
     "max_mismatch": "largest |p_train - p_infer| of the sequence",
     "mean_mismatch": "mean |p_train - p_infer| of the sequence",

@@ -18,13 +18,12 @@ from typing import Any
 
 from mismatch_probe.config.keys import closest
 from mismatch_probe.config.thresholds import OPS as CHECK_OPS
-from mismatch_probe.config.thresholds import CheckSpec, load_thresholds
+from mismatch_probe.config.thresholds import load_thresholds
 from mismatch_probe.numbers import significant
 from mismatch_probe.record import RunRecord, read_record
 
 OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge, "==": operator.eq}
 assert tuple(OPS) == CHECK_OPS
-CHECK_KEYS = set(CheckSpec.model_fields)
 STATUS_ORDER = ("PASS", "WARN", "FAIL", "ERROR")
 
 

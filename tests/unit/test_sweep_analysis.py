@@ -41,7 +41,7 @@ def tokens(seed: int, n_seq: int = 60, scale: float = 0.05):
 
 
 def k3_float64(lt, li) -> float:
-    """K3 = exp(d) - 1 - d with d = log p_train - log p_infer, over tokens, in float64 (DESIGN §4)."""
+    """K3 = exp(d) - 1 - d with d = log p_train - log p_infer, over tokens, in float64 (ARCHITECTURE.md, Metrics)."""
     d = np.asarray(lt, np.float64) - np.asarray(li, np.float64)
     return float(np.mean(np.expm1(d) - d))
 
