@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -69,10 +69,12 @@ from mismatch_probe.table.tokens import (
     write_table_atomic,
 )
 
+if TYPE_CHECKING:
+    from mismatch_probe.report.figures import DrawnFigure
+
 REPORT_MD = "report.md"
 ENGINE_LOG = "engine.log"
 REFERENCE_LOG = "reference.log"  # what the reference's rank processes print (sequence/tensor parallel)
-FIGURES_DIR = "figures"
 # sections a resumed run keeps from its earlier invocation until a stage that reruns sets them again
 CARRIED_SECTIONS = (
     "engine",
@@ -491,8 +493,9 @@ def rerender(run_dir: str | Path) -> Path:
     """Render a finished run's figures, report.md and report.html again from its directory, as
     stage 4 does (after an upgrade, or a rendering that failed); returns report.html's path.
     run.json is rewritten only when its list of figures changes."""
+    from mismatch_probe.report.data import load_run
     from mismatch_probe.report.figures import run_figures
-    from mismatch_probe.report.html import REPORT_HTML, load_run
+    from mismatch_probe.report.html import REPORT_HTML
 
     data = load_run(run_dir)
     figures = run_figures(data.record, data.dist)
@@ -504,24 +507,27 @@ def rerender(run_dir: str | Path) -> Path:
     return data.path / REPORT_HTML
 
 
-def _write_figure_files(run_dir: Path, figures: list[dict]) -> list[dict]:
-    """The report's figures as SVG files too, for report.md and for slides."""
-    d = run_dir / FIGURES_DIR
-    d.mkdir(exist_ok=True)
-    for stale in d.glob("*"):  # figures of an earlier version of the report
-        if stale.is_file():
-            stale.unlink()
+def _write_figure_files(run_dir: Path, figures: list[DrawnFigure]) -> list[dict]:
+    """The report's figures as SVG files too (``figures/<id>.svg``), for report.md and for slides."""
+    dirs = {(run_dir / f.info.path).parent for f in figures}
+    for d in dirs:
+        d.mkdir(exist_ok=True)
+        for stale in d.glob("*"):  # figures of an earlier version of the report
+            if stale.is_file():
+                stale.unlink()
     for f in figures:
-        write_atomic(d / f"{f['id']}.svg", f["svg"])
-    return [{"id": f["id"], "title": f["title"], "path": f"{FIGURES_DIR}/{f['id']}.svg"} for f in figures]
+        write_atomic(run_dir / f.info.path, f.svg)
+    return [{"id": f.info.id, "title": f.info.title, "path": f.info.path} for f in figures]
 
 
-def _write_reports(run_dir: Path, record: RunRecord, dist: dict, figures: list[dict]) -> None:
-    from mismatch_probe.report.html import REPORT_HTML, RunData, render_run
-    from mismatch_probe.report.markdown import render_markdown
+def _write_reports(run_dir: Path, record: RunRecord, dist: dict, figures: list[DrawnFigure]) -> None:
+    """report.md and report.html, from the run's one view model."""
+    from mismatch_probe.report import html, markdown
+    from mismatch_probe.report.model import run_view
 
-    write_atomic(run_dir / REPORT_MD, render_markdown(record))
-    write_atomic(run_dir / REPORT_HTML, render_run(RunData(run_dir, record, dist), figures))
+    view = run_view(record, run_dir, dist)
+    write_atomic(run_dir / REPORT_MD, markdown.render_run(view))
+    write_atomic(run_dir / html.REPORT_HTML, html.render_run(view, figures))
 
 
 def _rollouts(ctx: RunContext, engine: Engine, missing: list[int]) -> None:

@@ -1,0 +1,83 @@
+"""A sweep's figures, from its record (sweep.json): a forest plot per headline metric and cost
+against K3."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from mismatch_probe.numbers import pct, tick
+from mismatch_probe.report.figures.drawing import BLUE, GREEN, RED, legend, new_figure
+from mismatch_probe.sweep_record import SweepRecord
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+GATE_COLORS = {"PASS": GREEN, "WARN": "#c98a00", "FAIL": RED}
+
+
+def _nothing(what: str) -> Figure:
+    fig, (ax,) = new_figure(7.0, 1.6)
+    ax.set_axis_off()
+    ax.text(0.5, 0.5, what, transform=ax.transAxes, ha="center", va="center", color="#888")
+    return fig
+
+
+def forest_plot(record: SweepRecord, metric: str, label: str) -> Figure:
+    """Each point's x-fold change of ``metric`` against the baseline with its interval; the band is
+    the baseline's repeat spread (largest / smallest repeat, around 1x)."""
+    rows = [
+        (p.name, p.delta_vs_baseline[metric])
+        for p in record.points[1:]
+        if p.status == "ok" and metric in p.delta_vs_baseline
+    ]
+    rows = [
+        (n, e) for n, e in rows if all(isinstance(v, int | float) and v > 0 and math.isfinite(v) for v in e["ratio"])
+    ]
+    if not rows:
+        return _nothing(f"{label}: no finished point has an interval against the baseline")
+    names = [n.replace("+", "\n+ ") for n, _ in rows]
+    # room for the longest setting name left of the axes (a fixed layout; see drawing.MARGINS)
+    widest = max(len(line) for n in names for line in n.split("\n"))
+    height = 0.45 * len(rows) + 1.3
+    fig, (ax,) = new_figure(7.0 + 0.065 * widest, height, left=0.3 + 0.065 * widest, top=0.15)
+    floor = (record.noise_floor.get("metrics") or {}).get(metric) or {}
+    if floor.get("max_over_min"):
+        spread = floor["max_over_min"]
+        ax.axvspan(1 / spread, spread, color="#dde2ea", alpha=0.7, label="baseline repeats' spread")
+    ax.axvline(1.0, color="#5b6473", lw=1)
+    for i, (_, e) in enumerate(rows):
+        est, lo, hi = e["ratio"]
+        color = "#9aa3b2" if e["within_noise"] else BLUE
+        ax.errorbar([est], [i], xerr=[[est - lo], [hi - est]], fmt="o", color=color, capsize=3)
+    ax.set_yticks(range(len(rows)), names)
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    values = [v for _, e in rows for v in e["ratio"]]
+    if max(values) / min(values) > 10:  # orders of magnitude: a log axis; a few percent: a linear one
+        ax.set_xscale("log")
+    ax.set_xlabel(f"{label}: x-fold vs baseline ({pct(record.level)} interval; grey: within noise)")
+    legend(ax, loc="best")
+    return fig
+
+
+def cost_plot(record: SweepRecord) -> Figure:
+    """Each point's cost (throughput lost, %) against its K3, with the gate's K3 line when it has one."""
+    thresholds = (record.gate or {}).get("bounds") or {}
+    pts: list[tuple[str, float, float, str | None]] = []
+    for p in record.points:
+        c, k3 = p.cost.get("cost"), p.metrics.get("k3_kl")
+        if p.status == "ok" and isinstance(c, int | float) and isinstance(k3, int | float) and k3 > 0:
+            pts.append((p.name, float(c), float(k3), p.gate))
+    if not pts:
+        return _nothing("no finished point with a measured cost")
+    fig, (ax,) = new_figure(7.0, 4.2)
+    for name, c, k3, gate in pts:
+        ax.scatter([100 * c], [k3], color=GATE_COLORS.get(gate or "", BLUE), s=30, zorder=3)
+        ax.annotate(name, (100 * c, k3), fontsize=7, xytext=(4, 3), textcoords="offset points")
+    if "k3_kl" in thresholds:
+        ax.axhline(thresholds["k3_kl"], color=RED, ls="--", lw=1, label=f"gate: k3_kl <= {tick(thresholds['k3_kl'])}")
+    ax.set_yscale("log")
+    ax.set(xlabel="throughput cost vs baseline (%; slower side of engine and reference)", ylabel="K3 KL")
+    ax.set_xlim(left=min(-2.0, ax.get_xlim()[0]))
+    legend(ax, loc="best")
+    return fig
