@@ -52,10 +52,6 @@ def headlines() -> dict[str, str]:
     return {m: METRIC_DOC[m].label for m in HEADLINE_METRICS}
 
 
-def _settings(p: SweepPointRecord) -> str:
-    return ", ".join(f"{k} = {v}" for k, v in p.settings.items()) or "(the spec as written)"
-
-
 def _report(p: SweepPointRecord) -> str:
     return f"{p.run}/report.html" if p.run and p.status == "ok" else ""
 
@@ -99,13 +95,13 @@ def attribution_table(record: SweepRecord) -> Table:
     for p in points:
         name = p.name.replace("+", " + ")
         if p.status != "ok":
-            rows.append(Row([name, _settings(p)], note=f"{p.status}: {p.reason}"))
+            rows.append(Row([name], note=f"{p.status}: {p.reason}"))
             continue
         effects = [p.delta_vs_baseline.get(m) or {} for m in heads]
         within = bool((p.delta_vs_baseline.get("k3_kl") or {}).get("within_noise"))
         rows.append(
             Row(
-                [name, _settings(p)]
+                [name]
                 + [interval(e.get("ratio")) + (" (noise)" if e.get("within_noise") else "") for e in effects]
                 + ["yes" if effects[0].get("paired") else "no", "yes" if within else "no"]
                 + [pct(p.cost.get("cost")), fold(p.cost.get("engine_relative")), fold(p.cost.get("reference_relative"))]
@@ -116,7 +112,7 @@ def attribution_table(record: SweepRecord) -> Table:
     return Table(
         "attribution",
         f"Attribution: each point against the baseline (x-fold, {pct(record.level)} interval)",
-        [Column("point", "text"), Column("settings", "text"), *(Column(label) for label in heads.values())]
+        [Column("point (the settings it changes)", "text"), *(Column(label) for label in heads.values())]
         + [Column("paired", "text"), Column("within noise", "text"), Column("cost"), Column("engine speed")]
         + [Column("reference speed"), Column("gate", "text"), Column("report", "link")],
         rows,

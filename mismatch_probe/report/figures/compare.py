@@ -32,7 +32,7 @@ def overlay_abs_delta_by_p_infer(runs: Sequence[RunData]) -> Figure:
         ax.plot(idx, [max(rows[i]["abs_delta_mean"], FLOOR) for i in idx], color=run.color, ls=":", lw=1)
     log_y(ax)
     ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
-    ax.set(xlabel="p_infer bucket", ylabel="|delta|  (solid p99, dotted mean)")
+    ax.set(xlabel="p_infer bucket", ylabel="|δ|: p99 solid, mean dotted")
     legend(ax)
     return fig
 
@@ -89,6 +89,6 @@ def overlay_position(runs: Sequence[RunData]) -> Figure:
     ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1, 2, 5)))
     ax.xaxis.set_major_formatter(FuncFormatter(tick))
     ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.set(xlabel="token position", ylabel="|Δp|  (solid mean, dotted max)")
+    ax.set(xlabel="token position", ylabel="|Δp|: mean solid, max dotted")
     legend(ax)
     return fig

@@ -78,6 +78,7 @@ def cost_plot(record: SweepRecord) -> Figure:
         ax.axhline(thresholds["k3_kl"], color=RED, ls="--", lw=1, label=f"gate: k3_kl <= {tick(thresholds['k3_kl'])}")
     ax.set_yscale("log")
     ax.set(xlabel="throughput cost vs baseline (%; slower side of engine and reference)", ylabel="K3 KL")
+    ax.margins(x=0.15)  # room for the names right of the rightmost points
     ax.set_xlim(left=min(-2.0, ax.get_xlim()[0]))
     legend(ax, loc="best")
     return fig
