@@ -20,6 +20,8 @@ def _cell(table: Table, i: int, text: str, key: str) -> str:
     if kind == "link":
         return f"[{table.columns[i].label}]({text})" if text else ""
     out = md_cell(text)
+    if kind == "code":
+        return f"`{out}`"
     return f"{out} `{key}`" if i == 0 and key else out
 
 

@@ -27,14 +27,14 @@ from mismatch_probe.report.figures import COMPARISON_FIGURES, RUN_COLORS, RUN_FI
 
 # ---- the parts every page is made of --------------------------------------------------------
 
-ColumnKind = Literal["text", "num", "long", "link"]
+ColumnKind = Literal["text", "num", "long", "link", "code"]
 
 
 @dataclass
 class Column:
     label: str
     # "num" right-aligned; "long" an explanation (the terminal leaves it out); "link" a relative
-    # path shown as a link named after the column
+    # path shown as a link named after the column; "code" a name as written in a file (a setting)
     kind: ColumnKind = "num"
     color: str = ""  # a run's colour on the comparison page
 
@@ -580,7 +580,7 @@ def comparison_view(runs: list[RunData], title: str = "") -> ComparisonView:
         differing=Table(
             "differences",
             "What differs between the runs",
-            [Column("setting", "text"), *(Column(r.label, "text", r.color) for r in runs)],
+            [Column("setting", "code"), *(Column(r.label, "text", r.color) for r in runs)],
             [Row([k, *(s.get(k, "-") for s in settings)]) for k in differing],
         ),
         metrics=Table(
