@@ -167,3 +167,54 @@ def test_report_json_is_the_view_model():
     assert data["kind"] == "run" and data["metrics"]["rows"][0]["key"] == "k3_kl"
     assert [c["label"] for c in data["metrics"]["columns"]] == [c.label for c in view.metrics.columns]
     assert [f["id"] for f in data["figures"]][:1] == ["prob_density"]
+
+
+def test_a_comparison_shows_the_same_metric_table_on_its_page_and_in_the_terminal():
+    """compare.html and the terminal's table of a spec's [[variants]] render one comparison view."""
+    from mismatch_probe.report.data import RunData
+    from mismatch_probe.report.model import comparison_view, label_runs
+
+    runs = label_runs(
+        [RunData(Path(name), *synthetic_run(n, name=name)) for name, n in (("bf16", 5000), ("fp32", 3000))]
+    )
+    view = dataclasses.replace(comparison_view(runs, "variants"), figures=[])
+    page = html.render_comparison(view, [])
+    console = Console(record=True, width=400, color_system=None, file=io.StringIO())
+    terminal.print_comparison(console, view)
+    tables: list[list[list[str]]] = []
+    for line in console.export_text().splitlines():
+        if line.startswith("┏"):
+            tables.append([])
+        elif line.startswith(("┃", "│")):
+            tables[-1].append([c.strip() for c in re.split(r"[┃│]", line)[1:-1]])
+    from_html = html_table(page, "metrics")
+    assert from_html[0] == ["metric", "CPU: EPYC", "meaning"] and from_html[1] == ["bf16", "fp32"]  # grouped header
+    assert tables[1][0] == ["metric", "bf16", "fp32"]
+    assert tables[1][1:] == [row[:3] for row in from_html[2:]]
+    k3 = next(row for row in from_html if row[0].endswith(" k3_kl"))
+    assert [float(v) for v in k3[1:3]] == pytest.approx([r.record.metrics["k3_kl"] for r in runs], rel=1e-3)
+
+
+@pytest.mark.skipif(not (ROOT / "reports" / "sweep-demo" / "sweep.json").is_file(), reason="no committed sweep")
+def test_a_sweeps_attribution_is_the_same_in_sweep_md_and_sweep_html():
+    from mismatch_probe.report.sweep import sweep_view
+    from mismatch_probe.sweep_record import read_sweep
+
+    record = read_sweep(ROOT / "reports" / "sweep-demo")
+    view = dataclasses.replace(sweep_view(record), figures=[])
+    page, md = html.render_sweep(view, []), markdown.render_sweep(view)
+    from_html, from_md = html_table(page, "attribution"), md_table(md, f"## {view.attribution.title}")
+    assert len(from_html) == len(record.points)  # the header, then a row per point but the baseline
+
+    def same(row: list[str]) -> list[str]:  # a link by its name; a refused point's note fills the row
+        row = [re.sub(r"^\[(\w+)\]\(.*\)$", r"\1", c) for c in row]
+        while row and row[-1] == "":
+            row.pop()
+        return row
+
+    assert [same(r) for r in from_md] == [same(r) for r in from_html]
+    ok = [p for p in record.points[1:] if p.status == "ok"]
+    shown = {row[0]: row for row in from_html[1:]}
+    for p in ok:
+        est = p.delta_vs_baseline["k3_kl"]["ratio"][0]
+        assert float(shown[p.name.replace("+", " + ")][1].split("x")[0]) == pytest.approx(est, rel=5e-3)
