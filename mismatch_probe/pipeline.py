@@ -509,12 +509,13 @@ def rerender(run_dir: str | Path) -> Path:
 
 def _write_figure_files(run_dir: Path, figures: list[DrawnFigure]) -> list[dict]:
     """The report's figures as SVG files too (``figures/<id>.svg``), for report.md and for slides."""
-    dirs = {(run_dir / f.info.path).parent for f in figures}
-    for d in dirs:
-        d.mkdir(exist_ok=True)
-        for stale in d.glob("*"):  # figures of an earlier version of the report
-            if stale.is_file():
-                stale.unlink()
+    from mismatch_probe.report.figures import FIGURES_DIR
+
+    d = run_dir / FIGURES_DIR
+    d.mkdir(exist_ok=True)
+    for stale in d.glob("*"):  # figures of an earlier version of the report
+        if stale.is_file():
+            stale.unlink()
     for f in figures:
         write_atomic(run_dir / f.info.path, f.svg)
     return [{"id": f.info.id, "title": f.info.title, "path": f.info.path} for f in figures]

@@ -47,7 +47,7 @@ def note(line: str) -> str:
 def print_run(console: Console, view: RunView) -> None:
     """A run's summary: its metric and correction tables, the routing agreement, notes, timings."""
     console.print(table(view.metrics, f"mismatch: {view.subtitle}"))
-    console.print(table(view.corrections))
+    console.print(table(view.corrections, "correction what-ifs (share of the data a trainer would clip or drop)"))
     if view.routing_lead:
         console.print(escape(f"MoE routing: {view.routing_lead}"))
     for line in view.notes:
