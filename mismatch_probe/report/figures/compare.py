@@ -11,7 +11,7 @@ import numpy as np
 
 from mismatch_probe.numbers import tick
 from mismatch_probe.report.data import RunData
-from mismatch_probe.report.figures.drawing import FLOOR, RED, legend, log_y, new_figure
+from mismatch_probe.report.figures.drawing import FLOOR, RED, histogram, legend, log_y, new_figure
 from mismatch_probe.report.figures.run import bucket_labels, buckets, log_mismatch_edges, ratio_axis, seq_max_log_hist
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ def overlay_seq_max_mismatch(runs: Sequence[RunData]) -> Figure:
         counts, edges = seq_max_log_hist(run.dist), log_mismatch_edges(run.dist)
         lo = edges[0]
         if counts.sum():
-            ax.stairs(counts / counts.sum(), edges, color=run.color, lw=1.4, label=run.label)
+            histogram(ax, counts / counts.sum(), edges, run.color, lw=1.4, label=run.label)
     log_y(ax)
     ax.axvline(0.5, color=RED, ls="--", lw=1)
     ax.set(xscale="log", xlim=(lo, 1.0))
@@ -62,7 +62,7 @@ def overlay_log_ratio(runs: Sequence[RunData]) -> Figure:
         for ax, counts in ((axes[0], token), (axes[1], seq)):
             edges = ratio_axis(ax, dist["edges"]["log_ratio"])
             if counts.sum():
-                ax.stairs(counts / counts.sum(), edges, color=run.color, lw=1.4, label=run.label)
+                histogram(ax, counts / counts.sum(), edges, run.color, lw=1.4, label=run.label)
     for ax, what in ((axes[0], "token log-ratio δ"), (axes[1], "sequence log-ratio Σδ")):
         log_y(ax)
         ax.tick_params(axis="x", labelsize=7.5)

@@ -122,6 +122,19 @@ def to_svg(fig: Figure) -> bytes:
     return svg[svg.index(b"<svg") :]  # without the XML prolog and DOCTYPE: an <img> needs neither
 
 
+def histogram(ax: Axes, counts, edges, color: str, *, fill_from: float | None = None, **kw) -> None:
+    """``counts[i]`` over ``[edges[i], edges[i+1])`` as steps, filled down to ``fill_from`` when given.
+    Drawn as a step line and polygon rather than ``Axes.stairs``, whose patch has its data limits
+    computed curve by curve (measured: the costliest call of an overlay figure)."""
+    import numpy as np
+
+    heights = np.append(counts, counts[-1])  # the last bin's step runs to the last edge
+    if fill_from is None:
+        ax.step(edges, heights, where="post", color=color, **kw)
+    else:
+        ax.fill_between(edges, heights, fill_from, step="post", color=color, lw=0, **kw)
+
+
 def log_y(ax: Axes) -> None:
     """A log y axis where a series was drawn (each has a label); an axis with none (no model
     tokens) says so instead."""

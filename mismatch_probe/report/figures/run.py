@@ -12,7 +12,17 @@ import numpy as np
 from mismatch_probe.analysis.distributions import dense
 from mismatch_probe.numbers import fmt, pct, short, tick
 from mismatch_probe.record import RunRecord
-from mismatch_probe.report.figures.drawing import BLUE, FLOOR, GREEN, GREY, RED, colorbar, legend, new_figure
+from mismatch_probe.report.figures.drawing import (
+    BLUE,
+    FLOOR,
+    GREEN,
+    GREY,
+    RED,
+    colorbar,
+    histogram,
+    legend,
+    new_figure,
+)
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -165,7 +175,7 @@ def seq_max_mismatch_hist(record: RunRecord, dist: dict) -> Figure:
     fig, axes = new_figure(11.0, 3.9, 2, wspace=0.22)
     for i, (ax, (counts, edges)) in enumerate(zip(axes, panels)):
         if counts.sum():
-            ax.stairs(counts, edges, fill=True, color=BLUE, alpha=0.7, baseline=0.7)
+            histogram(ax, counts, edges, BLUE, fill_from=0.7, alpha=0.7)
             ax.set_yscale("log")
             ax.set_ylim(0.7, counts.max() * 1.6)
         ax.axvline(0.5, color=RED, ls=(0, (4, 3)), lw=1)
@@ -253,7 +263,7 @@ def importance_ratio(record: RunRecord, dist: dict) -> Figure:
         if total:
             share = counts / total
             bottom = float(share[share > 0].min()) / 2
-            ax.stairs(share, edges, fill=True, color=BLUE, alpha=0.6, baseline=bottom)
+            histogram(ax, share, edges, BLUE, fill_from=bottom, alpha=0.6)
             ax.set_yscale("log")
             ax.set_ylim(bottom, 1.0)
         for key, sub in lines:

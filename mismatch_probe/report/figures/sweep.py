@@ -71,14 +71,18 @@ def cost_plot(record: SweepRecord) -> Figure:
     if not pts:
         return _nothing("no finished point with a measured cost")
     fig, (ax,) = new_figure(7.0, 4.2)
+    placed: dict[tuple[float, float], int] = {}  # names of points that coincide go one under another
     for name, c, k3, gate in pts:
         ax.scatter([100 * c], [k3], color=GATE_COLORS.get(gate or "", BLUE), s=30, zorder=3)
-        ax.annotate(name, (100 * c, k3), fontsize=7, xytext=(4, 3), textcoords="offset points")
+        spot = (round(100 * c), round(math.log10(k3), 1))
+        placed[spot] = placed.get(spot, -1) + 1
+        ax.annotate(name, (100 * c, k3), fontsize=7, xytext=(5, 3 - 9 * placed[spot]), textcoords="offset points")
     if "k3_kl" in thresholds:
         ax.axhline(thresholds["k3_kl"], color=RED, ls="--", lw=1, label=f"gate: k3_kl <= {tick(thresholds['k3_kl'])}")
     ax.set_yscale("log")
     ax.set(xlabel="throughput cost vs baseline (%; slower side of engine and reference)", ylabel="K3 KL")
-    ax.margins(x=0.15)  # room for the names right of the rightmost points
-    ax.set_xlim(left=min(-2.0, ax.get_xlim()[0]))
+    costs = [100 * c for _, c, _, _ in pts]
+    span = max(max(costs) - min(costs), 10.0)
+    ax.set_xlim(min(-2.0, min(costs) - 0.05 * span), max(costs) + 0.4 * span)  # room for the names on the right
     legend(ax, loc="best")
     return fig
