@@ -74,13 +74,19 @@ def ratio_axis(ax: Axes, edges: np.ndarray) -> np.ndarray:
     return finite
 
 
-def _density(ax: Axes, counts: np.ndarray, x_edges, y_edges, vmax: float):
-    """A 2-D count histogram ``counts[x, y]`` as a log-coloured image, empty cells left blank."""
+def _density(ax: Axes, counts: np.ndarray, x_edges, y_edges, vmax: float, *, log_axes: bool = False):
+    """A 2-D count histogram ``counts[x, y]`` as a log-coloured image, empty cells left blank: on
+    linear axes one image of a pixel per bin, embedded as it is; on log axes (where matplotlib would
+    place such an image in linear coordinates) a mesh rasterized inside the SVG."""
     from matplotlib.colors import LogNorm
 
     shown = np.ma.masked_equal(np.asarray(counts, float).T, 0)
-    return ax.pcolormesh(
-        x_edges, y_edges, shown, norm=LogNorm(1, max(vmax, 2.0)), cmap="viridis", rasterized=True, shading="flat"
+    norm = LogNorm(1, max(vmax, 2.0))
+    if log_axes:
+        return ax.pcolormesh(x_edges, y_edges, shown, norm=norm, cmap="viridis", rasterized=True, shading="flat")
+    extent = (x_edges[0], x_edges[-1], y_edges[0], y_edges[-1])
+    return ax.imshow(
+        shown, norm=norm, cmap="viridis", origin="lower", extent=extent, interpolation="nearest", aspect="auto"
     )
 
 
@@ -202,7 +208,7 @@ def max_mismatch_vs_length(record: RunRecord, dist: dict) -> Figure:
     x_edges, y_edges = np.array(dist["edges"]["length"], float), log_mismatch_edges(dist)
     fig, (ax,) = new_figure(7.2, 4.6, right=1.1)
     if hist.sum():
-        image = _density(ax, hist, x_edges, y_edges, float(hist.max()))
+        image = _density(ax, hist, x_edges, y_edges, float(hist.max()), log_axes=True)
         colorbar(fig, image, ax, "sequences")
     rows = buckets(record, "response_length_buckets")
     if rows:
