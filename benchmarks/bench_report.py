@@ -227,16 +227,16 @@ def main() -> None:
             f"worst sequences {stats['worst_sequences_s']:.2f} s; distributions.json "
             f"{stats['distributions_json_bytes'] / 1e3:.0f} kB"
         )
-        print("fresh processes, best of 2 (the work alone; then the whole process):")
-        print(ratio_line("- the synthetic run, report", best_of(2, "analyze", a), best_of(2, "render", a)))
+        print("fresh processes, best of 3 (the work alone; then the whole process):")
+        print(ratio_line("- the synthetic run, report", best_of(3, "analyze", a), best_of(3, "render", a)))
         if args.profile:
             fresh_process("render", a, profile=True)
         examples = [ROOT / "reports" / "example", ROOT / "reports" / "example-fp32"]
         print(
             ratio_line(
                 "- reports/example vs example-fp32, comparison page",
-                best_of(2, "analyze", *examples),
-                best_of(2, "compare", Path(tmp) / "examples.html", *examples),
+                best_of(3, "analyze", *examples),
+                best_of(3, "compare", Path(tmp) / "examples.html", *examples),
             )
         )
         sweep = Path(tmp) / "sweep-demo"
@@ -244,8 +244,8 @@ def main() -> None:
         print(
             ratio_line(
                 "- reports/sweep-demo, sweep pages",
-                best_of(2, "sweep-statistics", sweep),
-                best_of(2, "sweep-render", sweep),
+                best_of(3, "sweep-statistics", sweep),
+                best_of(3, "sweep-render", sweep),
             )
         )
         one = write_report([a], Path(tmp) / "one.html")
