@@ -20,8 +20,8 @@ load on the machine falls on both), with their ratio (target, issue 36: at most 
 - the synthetic run's analysis pass against rendering everything ``mismatch-probe report RUN``
   renders from the finished directory (``pipeline.rerender``: the figures, figures/*.svg,
   report.md and report.html); ``--profile`` prints where that rendering's time goes (cProfile);
-- re-analyzing the committed runs reports/example and reports/example-fp32 against their
-  comparison page (``mismatch-probe report reports/example reports/example-fp32 --out ...``);
+- re-analyzing the two synthetic runs, then the committed runs reports/example and
+  reports/example-fp32, against their comparison page (``mismatch-probe report A B --out ...``);
 - the statistics of reports/sweep-demo's summary (each finished point's bootstrap intervals and
   effects against the baseline, from its sequences.parquet, as ``sweeps/summary.py`` computes
   them) against its pages (``mismatch-probe report reports/sweep-demo``: sweep.md, sweep.html).
@@ -238,6 +238,14 @@ def main() -> None:
         print(ratio_line("- the synthetic run, report", ("analyze", [a]), ("render", [a])))
         if args.profile:
             fresh_process("render", a, profile=True)
+        print(
+            ratio_line(
+                "- the two synthetic runs, comparison page",
+                ("analyze", [a, b]),
+                ("compare", [Path(tmp) / "synthetic-compare.html", a, b]),
+                n=3,
+            )
+        )
         examples = [ROOT / "reports" / "example", ROOT / "reports" / "example-fp32"]
         print(
             ratio_line(
