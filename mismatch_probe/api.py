@@ -3,9 +3,11 @@
     import mismatch_probe
     run = mismatch_probe.load_run("reports/example")
     run.record.metric("k3_kl"), run.sequences().nlargest(5, "max_mismatch"), run.tokens()
+    run.figure("prob_density")  # a matplotlib Figure, as the report draws it
 
 ``tokens()`` and ``sequences()`` read the run's Parquet files when called (never at load), and
 return pandas DataFrames (pandas is the ``[pandas]`` extra); ``*_table()`` return the Arrow tables.
+``figure(id)`` reads the run's distributions on its first call.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from mismatch_probe.record import RunRecord, read_record
 if TYPE_CHECKING:
     import pandas as pd
     import pyarrow as pa
+    from matplotlib.figure import Figure
 
 
 @dataclass
@@ -71,6 +74,25 @@ class Run:
         if group is not None:
             table = table.filter(pc.equal(table.column("group"), group))
         return _to_pandas(table)
+
+    @staticmethod
+    def figure_ids() -> list[str]:
+        """The ids of a run's figures, in report order (``figures/<id>.svg`` in the run directory)."""
+        from mismatch_probe.report.figures import RUN_FIGURE_IDS
+
+        return list(RUN_FIGURE_IDS)
+
+    def figure(self, figure_id: str) -> Figure:
+        """One of the report's figures as a matplotlib ``Figure`` (``fig.savefig(...)``, or shown by
+        a notebook); an unknown id is a ConfigError naming the ids."""
+        from mismatch_probe.report.figures import check_figure_id, run_figure
+
+        check_figure_id(figure_id)  # before reading anything
+        if "dist" not in self._cache:
+            from mismatch_probe.report.data import load_run as load_report_data
+
+            self._cache["dist"] = load_report_data(self.path).dist
+        return run_figure(self.record, self._cache["dist"], figure_id)
 
 
 def _to_pandas(table: pa.Table) -> pd.DataFrame:

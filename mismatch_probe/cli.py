@@ -214,7 +214,8 @@ def compare(
 ) -> None:
     """Sample with an engine, score the same tokens with a training-style forward, report the mismatch."""
     from mismatch_probe import pipeline
-    from mismatch_probe.report.summary import corrections_table, metrics_table, notes, routing_line, timing_line
+    from mismatch_probe.report.model import run_view
+    from mismatch_probe.report.terminal import print_run
 
     gate = None
     if gate_file is not None:  # a bad thresholds file fails now, not after the run
@@ -238,15 +239,7 @@ def compare(
         if gate is not None:
             _gate_exit(_gate(result.run_dir, gate_file, None, gate, quiet=True))
         return
-    record = result.run
-    out.print(metrics_table(record))
-    out.print(corrections_table(record))
-    if line := routing_line(record):
-        out.print(line)
-    for line in notes(record):
-        out.print(line)
-    if line := timing_line(record):
-        out.print(line)
+    print_run(out, run_view(result.run, result.run_dir))
     out.print(f"run directory: {escape(portable_path(result.run_dir))}")
     out.print(f"report: {escape(portable_path(result.run_dir / 'report.html'))} (also report.md)")
     if gate is not None:
@@ -264,7 +257,9 @@ def _spec(spec_file: Path | None, overrides: dict[str, object], settings: list[s
 
 def _compare_variants(spec, overwrite, rollouts_from, gate_file, gate, as_json) -> None:
     from mismatch_probe.pipeline import compare_variants
-    from mismatch_probe.report.summary import variants_table
+    from mismatch_probe.report.data import RunData
+    from mismatch_probe.report.model import comparison_view, label_runs
+    from mismatch_probe.report.terminal import print_comparison
 
     with RichProgress(err) as progress:
         result = compare_variants(spec, progress=progress, overwrite=overwrite, rollouts_from=rollouts_from)
@@ -274,7 +269,8 @@ def _compare_variants(spec, overwrite, rollouts_from, gate_file, gate, as_json) 
     if as_json:
         sys.stdout.write(json.dumps({name: r.record for name, r in result.runs.items()}, indent=2) + "\n")
     else:
-        out.print(variants_table({name: r.run for name, r in result.runs.items()}))
+        runs = label_runs([RunData(r.run_dir, r.run, {}) for r in result.runs.values()])
+        print_comparison(out, comparison_view(runs, "variants: the same rollouts, scored by each reference"))
         for name, r in result.runs.items():
             out.print(f"{name}: {escape(portable_path(r.run_dir / 'report.html'))}")
         out.print(f"comparison: {escape(portable_path(result.comparison))}")
@@ -388,15 +384,15 @@ def analyze(
 ) -> None:
     """Stages 3 and 4 alone: metrics, per-sequence rows and the report of a scored run."""
     from mismatch_probe import pipeline
-    from mismatch_probe.report.summary import corrections_table, metrics_table
+    from mismatch_probe.report.model import run_view
+    from mismatch_probe.report.terminal import print_run
 
     with RichProgress(err) as progress:
         result = pipeline.analyze(run_dir, progress=progress, model=model)
     if as_json:
         sys.stdout.write(json.dumps(result.record, indent=2) + "\n")
         return
-    out.print(metrics_table(result.run))
-    out.print(corrections_table(result.run))
+    print_run(out, run_view(result.run, result.run_dir))
     out.print(f"report: {escape(portable_path(result.run_dir / 'report.html'))} (also report.md)")
 
 
@@ -456,7 +452,8 @@ def sweep(
     start per engine configuration), and say which setting causes the mismatch, with intervals, the
     noise floor, determinism and each change's throughput cost. Exit 0 when the baseline or a
     recommended change passes --gate, 1 when none does, 2 on bad input."""
-    from mismatch_probe.report.sweep import summary_lines
+    from mismatch_probe.report.sweep import sweep_view
+    from mismatch_probe.report.terminal import print_sweep
     from mismatch_probe.sweeps import sweep as run_sweep
 
     spec = _spec(spec_file, overrides)
@@ -465,8 +462,7 @@ def sweep(
     if as_json:
         sys.stdout.write(json.dumps(result.record.to_dict(), indent=2) + "\n")
     else:
-        for line in summary_lines(result.record):
-            out.print(escape(line))
+        print_sweep(out, sweep_view(result.record))
         out.print(f"sweep: {escape(portable_path(result.html))} (also sweep.md, sweep.json)")
     if result.exit_code:
         raise typer.Exit(result.exit_code)
@@ -509,13 +505,21 @@ def report(
             "--out", help="HTML file to write (default: <run>/report.html for one run, compare.html for several)."
         ),
     ] = None,
+    as_json: Annotated[
+        bool,
+        typer.Option("--json", help="Print what the pages show (the report's view model) as JSON; write nothing."),
+    ] = False,
 ) -> None:
     """Render the report of a run again (figures, report.md, report.html), a sweep's pages from its
     sweep.json, or compare runs (grouped by GPU type); needs no engine and no GPU."""
     from mismatch_probe.report.html import write_report
 
-    if len(run_dirs) == 1 and out_file is None and (run_dirs[0] / "sweep.json").is_file():
-        from mismatch_probe.report.sweep import write_sweep_reports
+    is_sweep = len(run_dirs) == 1 and out_file is None and (run_dirs[0] / "sweep.json").is_file()
+    if as_json:
+        sys.stdout.write(_report_json(run_dirs, is_sweep))
+        return
+    if is_sweep:
+        from mismatch_probe.report.pages import write_sweep_reports
         from mismatch_probe.sweep_record import read_sweep
 
         path = write_sweep_reports(run_dirs[0], read_sweep(run_dirs[0]))  # sweep.json is the source of truth
@@ -536,6 +540,22 @@ def report(
     out.print(
         f"{what}: {escape(str(written.path))} ({written.n_bytes / 1e6:.2f} MB, rendered in {written.seconds:.1f} s)"
     )
+
+
+def _report_json(run_dirs: list[Path], is_sweep: bool) -> str:
+    """The view model of a run, a sweep or a comparison of runs, as ``report --json`` prints it."""
+    from mismatch_probe.report.data import load_run
+    from mismatch_probe.report.model import comparison_view, label_runs, run_view
+
+    if is_sweep:
+        from mismatch_probe.report.sweep import sweep_view
+        from mismatch_probe.sweep_record import read_sweep
+
+        return sweep_view(read_sweep(run_dirs[0])).to_json()
+    if len(run_dirs) == 1:
+        run = load_run(run_dirs[0])
+        return run_view(run.record, run.path, run.dist).to_json()
+    return comparison_view(label_runs([load_run(d) for d in run_dirs])).to_json()
 
 
 IMPORT_LABELS = {"engine.name": "engine", "engine.logprobs_mode": "engine log-probs"}

@@ -1,5 +1,6 @@
-"""How numbers are written for people, in one place: the reports and the terminal summary
-(:func:`fmt`, :func:`pct`) and the gate's check lines (:func:`significant`)."""
+"""How numbers are written for people, in one place: the reports, the terminal summary and the
+figures' labels (:func:`fmt`, :func:`pct`, :func:`fold`, :func:`short`, :func:`tick`,
+:func:`seconds`) and the gate's check lines (:func:`significant`)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,52 @@ def pct(value) -> str:
     if value is None:
         return "-"
     return f"{100 * value:.3g}%"
+
+
+def fold(value) -> str:
+    """An x-fold ratio as people read it: 9.1x, 0.11x; "-" when unknown."""
+    if value is None or isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+        return "-"
+    if math.isinf(value):
+        return "inf"
+    return f"{value:.3g}x"
+
+
+def ratio(a, b) -> str:
+    """``a / b`` as an x-fold ratio; "-" when either is missing or ``b`` is 0."""
+    try:
+        return fold(float(a) / float(b))
+    except (TypeError, ValueError, ZeroDivisionError):
+        return "-"
+
+
+def interval(values, show=fold) -> str:
+    """An estimate and its interval, ``[estimate, low, high]``, as "est [lo, hi]"; "-" when absent."""
+    if not values or len(values) < 3:
+        return "-"
+    return f"{show(values[0])} [{show(values[1])}, {show(values[2])}]"
+
+
+def short(value) -> str:
+    """A value in a figure's legend: 4 significant digits; "-" when missing."""
+    return "-" if value is None else f"{value:.4g}"
+
+
+def tick(value: float, _pos=None) -> str:
+    """An axis tick or a bucket edge: plain and short ("0", "0.001", "1e-05", "20"), never mathtext
+    (matplotlib's 10^k labels are parsed by pyparsing, which cost half a report's drawing time).
+    The second argument lets matplotlib's FuncFormatter call it."""
+    return "0" if value == 0 else f"{value:g}"
+
+
+def seconds(value: float) -> str:
+    """A duration in seconds, to the hundredth."""
+    return f"{value:.2f}"
+
+
+def mib(n_bytes: float) -> str:
+    """A size in MiB, whole, with thousands separators."""
+    return f"{n_bytes / 2**20:,.0f} MiB"
 
 
 def significant(value) -> str:

@@ -208,16 +208,7 @@ def analyze(run_dir: str | Path, *, progress: Progress | None = None, model: str
 
 def report(run_dir: str | Path) -> Path:
     """``mismatch-probe report RUN``: a finished run's figures, report.md and report.html rendered
-    again from its directory, as the render stage does (after an upgrade, or a rendering that
-    failed); returns report.html's path. run.json is rewritten only when its list of figures changes."""
-    from mismatch_probe.report.figures import run_figures
-    from mismatch_probe.report.html import REPORT_HTML, load_run
+    again from its directory, as the render stage does; returns report.html's path."""
+    from mismatch_probe.report.pages import render_again
 
-    data = load_run(run_dir)
-    figures = run_figures(data.record, data.dist)
-    listed = stages.write_figure_files(data.path, figures)
-    if [f.to_dict() for f in data.record.figures or []] != listed:
-        data.record.update_sections({"figures": listed})
-        data.record.write(data.path)
-    stages.write_reports(data.path, data.record, data.dist, figures)
-    return data.path / REPORT_HTML
+    return render_again(run_dir)

@@ -37,7 +37,7 @@ from mismatch_probe.analysis.sequences import SequenceCollector
 from mismatch_probe.config.spec import ProbeSpec
 from mismatch_probe.engines.base import Engine
 from mismatch_probe.errors import ConfigError, DataError, ProbeError
-from mismatch_probe.files import portable_path, resolve_from_dir, write_atomic
+from mismatch_probe.files import portable_path, resolve_from_dir
 from mismatch_probe.modeling.logprobs import LogprobSemantics
 from mismatch_probe.pipeline.rollouts import adopt_rollouts, sample_shards
 from mismatch_probe.pipeline.runs import (
@@ -51,7 +51,7 @@ from mismatch_probe.pipeline.runs import (
     shard_samples,
     timed,
 )
-from mismatch_probe.record import SEQUENCES_PARQUET, RunRecord, find_record, now
+from mismatch_probe.record import SEQUENCES_PARQUET, find_record, now
 from mismatch_probe.table.tokens import (
     RECEIVED_DIR,
     ROLLOUTS_DIR,
@@ -62,9 +62,6 @@ from mismatch_probe.table.tokens import (
     write_sequences,
     write_table_atomic,
 )
-
-REPORT_MD = "report.md"
-FIGURES_DIR = "figures"
 
 
 def prepare(
@@ -291,6 +288,7 @@ def render(ctx: RunContext, dist: dict) -> None:
     """Figures, report.md and report.html, rendered once from the in-memory record (what
     ``mismatch-probe report`` renders from run.json). A failure here keeps the complete run."""
     from mismatch_probe.report.figures import run_figures
+    from mismatch_probe.report.pages import write_figure_files, write_run_pages
 
     out, record = ctx.out, ctx.record
     try:
@@ -300,7 +298,7 @@ def render(ctx: RunContext, dist: dict) -> None:
         # the pages show the run's timings up to here; report_s (rendering them) goes to run.json only
         ctx.timings["total_s"] = round(time.perf_counter() - ctx.t_start, 3)
         with timed(ctx.timings, "report_s"):
-            write_reports(out, record, dist, figures)
+            write_run_pages(out, record, dist, figures)
     except Exception as exc:  # the run itself is complete on disk; only its rendering failed
         if isinstance(exc, ProbeError):
             raise
@@ -309,23 +307,3 @@ def render(ctx: RunContext, dist: dict) -> None:
             hint=f"re-render it with `mismatch-probe report {out}`; --debug shows the traceback",
         ) from exc
     ctx.save()
-
-
-def write_figure_files(run_dir: Path, figures: list[dict]) -> list[dict]:
-    """The report's figures as SVG files too, for report.md and for slides."""
-    d = run_dir / FIGURES_DIR
-    d.mkdir(exist_ok=True)
-    for stale in d.glob("*"):  # figures of an earlier version of the report
-        if stale.is_file():
-            stale.unlink()
-    for f in figures:
-        write_atomic(d / f"{f['id']}.svg", f["svg"])
-    return [{"id": f["id"], "title": f["title"], "path": f"{FIGURES_DIR}/{f['id']}.svg"} for f in figures]
-
-
-def write_reports(run_dir: Path, record: RunRecord, dist: dict, figures: list[dict]) -> None:
-    from mismatch_probe.report.html import REPORT_HTML, RunData, render_run
-    from mismatch_probe.report.markdown import render_markdown
-
-    write_atomic(run_dir / REPORT_MD, render_markdown(record))
-    write_atomic(run_dir / REPORT_HTML, render_run(RunData(run_dir, record, dist), figures))

@@ -1,4 +1,7 @@
-"""Rendering: the self-contained HTML report and comparison pages (Jinja2 templates), report.md, the
-matplotlib figures and the terminal summary. Reads a finished run (its record and distributions);
-computes nothing that the analysis did not already persist, except for old runs.
+"""Rendering: a run's report.html, report.md and terminal summary, several runs side by side, a
+sweep's pages. One view model per page (:mod:`.model`, :mod:`.sweep`) is built from the record and
+rendered by :mod:`.html` (Jinja2 templates), :mod:`.markdown` and :mod:`.terminal` (rich); the
+figures are matplotlib drawings written as SVG (:mod:`.figures`). Reads a finished run (its record
+and distributions, :mod:`.data`); computes nothing the analysis did not already persist, except
+for old runs.
 """

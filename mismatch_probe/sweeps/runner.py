@@ -32,9 +32,9 @@ from mismatch_probe.config.sweep import BASELINE, SweepPlan, SweepPoint, engine_
 from mismatch_probe.errors import ConfigError, ProbeError
 from mismatch_probe.files import portable_path, write_atomic
 from mismatch_probe.pipeline import Progress, RunContext, same_spec, stages
-from mismatch_probe.pipeline import report as rerender
 from mismatch_probe.record import find_record, json_safe, now, read_record
 from mismatch_probe.report.html import REPORT_HTML
+from mismatch_probe.report.pages import render_again as rerender
 from mismatch_probe.sweep_record import SWEEP_JSON, SweepRecord
 from mismatch_probe.sweeps.summary import SweepRun, summarize
 from mismatch_probe.table.tokens import ROLLOUTS_DIR, read_rollout_shard
@@ -467,7 +467,7 @@ class _Sweep:
         record.invocations = invocations
         record.engine_starts = sum(i["engine_starts"] for i in invocations)
         record.write(self.out)
-        from mismatch_probe.report.sweep import write_sweep_reports
+        from mismatch_probe.report.pages import write_sweep_reports
 
         write_sweep_reports(self.out, record)
         return SweepResult(self.out, record)

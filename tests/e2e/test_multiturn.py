@@ -116,7 +116,7 @@ def test_every_token_has_its_turn_and_mask(tmp_path, tokenizer):
     assert [by_index[k]["n_model_tokens"] for k in by_index] == [len(enc(t)) for t in turns]
     assert all(by_index[k]["n_sequences"] == 1 for k in by_index)
     assert "## By assistant turn" in (result.run_dir / "report.md").read_text()
-    from mismatch_probe.report.html import load_run
+    from mismatch_probe.report.data import load_run
 
     dist = load_run(result.run_dir).dist  # what the first-vs-later figure draws: one point per sample-turn
     assert len(dist["groups"]["first"]["log_ppl_infer"]) == 1 and len(dist["groups"]["later"]["log_ppl_infer"]) == 2

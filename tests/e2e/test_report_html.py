@@ -15,7 +15,21 @@ from conftest import cli
 
 from mismatch_probe.analysis.distributions import load
 from mismatch_probe.record import parse_record
-from mismatch_probe.report.html import RunData, load_run, render_comparison, render_run
+from mismatch_probe.report.data import RunData, load_run
+from mismatch_probe.report.figures import comparison_figures, run_figures
+from mismatch_probe.report.html import render_comparison, render_run
+from mismatch_probe.report.model import comparison_view, label_runs, run_view
+
+
+def page_of(run: RunData) -> str:
+    """report.html of a run, as compare writes it."""
+    return render_run(run_view(run.record, run.path, run.dist), run_figures(run.record, run.dist))
+
+
+def comparison_of(runs: list[RunData]) -> str:
+    runs = label_runs(runs)
+    return render_comparison(comparison_view(runs), comparison_figures(runs))
+
 
 PAYLOAD = "<script>alert(1)</script>"
 ATTR_PAYLOAD = '"><img src=x onerror=alert(2)>'
@@ -115,12 +129,20 @@ def test_prompt_and_model_text_is_escaped_everywhere(bf16_run):
     seq["prompt_id"] = ATTR_PAYLOAD
     seq["tokens"]["text"][0] = PAYLOAD
     seq["tokens"]["text"][-1] = ATTR_PAYLOAD
-    html = render_run(RunData(bf16_run, parse_record(rec), dist), figures=[])
+    html = page_of(RunData(bf16_run, parse_record(rec), dist))
     doc = assert_inert_and_self_contained(html)
     assert PAYLOAD not in html and "<img src=x" not in html
     text = "".join(doc.text)
     assert PAYLOAD in text and ATTR_PAYLOAD in text  # shown as text, not parsed as markup
     assert html.count("&lt;script&gt;alert(1)&lt;/script&gt;") >= 5
+    # a run's name is drawn in the comparison's figures (their legends): text there too
+    other = load_run(bf16_run)
+    compared = comparison_of([RunData(bf16_run, parse_record(rec), dist), other])
+    assert_inert_and_self_contained(compared)
+    figures = [
+        base64.b64decode(src[len(SVG_URI) :]) for src in re.findall(rf'src="({re.escape(SVG_URI)}[^"]+)"', compared)
+    ]
+    assert any(b"&lt;script&gt;alert(1)&lt;/script&gt;" in svg for svg in figures)
 
 
 def _fake_gpu_run(run: RunData, name: str, gpu: str, k3: float, tag: str) -> RunData:
@@ -143,7 +165,7 @@ def test_comparison_groups_by_gpu_and_marks_best_and_worst(bf16_run):
         _fake_gpu_run(base, "h100-b", "NVIDIA H100", 1e-6, "float32"),
     ]
     runs[1].record.inputs.model = "/elsewhere/model"
-    html = render_comparison(runs)
+    html = comparison_of(runs)
     doc = assert_inert_and_self_contained(html)
     heads = [(a.get("colspan"), t) for t, a in doc.tags if t == "th" and a.get("colspan") in ("1", "2")]
     assert heads == [("2", "th"), ("1", "th")]  # H100 (2 runs) first, as it came first, then A100
@@ -200,10 +222,10 @@ def test_a_run_with_no_model_tokens_renders(tmp_path):
             "environment": {"gpus": [], "cpu_model": "EPYC"},
         }
     )
-    html = render_run(RunData(tmp_path, record, dist))
+    html = page_of(RunData(tmp_path, record, dist))
     assert_inert_and_self_contained(html)
     assert "No model tokens." in html and html.count(SVG_URI) == 7
-    assert render_comparison([RunData(tmp_path, record, dist), RunData(tmp_path / "b", record, dist)])
+    assert comparison_of([RunData(tmp_path, record, dist), RunData(tmp_path / "b", record, dist)])
 
 
 @pytest.mark.slow

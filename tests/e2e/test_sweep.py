@@ -145,12 +145,10 @@ def test_determinism_panel_and_reports(swept):
             assert (out / p["run"] / "report.html").is_file()
             assert f'href="{p["run"]}/report.html"' in html
     assert "Determinism and batch invariance" in html and "Noise floor" in html
-    assert "data:image/png;base64," in html  # the forest plots
+    assert html.count("data:image/svg+xml;base64,") == 2  # the effects on the headline metrics, cost vs K3
     (out / "sweep.html").unlink()
     result = cli("report", str(out))  # the pages again, from sweep.json alone
-    assert result.returncode == 0 and (out / "sweep.html").read_text().count("data:image/png") == html.count(
-        "data:image/png"
-    )
+    assert result.returncode == 0 and (out / "sweep.html").read_text().count("data:image/svg+xml;base64,") == 2
 
 
 def thresholds(directory: Path, k3_max: float) -> Path:

@@ -81,6 +81,28 @@ def test_report_of_one_run_renders_all_of_it_again_in_place(tmp_path):
     assert (run / "run.json").read_bytes() == (EXAMPLE / "run.json").read_bytes()  # same figures: untouched
 
 
+@needs_example
+def test_report_json_prints_what_the_pages_show_and_writes_nothing(tmp_path):
+    import shutil
+
+    import mismatch_probe
+    from mismatch_probe.numbers import fmt
+
+    run = tmp_path / "example"
+    shutil.copytree(EXAMPLE, run)
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}
+    result = invoke("report", run, "--json")
+    assert result.exit_code == 0, result.output
+    view = json.loads(result.stdout)
+    record = mismatch_probe.load_run(run).record
+    assert view["kind"] == "run" and view["status"] == "complete"
+    assert [c["label"] for c in view["metrics"]["columns"]][:2] == ["metric", "engine vs reference"]
+    rows = {r["key"]: r["cells"] for r in view["metrics"]["rows"]}
+    assert rows["k3_kl"][1] == fmt(record.metric("k3_kl")) and rows["n_model_tokens"][1] == "1,707"
+    assert [f["id"] for f in view["figures"]] == [f.id for f in record.figures]
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()} == before
+
+
 @pytest.mark.parametrize(
     ("spec_text", "message"),
     [

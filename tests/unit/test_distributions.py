@@ -159,16 +159,16 @@ def test_worst_sequences_show_the_head_and_a_window_around_the_worst_token(tmp_p
     assert long["log_ratio"] == pytest.approx(math.log(0.3 / 0.9), rel=1e-6)
     assert short["tokens"]["position"] == list(range(30))  # short: everything
 
-    from mismatch_probe.report.html import token_view
+    from mismatch_probe.report.model import token_view
 
     spans = token_view(long)
-    gaps = [s["gap"] for s in spans if "gap" in s]
+    gaps = [s.gap for s in spans if s.gap]
     assert gaps == [540 - 48, 1000 - 860]
-    outlined = [s for s in spans if "wt" in s.get("cls", "")]
-    assert len(outlined) == 1 and "p_infer 0.9 · p_train 0.3" in outlined[0]["title"] and "g5" in outlined[0]["cls"]
-    assert spans[0]["cls"] == "prompt"
+    outlined = [s for s in spans if "wt" in s.cls]
+    assert len(outlined) == 1 and "p_infer 0.9 · p_train 0.3" in outlined[0].title and "g5" in outlined[0].cls
+    assert spans[0].cls == "prompt"
     no_text = worst_sequences(tmp_path, worst[1:], None)[0]
-    assert no_text["tokens"]["text"] is None and token_view(no_text)[0]["text"] == "⟨100⟩"
+    assert no_text["tokens"]["text"] is None and token_view(no_text)[0].text == "⟨100⟩"
 
 
 def test_saved_distributions_load_back_with_their_infinities(tmp_path):

@@ -103,11 +103,11 @@ def test_a_trainer_that_scores_another_distribution_is_said(tmp_path):
     """verl's vLLM returns processed log-probs (top-p applied) and its actor scores logits / T only:
     with top-p < 1 the two sides differ by design, and the report says so."""
     from mismatch_probe.importing import ImportOptions, import_dump
-    from mismatch_probe.report.summary import plain_notes
+    from mismatch_probe.report.labels import notes
 
     options = ImportOptions(trust_pickle=True, temperature=0.8, top_p=0.9)
     ctx = import_dump("verl", DUMPS / "verl", model=MODEL, out=tmp_path / "run", options=options)
     sem = ctx.record.logprob_semantics
     assert sem.engine.distribution == "log_softmax(top_p(logits / temperature))"
     assert sem.reference.distribution == "log_softmax(logits / temperature)" and sem.matched is False
-    assert any("the trainer's log-probs are of log_softmax(logits / temperature)" in n for n in plain_notes(ctx.record))
+    assert any("the trainer's log-probs are of log_softmax(logits / temperature)" in n for n in notes(ctx.record))

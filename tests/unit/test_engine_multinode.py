@@ -323,7 +323,7 @@ def test_sglang_binds_every_rank_on_cpu():
 
 def test_the_report_labels_the_layout_the_engine_reported():
     from mismatch_probe.record import RunRecord
-    from mismatch_probe.report.html import engine_label
+    from mismatch_probe.report.labels import engine_label
 
     vllm_run = {
         "engine": "vllm",

@@ -110,3 +110,63 @@ def test_the_rule_fails_when_a_lower_layer_imports_a_higher_one(where, source, e
 def test_the_rule_allows_lower_layers_and_the_own_package():
     source = "from mismatch_probe.errors import ConfigError\nfrom mismatch_probe.analysis.metrics import x\n"
     assert violations(PACKAGE / "analysis" / "distributions.py", ast.parse(source)) == []
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Every module of the package -> the package modules it imports (lazy ones too): a name
+    imported from a package is the submodule of that name when there is one, else the package."""
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "mismatch_probe":
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    found.add(sub if sub in modules else node.module)
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name in modules}
+        graph[name] = {m for m in found if m in modules and m != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while (w := stack.pop()) != v:
+                component.append(w)
+            if component:
+                found.append(sorted([v, *component]))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circle_anywhere_in_the_package():
+    graph = module_graph()
+    assert len(graph) > 50 and "mismatch_probe.pipeline.stages" in graph["mismatch_probe.pipeline.commands"]
+    assert cycles(graph) == []
+
+
+def test_a_circle_is_found():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

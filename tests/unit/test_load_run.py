@@ -39,3 +39,17 @@ def test_load_run_stays_lazy_and_light():
 def test_a_directory_that_is_not_a_run(tmp_path):
     with pytest.raises(ConfigError, match="not a run directory"):
         mismatch_probe.load_run(tmp_path)
+
+
+def test_every_figure_of_a_run_as_a_matplotlib_figure():
+    from matplotlib.figure import Figure
+
+    run = mismatch_probe.load_run(EXAMPLE)
+    ids = run.figure_ids()
+    assert ids == [f["id"] for f in run.record.to_dict()["figures"]]  # the report's own, in its order
+    for figure_id in ids:
+        fig = run.figure(figure_id)
+        assert isinstance(fig, Figure) and fig.axes, figure_id
+    with pytest.raises(ConfigError, match="no figure 'nope'") as err:
+        run.figure("nope")
+    assert all(i in err.value.hint for i in ids)

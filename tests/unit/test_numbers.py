@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from mismatch_probe.numbers import fmt, pct, significant
+from mismatch_probe.numbers import fmt, fold, interval, mib, pct, ratio, seconds, short, significant, tick
 
 
 @pytest.mark.parametrize(
@@ -56,3 +56,18 @@ def test_significant():
     assert significant(123456.0) == "1.235e+05"
     assert significant(2) == "2"
     assert significant(0.05) == "0.05"
+
+
+def test_fold_ratio_and_interval():
+    assert fold(None) == "-" and fold(math.nan) == "-" and fold(math.inf) == "inf" and fold("x") == "-"
+    assert fold(9.123) == "9.12x" and fold(0.1149) == "0.115x" and fold(1) == "1x"
+    assert ratio(3.0, 2.0) == "1.5x" and ratio(1.0, 0) == "-" and ratio(None, 2.0) == "-"
+    assert interval([2.0, 1.5, 3.25]) == "2x [1.5x, 3.25x]"
+    assert interval([0.5, 0.25, 1.0], fmt) == "0.5000 [0.2500, 1.0000]"
+    assert interval(None) == "-" and interval([1.0]) == "-"
+
+
+def test_figure_labels():
+    assert [tick(v) for v in (0, 0.001, 1e-5, 20, 0.5, 1e6)] == ["0", "0.001", "1e-05", "20", "0.5", "1e+06"]
+    assert short(None) == "-" and short(0.123456) == "0.1235" and short(12345.6) == "1.235e+04"
+    assert seconds(1.234) == "1.23" and mib(3 * 2**20) == "3 MiB" and mib(5000 * 2**20) == "5,000 MiB"

@@ -39,7 +39,7 @@ def test_k3_is_placed_among_the_published_gpu_ranges():
 
 
 def test_gpu_type_names_the_hardware_that_ran_the_probe():
-    from mismatch_probe.report.html import gpu_type
+    from mismatch_probe.report.labels import gpu_type
 
     env = {"gpus": [{"name": "NVIDIA H20"}, {"name": "NVIDIA H20"}], "cpu_model": "Xeon"}
     assert (

@@ -1,0 +1,216 @@
+"""Every figure of the reports, drawn with matplotlib: a run's seven (:mod:`.run`), the comparison
+page's overlays (:mod:`.compare`) and a sweep's forest and cost plots (:mod:`.sweep`), each written
+as inert, reproducible SVG (:mod:`.drawing`).
+
+Each list below names a page's figures once (id, title, caption, how it is drawn); the view model
+(:mod:`mismatch_probe.report.model`) shows the same list. Rendering only: every number drawn was
+computed by the analysis. matplotlib is imported when the first figure is drawn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from mismatch_probe.analysis.metric_docs import METRIC_DOC
+from mismatch_probe.errors import ConfigError
+from mismatch_probe.record import RunRecord
+from mismatch_probe.report.data import RunData
+from mismatch_probe.report.figures import compare, run, sweep
+from mismatch_probe.report.figures.drawing import RUN_COLORS, finish, style, to_svg
+from mismatch_probe.sweep_record import SweepRecord
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+FIGURES_DIR = "figures"  # in a run directory: figures/<id>.svg, which report.md shows
+
+
+@dataclass(frozen=True)
+class FigureInfo:
+    id: str
+    title: str
+    caption: str
+    wide: bool = False  # spans the page's width
+    path: str = ""  # the file beside report.md (a run's figures)
+
+
+@dataclass(frozen=True)
+class DrawnFigure:
+    info: FigureInfo
+    svg: bytes
+
+
+def _run_figure(fid: str, title: str, caption: str, wide: bool = False) -> FigureInfo:
+    return FigureInfo(fid, title, caption, wide, f"{FIGURES_DIR}/{fid}.svg")
+
+
+RunDraw = Callable[[RunRecord, dict], "Figure"]
+RUN_FIGURES: tuple[tuple[FigureInfo, RunDraw], ...] = (
+    (
+        _run_figure(
+            "prob_density",
+            "Token probabilities: reference vs engine",
+            "Each cell counts sampled tokens by their probability under the engine (x) and the reference (y). "
+            "Agreement is the diagonal; mass off it is mismatch.",
+            wide=True,
+        ),
+        run.prob_density,
+    ),
+    (
+        _run_figure(
+            "log_ppl_by_turn",
+            "Log-ppl per sample-turn, first vs later turns",
+            "One point per sample-turn. Later turns follow tool output, which is out of distribution for the model; "
+            "published runs see them drift off the diagonal first.",
+        ),
+        run.log_ppl_by_turn,
+    ),
+    (
+        _run_figure(
+            "abs_delta_by_p_infer",
+            "|delta| by engine probability",
+            "Quantile bands of |logp_train − logp_infer| per p_infer bucket. Mismatch concentrates on "
+            "low-probability tokens, which are also the ones with the largest gradients.",
+        ),
+        run.abs_delta_by_p_infer,
+    ),
+    (
+        _run_figure(
+            "seq_max_mismatch_hist",
+            "Per-sequence max mismatch",
+            "The largest token probability gap in each sequence, on [0, 1] and on a log axis. The parallelism "
+            "study's headline is the share right of 0.5.",
+            wide=True,
+        ),
+        run.seq_max_mismatch_hist,
+    ),
+    (
+        _run_figure(
+            "max_mismatch_vs_length",
+            "Max mismatch vs response length",
+            "Longer responses draw more tokens, so their worst token is worse even when the mean is flat.",
+        ),
+        run.max_mismatch_vs_length,
+    ),
+    (
+        _run_figure(
+            "mismatch_by_position",
+            "Mismatch vs token position",
+            "Mean and max gap by position in the full sequence (prompt included in the position).",
+        ),
+        run.mismatch_by_position,
+    ),
+    (
+        _run_figure(
+            "importance_ratio",
+            "Importance ratios",
+            "Token and sequence log importance weights log(π/μ). Dashed lines: the thresholds of the correction "
+            "what-ifs below.",
+            wide=True,
+        ),
+        run.importance_ratio,
+    ),
+)
+RUN_FIGURE_IDS = tuple(info.id for info, _ in RUN_FIGURES)
+
+CompareDraw = Callable[[Sequence[RunData]], "Figure"]
+COMPARISON_FIGURES: tuple[tuple[FigureInfo, CompareDraw], ...] = (
+    (
+        FigureInfo(
+            "overlay_abs_delta_by_p_infer",
+            "|delta| by engine probability",
+            "p99 (solid) and mean (dotted) of |delta| per p_infer bucket.",
+        ),
+        compare.overlay_abs_delta_by_p_infer,
+    ),
+    (
+        FigureInfo(
+            "overlay_seq_max_mismatch",
+            "Per-sequence max mismatch",
+            "Share of sequences per (logarithmic) bin of their largest token probability gap; dashed: 0.5.",
+        ),
+        compare.overlay_seq_max_mismatch,
+    ),
+    (
+        FigureInfo("overlay_log_ratio", "Importance ratios", "Token and sequence log-ratio distributions.", wide=True),
+        compare.overlay_log_ratio,
+    ),
+    (
+        FigureInfo(
+            "overlay_position", "Mismatch vs token position", "Mean (solid) and max (dotted) |Δp| by position bucket."
+        ),
+        compare.overlay_position,
+    ),
+)
+
+SweepDraw = Callable[[SweepRecord], "Figure"]
+
+
+def sweep_figure_list() -> list[tuple[FigureInfo, SweepDraw]]:
+    """A sweep page's figures: the points' effects on the headline metrics, then cost against K3."""
+    from mismatch_probe.analysis.sweep import HEADLINE_METRICS  # (its bootstrap code is not needed to draw)
+
+    labels = {metric: METRIC_DOC[metric].label for metric in HEADLINE_METRICS}
+    effects = FigureInfo(
+        "effects",
+        "Each point against the baseline",
+        "Each point's x-fold change of " + ", ".join(labels.values()) + " against the baseline with its interval, "
+        "a panel per metric; the band is the spread of the baseline's repeats, grey points are within noise.",
+        wide=True,
+    )
+    cost = FigureInfo(
+        "cost",
+        "Cost vs K3",
+        "Each point's throughput cost against its K3 KL, coloured by its gate status; dashed: the gate's K3 bound.",
+    )
+    return [(effects, lambda record: sweep.forest_plot(record, labels)), (cost, sweep.cost_plot)]
+
+
+def check_figure_id(figure_id: str) -> None:
+    if figure_id not in RUN_FIGURE_IDS:
+        raise ConfigError(f"a run has no figure {figure_id!r}", hint=f"choose one of {', '.join(RUN_FIGURE_IDS)}")
+
+
+def run_figure(record: RunRecord, dist: dict, figure_id: str) -> Figure:
+    """One of a run's figures as a matplotlib ``Figure`` (for a notebook, or to save elsewhere)."""
+    check_figure_id(figure_id)
+    draw = {info.id: draw for info, draw in RUN_FIGURES}[figure_id]
+    with style():
+        return finish(draw(record, dist))
+
+
+def run_figures(record: RunRecord, dist: dict) -> list[DrawnFigure]:
+    """Every figure of a one-run report, in report order, as SVG."""
+    with style():
+        return [DrawnFigure(info, to_svg(finish(draw(record, dist)))) for info, draw in RUN_FIGURES]
+
+
+def comparison_figures(runs: Sequence[RunData]) -> list[DrawnFigure]:
+    """The comparison page's overlays, as SVG: each run labelled and coloured (:func:`.model.label_runs`)."""
+    with style():
+        return [DrawnFigure(info, to_svg(finish(draw(runs)))) for info, draw in COMPARISON_FIGURES]
+
+
+def sweep_figures(record: SweepRecord) -> list[DrawnFigure]:
+    """A sweep page's figures, as SVG."""
+    with style():
+        return [DrawnFigure(info, to_svg(finish(draw(record)))) for info, draw in sweep_figure_list()]
+
+
+__all__ = [
+    "COMPARISON_FIGURES",
+    "FIGURES_DIR",
+    "RUN_COLORS",
+    "RUN_FIGURES",
+    "RUN_FIGURE_IDS",
+    "DrawnFigure",
+    "FigureInfo",
+    "check_figure_id",
+    "comparison_figures",
+    "run_figure",
+    "run_figures",
+    "sweep_figure_list",
+    "sweep_figures",
+]

@@ -1,0 +1,321 @@
+"""Words about a run: what its engine, reference and hardware are called, what its metric
+columns compare, and the notes the numbers alone do not say. Used by the view model
+(:mod:`.model`); nothing here computes a number."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from mismatch_probe.analysis.metric_docs import negative_chi2_note
+from mismatch_probe.numbers import fmt, mib
+from mismatch_probe.record import EngineInfo, Environment, Inputs, ReferenceInfo, RunRecord
+
+# an imported dump re-scored by the reference (record.trainer): its trainer's log-probs against both
+TRAINER_COLUMNS = (
+    ("engine_vs_trainer", "engine vs your trainer"),
+    ("trainer_vs_reference", "your trainer vs reference"),
+)
+FIRST_TURN, LATER_TURNS, DECODE_VS_PREFILL = "first turn", "later turns", "decode vs prefill"
+
+
+def trainer_is_reference(record: RunRecord) -> bool:
+    """An imported dump's run whose reference column is the dump's own trainer log-probs."""
+    return record.reference is not None and record.reference.to_dict().get("source") == "trainer"
+
+
+def main_column(record: RunRecord) -> str:
+    """What the metrics' first column compares."""
+    if trainer_is_reference(record):
+        return f"engine vs your trainer ({(record.imported_from or {}).get('format', 'dump')})"
+    return "engine vs reference"
+
+
+def has_later_turns(record: RunRecord) -> bool:
+    """Whether the run has model tokens after a tool turn; without them its first turn is all of it."""
+    return bool(record.metric("n_model_tokens", "later"))
+
+
+def metric_columns(record: RunRecord) -> list[tuple[str, Mapping[str, Any]]]:
+    """The metric table's columns, (label, metrics), by the one rule every renderer shows: all
+    tokens (:func:`main_column`); the first and later turns when the run has later turns; decode vs
+    prefill when it was measured; an imported dump's trainer comparisons when it has them."""
+    by_turn = record.metrics_by_turn or {}
+    prefill = record.decode_vs_prefill or {}
+    columns: list[tuple[str, Mapping[str, Any]]] = [(main_column(record), record.metrics or {})]
+    if has_later_turns(record):
+        columns += [(FIRST_TURN, by_turn.get("first") or {}), (LATER_TURNS, by_turn.get("later") or {})]
+    if prefill.get("n_model_tokens"):
+        columns.append((DECODE_VS_PREFILL, prefill))
+    section = record.trainer or {}
+    columns += [(label, section[key]) for key, label in TRAINER_COLUMNS if section.get(key)]
+    return columns
+
+
+def not_measured(column: str, key: str) -> bool:
+    """A cell with no meaning: the engine's prefill has no reference log-ppl."""
+    return column == DECODE_VS_PREFILL and key == "log_ppl_train"
+
+
+# ---- the run's parts ---------------------------------------------------------------------------
+
+
+def short_dtype(dtype: str | None) -> str:
+    if not dtype:
+        return ""
+    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, dtype)
+
+
+def layout_label(reference: ReferenceInfo | None) -> str:
+    """The reference's parallel layout, e.g. "SP2 TP2"; empty for one process."""
+    if reference is None:
+        return ""
+    sizes = (("SP", reference.sequence_parallel_size), ("TP", reference.tensor_parallel_size))
+    return " ".join(f"{tag}{size}" for tag, size in sizes if (size or 1) > 1)
+
+
+def gpu_type(record: RunRecord) -> str:
+    if record.imported_from:  # the engine ran in the training job, on hardware the dump does not name
+        where = f"{record.imported_from.get('format')} dump"
+        return where if trainer_is_reference(record) else f"{where}, reference on {_machine(record)}"
+    return _machine(record)
+
+
+def _machine(record: RunRecord) -> str:
+    env = record.environment or Environment()
+    names = list(dict.fromkeys(g.get("name") for g in env.gpus if g.get("name")))
+    eng, ref = record.engine or EngineInfo(), record.reference or ReferenceInfo()
+    devices = {str(eng.platform or eng.device or ""), str(ref.device or "")}
+    if names and devices != {"cpu"}:  # a GPU machine where both sides ran on the CPU is a CPU run
+        return " + ".join(names)
+    return f"CPU: {env.cpu_model or env.device_name or 'unknown'}"
+
+
+def engine_label(record: RunRecord) -> str:
+    eng, spec = record.engine or EngineInfo(), record.spec.engine
+    if record.imported_from:  # the settings it ran with are the training job's, not known here
+        return f"{eng.engine or '?'} (from a {record.imported_from.get('format')} dump)"
+    parts = [
+        eng.engine or (spec.name if spec else None) or "?",
+        short_dtype(eng.dtype or (spec.dtype if spec else None)),
+    ]
+    if eng.tensor_parallel_size:
+        parts.append(f"TP{eng.tensor_parallel_size}")
+    # the multi-GPU / multi-node layout, by mismatch-probe's name (vLLM) or SGLang's own
+    settings = eng.settings()
+    for short, names in (("PP", ("pipeline_parallel_size", "pp_size")), ("DP", ("data_parallel_size", "dp_size"))):
+        size = next((settings[n] for n in names if isinstance(settings.get(n), int)), 1)
+        if size > 1:
+            parts.append(f"{short}{size}")
+    if isinstance(settings.get("nnodes"), int) and settings["nnodes"] > 1:
+        parts.append(f"{settings['nnodes']} nodes")
+    if eng.enforce_eager is True:
+        parts.append("eager")
+    elif eng.enforce_eager is False:
+        parts.append("compiled")
+    if eng.kv_cache_dtype not in (None, "auto"):
+        parts.append(f"kv {eng.kv_cache_dtype}")
+    if eng.quantization:
+        parts.append(str(eng.quantization))
+    if eng.batch_invariant:
+        parts.append("batch-invariant")
+    if eng.cascade_attn:
+        parts.append("cascade-attn")
+    return " ".join(p for p in parts if p)
+
+
+def reference_label(record: RunRecord) -> str:
+    if trainer_is_reference(record):
+        return f"your trainer ({(record.imported_from or {}).get('format', 'dump')}, from the dump)"
+    ref = record.reference or ReferenceInfo()
+    dtype = ref.dtype or record.spec.reference.dtype
+    parts = ["HF", short_dtype(dtype)]
+    if ref.logits_fp32 and dtype != "float32":
+        parts.append("+fp32 head")
+    if ref.attn_implementation:
+        parts.append(ref.attn_implementation)
+    if ref.packing:
+        parts.append(ref.packing)
+    parts.append(layout_label(ref))
+    return " ".join(p for p in parts if p)
+
+
+def run_label(record: RunRecord, path: Path) -> str:
+    return record.spec.name or path.name
+
+
+def kv_cache_line(sizing: Mapping[str, Any]) -> str:
+    """The KV cache mismatch-probe chose for the engine (``engine.kv_cache_sizing``), and from what."""
+    line = mib(sizing.get("kv_cache_memory_bytes", 0))
+    if sizing.get("bytes_per_token") and sizing.get("tokens"):
+        line += f" ({fmt(sizing['tokens'])} tokens of {fmt(sizing['bytes_per_token'])} bytes)"
+    return f"{line}, chosen by mismatch-probe: {sizing.get('rule', '')}"
+
+
+def architecture_rows(record: RunRecord) -> list[tuple[str, str]]:
+    """The setup's rows for the checkpoint's architecture and its quirks (what the model does
+    beyond a plain decoder, and how the reference runs it)."""
+    arch = record.architecture
+    if not arch:
+        return []
+    heads = f"{arch.get('attention_heads')} query / {arch.get('kv_heads')} key-value heads"
+    line = f"{arch.get('architecture') or arch.get('model_type')}: {arch.get('layers')} layers, {heads}"
+    quirks = arch.get("quirks") or []
+    return [("architecture", line), ("model quirks", "; ".join(quirks) if quirks else "none")]
+
+
+# engine settings that are not how it ran: what was asked, versions (a row of their own), routing
+# data, and kv_cache_sizing, which holds the free memory at start-up (it differs between any two runs)
+ENGINE_BOOKKEEPING = {
+    "requested",
+    "versions",
+    "routing",
+    "routing_unavailable",
+    "per_request_seeds_off_because",
+    "kv_cache_sizing",
+}
+
+
+def setup_rows(record: RunRecord) -> list[tuple[str, str]]:
+    """The environment and settings of a run, as (name, value) rows."""
+    env, inputs = record.environment or Environment(), record.inputs or Inputs()
+    eng = record.engine.settings() if record.engine else {}
+    ref = record.reference.settings() if record.reference else {}
+    kv_cache = record.engine.kv_cache_sizing if record.engine else None
+    versions = {**env.packages, **(record.engine.versions if record.engine else {})}
+    probe = env.mismatch_probe
+    rows = [
+        ("hardware", gpu_type(record)),
+        ("GPUs", ", ".join(f"{g.get('name')} ({g.get('memory_gib', '?')} GiB)" for g in env.gpus) or "none"),
+        ("CPU", f"{env.cpu_model or '-'} ({env.cpu_count or '?'} cores, {env.memory_gib or '?'} GiB)"),
+        ("driver / CUDA", f"{env.nvidia_driver or '-'} / {env.cuda or '-'}"),
+        ("libraries", ", ".join(f"{k} {v}" for k, v in versions.items())),
+        ("python / platform", f"{env.python or '-'} / {env.platform or '-'}"),
+        ("mismatch-probe", f"{probe.get('version') or record.probe_version} ({probe.get('git_commit') or 'no git'})"),
+        ("model", inputs.model or "-"),
+        *architecture_rows(record),
+        ("prompts", f"{inputs.prompts} ({inputs.n_prompts} prompts, {inputs.n_samples} samples)"),
+        ("engine", engine_label(record)),
+        (
+            "engine settings",
+            ", ".join(f"{k}={v}" for k, v in eng.items() if k not in ENGINE_BOOKKEEPING | {"engine", "env"}),
+        ),
+        *([("KV cache", kv_cache_line(kv_cache))] if kv_cache else []),
+        ("reference", reference_label(record)),
+        ("reference settings", ", ".join(f"{k}={v}" for k, v in ref.items() if k != "versions")),
+        ("sampling", ", ".join(f"{k}={v}" for k, v in record.spec.sampling.to_dict().items())),
+    ]
+    semantics = record.logprob_semantics
+    if semantics is not None and semantics.to_dict():
+        sem = semantics.engine
+        ref_sem = semantics.reference or sem
+        rows.append(
+            (
+                "log-prob semantics",
+                f"engine: {sem.distribution if sem else '-'} ({sem.mode if sem else '-'}); reference: "
+                f"{ref_sem.distribution if ref_sem else '-'}"
+                + ("" if semantics.matched is not False else " — deliberately not the engine's"),
+            )
+        )
+    return rows
+
+
+def comparable_settings(record: RunRecord) -> dict[str, str]:
+    """Flat settings of a run, for the table of what differs between runs."""
+    flat: dict[str, Any] = {"hardware": gpu_type(record)}
+    env, inputs = record.environment or Environment(), record.inputs or Inputs()
+    flat["model"] = inputs.model
+    flat["prompts"] = f"{inputs.prompts} ({inputs.n_prompts} × {record.spec.sampling.n})"
+    flat["driver / CUDA"] = f"{env.nvidia_driver or '-'} / {env.cuda or '-'}"
+    for k, v in {**env.packages, **(record.engine.versions if record.engine else {})}.items():
+        flat[k] = v
+    for k, v in (record.engine.settings() if record.engine else {}).items():
+        if k not in ENGINE_BOOKKEEPING:
+            flat[f"engine.{k}"] = v
+    for k, v in (record.reference.settings() if record.reference else {}).items():
+        if k != "versions":
+            flat[f"reference.{k}"] = v
+    for k, v in record.spec.sampling.to_dict().items():
+        flat[f"sampling.{k}"] = v
+    sem = record.logprob_semantics
+    flat["reference log-probs"] = sem.reference.distribution if sem and sem.reference else None
+    return {
+        k: (json.dumps(v) if isinstance(v, (dict, list)) else ("-" if v is None else str(v)))
+        for k, v in _dotted(flat).items()
+    }
+
+
+def _dotted(d: dict, prefix: str = "") -> dict:
+    """Nested settings (e.g. the reference's parallel layout) as one row per leaf."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_dotted(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+# ---- what the numbers alone do not say ---------------------------------------------------------
+
+NOTE = "note: "  # a note that warns (the terminal colours it)
+
+
+def notes(record: RunRecord) -> list[str]:
+    """Things the numbers alone do not say: semantics, skipped checks, zero-probability tokens, an
+    imported dump's provenance. Plain text; the warnings start with :data:`NOTE`."""
+    out = []
+    sem = record.logprob_semantics
+    if sem is not None and sem.matched is False and sem.reference is not None and sem.engine is not None:
+        if trainer_is_reference(record):  # the run's own two sides: the difference is part of what it trained on
+            out.append(
+                f"{NOTE}the trainer's log-probs are of {sem.reference.distribution} but the engine's are "
+                f"of {sem.engine.distribution}: the mismatch above includes that difference, as the run's did"
+            )
+        else:
+            out.append(
+                f"{NOTE}the reference scores {sem.reference.distribution} but the engine's log-probs "
+                f"are {sem.engine.distribution} (reference.logprobs = {record.spec.reference.logprobs!r}); "
+                "the mismatch above includes that difference on purpose"
+            )
+    n_zero = record.metric("n_zero_prob_train")
+    if n_zero:
+        out.append(
+            f"{NOTE}{n_zero} sampled token(s) have probability 0 under the reference "
+            "(e.g. just outside its top-p/top-k set): their delta is -inf, so K3 and mean |delta| are inf; "
+            "the quantiles and prob-diff columns still describe the rest"
+        )
+    check = record.tokenization_check or {}
+    if check.get("n_checked"):
+        out.append(
+            f"tokenization check: {check['n_differing']} of {check['n_checked']} conversations get other token ids "
+            "when their chat is re-rendered and re-tokenized"
+            + (" (a trainer that re-tokenizes would score different tokens)" if check["n_differing"] else "")
+        )
+    if record.prefill_skipped:
+        out.append(f"decode vs prefill: not measured, {record.prefill_skipped}")
+    out += import_notes(record)
+    if chi2 := negative_chi2_note({"metrics": record.metrics, "metrics_by_turn": record.metrics_by_turn}):
+        out.append(f"{NOTE}{chi2}")
+    return out
+
+
+def import_notes(record: RunRecord) -> list[str]:
+    """What an imported dump's run compares, and what its reader found in the dump."""
+    imported = record.imported_from
+    if not imported:
+        return []
+    step = f" step {imported['step']}" if imported.get("step") is not None else ""
+    what = f"imported from a {imported.get('format')} dump{step} ({imported.get('path')})"
+    if trainer_is_reference(record):
+        what += ": the reference column is the trainer's own log-probs from the dump (what the run saw)"
+    elif record.trainer:
+        what += ": the trainer columns put the dump's trainer log-probs beside this reference"
+    defaults = [k for k, source in (imported.get("settings_from") or {}).items() if source == "default"]
+    out = [what]
+    if defaults:
+        out.append(f"{NOTE}assumed, not read from the dump: {', '.join(defaults)} (flags of `import` set them)")
+    out += [f"{NOTE}{line}" for line in imported.get("notes") or []]
+    return out

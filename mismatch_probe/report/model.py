@@ -1,0 +1,602 @@
+"""The report's view model: what a run's pages say, built once from its record and distributions,
+with every cell already written as text. ``report.html`` (:mod:`.html`), ``report.md``
+(:mod:`.markdown`) and the terminal summary (:mod:`.terminal`) render it and nothing else, so
+they cannot disagree; ``mismatch-probe report RUN --json`` prints it.
+
+:func:`run_view` builds a run's, :func:`comparison_view` several runs side by side
+(``compare.html``, and the terminal's table of a spec's ``[[variants]]``). A sweep's is in
+:mod:`.sweep`. Nothing here computes a number: every value comes from the record.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from mismatch_probe.analysis.metric_docs import CORRECTION_DOCS, METRIC_DOC, METRIC_DOCS, k3_context, rank
+from mismatch_probe.files import portable_path, resolve_from_dir
+from mismatch_probe.numbers import fmt, pct, ratio, seconds, short, tick
+from mismatch_probe.record import RunRecord
+from mismatch_probe.report import labels
+from mismatch_probe.report.data import RunData
+from mismatch_probe.report.figures import COMPARISON_FIGURES, RUN_COLORS, RUN_FIGURES, FigureInfo
+from mismatch_probe.version import __version__
+
+# ---- the parts every page is made of --------------------------------------------------------
+
+ColumnKind = Literal["text", "num", "long", "link", "code"]
+
+
+@dataclass
+class Column:
+    label: str
+    # "num" right-aligned; "long" an explanation (the terminal leaves it out); "link" a relative
+    # path shown as a link named after the column; "code" a name as written in a file (a setting)
+    kind: ColumnKind = "num"
+    color: str = ""  # a run's colour on the comparison page
+
+
+@dataclass
+class Row:
+    cells: list[str]
+    key: str = ""  # the run.json key the row shows, after its first cell
+    marks: list[str] = field(default_factory=list)  # per cell: "best", "worst" or ""
+    muted: bool = False  # within noise (a sweep's point)
+    note: str = ""  # in place of the cells after the first ones: why there are no numbers
+
+
+@dataclass
+class Table:
+    id: str
+    title: str
+    columns: list[Column]
+    rows: list[Row]
+    lead: str = ""
+    groups: list[tuple[str, int]] = field(default_factory=list)  # headers over the value columns
+
+
+@dataclass
+class Card:
+    label: str
+    value: str
+    note: str = ""
+
+
+@dataclass
+class Span:
+    """One token of a worst sequence: its text, colour class and hover text; or a gap of tokens
+    left out."""
+
+    text: str = ""
+    cls: str = ""
+    title: str = ""
+    gap: int = 0
+
+
+class View:
+    """A page's view model: plain data, serializable as JSON (``report --json``)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)  # type: ignore[call-overload]  # (every view is a dataclass)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, ensure_ascii=False) + "\n"
+
+
+@dataclass
+class RunView(View):
+    kind: Literal["run"]
+    title: str
+    name: str
+    subtitle: str
+    status: str
+    headline: list[Card]
+    notes: list[str]
+    setup: list[tuple[str, str]]
+    metrics: Table
+    corrections: Table
+    breakdowns: list[Table]
+    routing: list[Table]  # empty when the model has no MoE routing
+    routing_lead: str
+    figures: list[FigureInfo]
+    worst: Table  # one row per worst sequence; its tokens in worst_tokens
+    worst_tokens: list[list[Span]]
+    worst_has_text: bool
+    run: list[tuple[str, str]]
+    timings: Table
+    version: str = __version__
+
+
+def _kv(rows: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    return [(name, str(value)) for name, value in rows]
+
+
+# ---- one run --------------------------------------------------------------------------------
+
+
+def metrics_table(record: RunRecord) -> Table:
+    """Every documented metric (``METRIC_DOCS``) in the columns of :func:`labels.metric_columns`."""
+    columns = labels.metric_columns(record)
+    rows = [
+        Row(
+            [doc.label]
+            + ["-" if labels.not_measured(name, doc.key) else fmt(m.get(doc.key)) for name, m in columns]
+            + [doc.meaning, doc.reference],
+            key=doc.key,
+        )
+        for doc in METRIC_DOCS
+    ]
+    return Table(
+        "metrics",
+        "Metrics",
+        [Column("metric", "text"), *(Column(name) for name, _ in columns), Column("meaning", "long")]
+        + [Column("read it against", "long")],
+        rows,
+        lead=(
+            "delta = logp_train − logp_infer over model tokens only; token-level means unless the name says "
+            "sequence. The decode-vs-prefill column puts the engine's own full-sequence prefill log-prob in the "
+            "reference's place: mismatch inside the engine, before any trainer is involved."
+        ),
+    )
+
+
+def corrections_table(record: RunRecord) -> Table:
+    """What each published correction would clip or drop (``CORRECTION_DOCS``), for all tokens and,
+    in a run with later turns, per turn group."""
+    corr, by_turn = record.corrections or {}, record.corrections_by_turn or {}
+    thresholds = corr.get("thresholds") or {}
+    groups = [(labels.main_column(record), corr)]
+    if labels.has_later_turns(record):
+        groups += [(labels.FIRST_TURN, by_turn.get("first") or {}), (labels.LATER_TURNS, by_turn.get("later") or {})]
+    rows = [
+        Row(
+            [name, what, ", ".join(f"{a.replace('_', ' ')} {tick(b)}" for a, b in (thresholds.get(key) or {}).items())]
+            + [pct(values.get(key)) for _, values in groups],
+            key=key,
+        )
+        for key, (name, what) in CORRECTION_DOCS.items()
+    ]
+    return Table(
+        "corrections",
+        "Correction what-ifs",
+        [Column("correction", "text"), Column("what it does", "long"), Column("threshold", "text")]
+        + [Column(name) for name, _ in groups],
+        rows,
+        lead="How much of this data each published correction would clip or drop at these thresholds, "
+        "before you train with it.",
+    )
+
+
+def _bucket(lo, hi, closed: bool = False) -> str:
+    """A bucket's range, "[lo, hi)" ("]" when it holds its upper edge; "inf" when it has none)."""
+
+    def edge(v) -> str:
+        return fmt(v) if isinstance(v, int) else tick(v)
+
+    return f"[{edge(lo)}, {edge(hi) if hi is not None else 'inf'}{']' if closed else ')'}"
+
+
+def breakdown_tables(record: RunRecord) -> list[Table]:
+    """|δ| by engine probability, each assistant turn (multi-turn runs), response length, position."""
+    bd = record.breakdowns or {}
+    p_infer = Table(
+        "by_p_infer",
+        "|δ| by engine probability",
+        [Column("p_infer", "text"), Column("tokens"), Column("share"), Column("mean |δ|"), Column("p50")]
+        + [Column("p90"), Column("p99"), Column("max"), Column("mean K3")],
+        [
+            Row(
+                [_bucket(r["p_infer_lo"], r["p_infer_hi"], r["p_infer_hi"] == 1.0), fmt(r["count"]), pct(r["share"])]
+                + [fmt(r.get(k)) for k in ("abs_delta_mean", "abs_delta_p50", "abs_delta_p90", "abs_delta_p99")]
+                + [fmt(r.get("abs_delta_max")), fmt(r.get("k3_mean"))]
+            )
+            for r in bd.get("p_infer_buckets") or []
+        ],
+        lead="Mismatch concentrates on low-probability tokens (the numbers behind the figure).",
+    )
+    tables = [p_infer]
+    by_index = record.metrics_by_turn_index or {}
+    if len(by_index) > 1:
+        keys = ("n_model_tokens", "n_sequences", "k3_kl", "prob_diff_mean", "prob_diff_max", "abs_delta_p99")
+        tables.append(
+            Table(
+                "turns",
+                "By assistant turn",
+                [Column("turn", "text"), Column("model tokens"), Column("sample-turns"), Column("K3 KL")]
+                + [Column("mean |Δp|"), Column("max |Δp|"), Column("p99 |δ|")]
+                + [Column("log-ppl engine"), Column("log-ppl reference")],
+                [
+                    Row([t] + [fmt(m.get(k)) for k in (*keys, "log_ppl_infer", "log_ppl_train")])
+                    for t, m in by_index.items()
+                ],
+                lead="Turn 0 answers the prompt; each later turn follows a tool response.",
+            )
+        )
+    tables.append(
+        Table(
+            "by_length",
+            "By response length",
+            [Column("model tokens", "text"), Column("sequences"), Column("seq max mismatch (mean)")]
+            + [Column("share > 0.5"), Column("seq mean mismatch")],
+            [
+                Row(
+                    [_bucket(r["length_lo"], r["length_hi"]), fmt(r["count"]), fmt(r["seq_max_mismatch_mean"])]
+                    + [pct(r["seq_max_mismatch_gt_0_5_share"]), fmt(r["seq_mean_mismatch_mean"])]
+                )
+                for r in bd.get("response_length_buckets") or []
+            ],
+        )
+    )
+    tables.append(
+        Table(
+            "by_position",
+            "By token position",
+            [Column("position", "text"), Column("tokens"), Column("mean |δ|"), Column("mean |Δp|")]
+            + [Column("max |Δp|"), Column("mean K3")],
+            [
+                Row(
+                    [_bucket(r["position_lo"], r["position_hi"]), fmt(r["count"])]
+                    + [fmt(r[k]) for k in ("abs_delta_mean", "prob_diff_mean", "prob_diff_max", "k3_mean")]
+                )
+                for r in bd.get("position_buckets") or []
+            ],
+        )
+    )
+    return tables
+
+
+def routing_tables(record: RunRecord) -> tuple[str, list[Table]]:
+    """MoE routing agreement: a sentence and the tables behind it (none for a dense model)."""
+    r = record.routing
+    if not r or not r.get("n_tokens"):
+        return "", []
+    lead = (
+        f"Top-{r['top_k']} expert sets chosen for each model token's input, engine vs reference "
+        f"({r.get('num_experts')} experts). A token flips when any layer picks another set; "
+        f"{pct(r['tokens_with_flip_share'])} of tokens flipped."
+    )
+    keys = ("abs_delta_mean", "prob_diff_mean", "prob_diff_max", "k3_mean")
+    tokens = Table(
+        "routing",
+        "MoE routing agreement",
+        [Column("tokens", "text"), Column("count"), Column("mean |δ|"), Column("mean |Δp|"), Column("max |Δp|")]
+        + [Column("mean K3")],
+        [Row([name, fmt(r[name]["n_tokens"])] + [fmt(r[name][k]) for k in keys]) for name in ("flipped", "agreed")],
+        lead=lead,
+    )
+    layers = Table(
+        "routing_layers",
+        "Routing agreement by layer",
+        [Column("MoE layer", "text"), Column("same expert set"), Column("shared experts")],
+        [
+            Row([str(layer), fmt(a), fmt(o)])
+            for layer, a, o in zip(r["moe_layers"], r["set_agreement_by_layer"], r["overlap_by_layer"])
+        ],
+    )
+    return lead, [tokens, layers]
+
+
+def headline(record: RunRecord) -> list[Card]:
+    m = record.metric
+    mult = m("mult_prob_error")
+    cards = [
+        Card("K3 KL (mismatch-KL)", fmt(m("k3_kl")), k3_context(m("k3_kl"))),
+        Card(
+            "max token |Δp|",
+            fmt(m("prob_diff_max")),
+            f"mean {fmt(m('prob_diff_mean'))}; per-sequence max averages {fmt(m('seq_max_mismatch_mean'))}",
+        ),
+        Card(
+            "sequences with max |Δp| > 0.5",
+            pct(m("seq_max_mismatch_gt_0_5_share")),
+            f"{fmt(m('seq_max_mismatch_gt_0_5_count'))} of {fmt(m('n_sequences'))} sequences",
+        ),
+        Card("token mult. prob error", fmt(mult), _mult_note(mult)),
+    ]
+    prefill = record.decode_vs_prefill or {}
+    if prefill.get("n_model_tokens"):
+        cards.append(
+            Card(
+                "decode vs prefill K3",
+                fmt(prefill.get("k3_kl")),
+                "inside the engine: its sampled log-probs against its own full-sequence prefill",
+            )
+        )
+    first_k3, later_k3 = m("k3_kl", "first"), m("k3_kl", "later")
+    if labels.has_later_turns(record) and first_k3 and later_k3 is not None:
+        cards.append(
+            Card("later / first turn K3", ratio(later_k3, first_k3), f"first {fmt(first_k3)}, later {fmt(later_k3)}")
+        )
+    return cards
+
+
+def _mult_note(v) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, str) or v > 1.05:
+        return "above NeMo-RL's 1.05 threshold"
+    return "below NeMo-RL's 1.05 threshold (1.0 is perfect)"
+
+
+TIMING_LABELS = {
+    "setup_s": "setup",
+    "engine_start_s": "engine start",
+    "generation_s": "generation",
+    "prefill_s": "engine prefill",
+    "engine_stop_s": "engine stop",
+    "reference_load_s": "reference load",
+    "scoring_s": "reference scoring",
+    "metrics_s": "metrics",
+    "figures_s": "figures",
+    "report_s": "report",
+    "total_s": "total",
+}
+
+
+def timings_table(record: RunRecord) -> Table:
+    """Where the run's time went (as far as the page knows it: :meth:`RunRecord.page_timings`)."""
+    t = record.page_timings()
+    total = t.get("total_s")
+    return Table(
+        "timings",
+        "Timings",
+        [Column("stage", "text"), Column("seconds"), Column("share")],
+        [
+            Row([TIMING_LABELS.get(k, k.removesuffix("_s")), seconds(v), pct(v / total) if total else "-"])
+            for k, v in t.items()
+        ],
+    )
+
+
+# token colour classes by |p_train - p_infer|: upper bounds of g0 .. g4, g5 above
+GAP_CLASSES = (1e-4, 1e-3, 1e-2, 0.1, 0.5)
+
+
+def gap_legend() -> list[tuple[str, str]]:
+    bounds = [tick(b) for b in GAP_CLASSES]
+    return (
+        [("g0", f"< {bounds[0]}")]
+        + [(f"g{k + 1}", f"{bounds[k]} – {bounds[k + 1]}") for k in range(len(bounds) - 1)]
+        + [(f"g{len(bounds)}", f"≥ {bounds[-1]}")]
+    )
+
+
+def _gap_class(gap: float) -> str:
+    for k, bound in enumerate(GAP_CLASSES):
+        if gap < bound:
+            return f"g{k}"
+    return f"g{len(GAP_CLASSES)}"
+
+
+def token_view(seq: dict) -> list[Span]:
+    """The shown tokens of one worst sequence: text, colour class, hover title; a gap entry where
+    tokens were left out."""
+    t = seq["tokens"]
+    texts = t.get("text")
+    spans: list[Span] = []
+    previous, seen_model = None, False
+    for k, pos in enumerate(t["position"]):
+        if previous is not None and pos > previous + 1:
+            spans.append(Span(gap=pos - previous - 1))
+        previous = pos
+        tid = t["token_id"][k]
+        text = texts[k] if texts is not None else f"⟨{tid}⟩"
+        if t["is_model"][k]:
+            seen_model = True
+            p_i, p_t = t["p_infer"][k], t["p_train"][k]
+            gap = abs(p_t - p_i)
+            delta = math.log(p_t) - math.log(p_i) if p_t > 0 else -math.inf
+            cls = _gap_class(gap) + (" wt" if pos == seq["worst_position"] else "")
+            title = (
+                f"p_infer {short(p_i)} · p_train {short(p_t)} · |Δp| {short(gap)} · δ {short(delta)} · "
+                f"token {tid} · position {pos} · turn {t['turn'][k]}"
+            )
+        else:
+            cls = "tool" if seen_model else "prompt"
+            title = f"{'tool output' if seen_model else 'prompt'} token {tid} · position {pos} (not scored)"
+        spans.append(Span(text if text != "" else "∅", cls, title))
+    n_last = seq["n_tokens"] - 1
+    if previous is not None and previous < n_last:
+        spans.append(Span(gap=n_last - previous))
+    return spans
+
+
+def worst_table(worst: list[dict]) -> Table:
+    return Table(
+        "worst",
+        "Worst sequences",
+        [Column("sample", "text"), Column("prompt", "text"), Column("max |Δp|"), Column("at position")]
+        + [Column("model tokens"), Column("tokens"), Column("turns"), Column("log-ratio Σδ")],
+        [
+            Row(
+                [str(s["sample_id"]), str(s["prompt_id"]), fmt(s["max_prob_diff"]), fmt(s["worst_position"])]
+                + [fmt(s["n_model_tokens"]), fmt(s["n_tokens"]), fmt(s["n_turns"]), fmt(s["log_ratio"])]
+            )
+            for s in worst
+        ],
+        lead="The samples whose largest token probability gap |p_train − p_infer| is biggest.",
+    )
+
+
+def _run_rows(record: RunRecord) -> list[tuple[str, str]]:
+    samples = record.samples or {}
+    reasons = ", ".join(f"{k} {v}" for k, v in (samples.get("finish_reasons") or {}).items())
+    lengths = f"mean {fmt(samples.get('response_tokens_mean'))}, max {fmt(samples.get('response_tokens_max'))}"
+    empty = fmt(samples.get("n_empty_responses"))
+    rows = [
+        ("created", f"{record.created_at} (completed {record.completed_at})"),
+        ("samples", f"finish reasons: {reasons or '-'}; {empty} empty responses; response tokens {lengths}"),
+    ]
+    if record.tokenization_check:
+        rows.append(("re-tokenization", ", ".join(f"{k} {v}" for k, v in record.tokenization_check.items())))
+    return rows
+
+
+def run_view(record: RunRecord, path: Path, dist: dict | None = None) -> RunView:
+    """A run's pages, from its record and (for the worst sequences) its distributions."""
+    worst = (dist or {}).get("worst_sequences") or []
+    routing_lead, routing = routing_tables(record)
+    name = labels.run_label(record, path)
+    return RunView(
+        kind="run",
+        title=f"mismatch-probe: {name}",
+        name=name,
+        subtitle=f"{labels.engine_label(record)} vs {labels.reference_label(record)} on {labels.gpu_type(record)}",
+        status=record.status,
+        headline=headline(record),
+        notes=labels.notes(record),
+        setup=_kv(labels.setup_rows(record)),
+        metrics=metrics_table(record),
+        corrections=corrections_table(record),
+        breakdowns=breakdown_tables(record),
+        routing=routing,
+        routing_lead=routing_lead,
+        figures=[info for info, _ in RUN_FIGURES],
+        worst=worst_table(worst),
+        worst_tokens=[token_view(seq) for seq in worst],
+        worst_has_text=any(s["tokens"].get("text") is not None for s in worst),
+        run=_run_rows(record),
+        timings=timings_table(record),
+    )
+
+
+# ---- several runs ---------------------------------------------------------------------------
+
+
+@dataclass
+class ComparisonView(View):
+    kind: Literal["comparison"]
+    title: str
+    subtitle: str
+    runs: Table
+    warnings: list[str]
+    shared_rollouts: str
+    differing: Table
+    metrics: Table
+    corrections: Table
+    notes: list[tuple[str, str, list[str]]]  # (run label, colour, notes) of runs that have notes
+    figures: list[FigureInfo]
+    version: str = __version__
+
+
+COMPARISON_EXTRA_ROWS = (  # (section, key, label, better)
+    ("metrics_by_turn.later", "k3_kl", "K3 KL, later turns", "lower"),
+    ("decode_vs_prefill", "k3_kl", "K3 KL, decode vs prefill", "lower"),
+)
+
+
+def _ranked(label: str, key: str, meaning: str, values: list, better: str | None, show=fmt) -> Row:
+    best, worst = rank(values, better)
+    marks = ["best" if i in best else "worst" if i in worst else "" for i in range(len(values))]
+    return Row([label, *(show(v) for v in values), meaning], key=key, marks=["", *marks, ""])
+
+
+def label_runs(runs: list[RunData]) -> list[RunData]:
+    """Name and colour each run (its spec's name, else its directory, numbered when two are alike)
+    and order them by hardware type (in the order types first appear), then configuration."""
+    names = [labels.run_label(r.record, r.path) for r in runs]
+    for k, run in enumerate(runs):
+        # runs of one probe spec share its name; their directories tell them apart
+        run.label = names[k] if names.count(names[k]) == 1 else run.path.name
+        run.color = RUN_COLORS[k % len(RUN_COLORS)]
+    given = [r.label for r in runs]
+    for k, run in enumerate(runs):
+        if given.count(run.label) > 1:
+            run.label = f"{run.label} ({k + 1})"
+    order = list(dict.fromkeys(labels.gpu_type(r.record) for r in runs))
+    return sorted(
+        runs,
+        key=lambda r: (
+            order.index(labels.gpu_type(r.record)),
+            labels.engine_label(r.record),
+            labels.reference_label(r.record),
+        ),
+    )
+
+
+def comparison_view(runs: list[RunData], title: str = "") -> ComparisonView:
+    """Several runs side by side, grouped by hardware type: settings that differ, every metric with
+    the best and the worst run marked, and the overlaid distributions' list. ``runs`` as
+    :func:`label_runs` names and orders them."""
+    hardware = [labels.gpu_type(r.record) for r in runs]
+    groups = [(g, hardware.count(g)) for g in dict.fromkeys(hardware)]
+    run_columns = [Column(r.label, color=r.color) for r in runs]
+
+    settings = [labels.comparable_settings(r.record) for r in runs]
+    keys = list(dict.fromkeys(k for s in settings for k in s))
+    differing = [k for k in keys if len({s.get(k, "-") for s in settings}) > 1]
+
+    metric_rows = [
+        _ranked(doc.label, doc.key, doc.meaning, [r.record.metric(doc.key) for r in runs], doc.better)
+        for doc in METRIC_DOCS
+    ]
+    for section, key, label, better in COMPARISON_EXTRA_ROWS:
+        values = [r.record.lookup(f"{section}.{key}") for r in runs]
+        if any(v is not None for v in values):
+            metric_rows.append(_ranked(label, f"{section}.{key}", METRIC_DOC[key].meaning, values, better))
+    correction_rows = [
+        _ranked(name, key, what, [(r.record.corrections or {}).get(key) for r in runs], "lower", pct)
+        for key, (name, what) in CORRECTION_DOCS.items()
+    ]
+
+    warnings = [
+        f"The runs use different {what}; their numbers measure different things."
+        for what in ("model", "prompts")
+        if len({s.get(what) for s in settings}) > 1
+    ]
+    thresholds = {json.dumps((r.record.corrections or {}).get("thresholds"), sort_keys=True) for r in runs}
+    if len(thresholds) > 1:
+        warnings.append("The runs use different correction thresholds; their what-if shares are not comparable.")
+    sources = {resolve_from_dir(r.path, (r.record.rollouts_from or {}).get("run") or ".") for r in runs}
+    grouped = [("", 1), *groups, ("", 1)]
+    return ComparisonView(
+        kind="comparison",
+        title=title or f"mismatch-probe: {len(runs)} runs compared",
+        subtitle=" · ".join(f"{g} ({n} run{'s' if n > 1 else ''})" for g, n in groups),
+        runs=Table(
+            "runs",
+            "Runs, by hardware",
+            [Column("hardware", "text"), Column("run", "text"), Column("engine", "text"), Column("reference", "text")]
+            + [Column("model tokens"), Column("sequences"), Column("directory", "text")],
+            [
+                Row(
+                    [
+                        labels.gpu_type(r.record),
+                        r.label,
+                        labels.engine_label(r.record),
+                        labels.reference_label(r.record),
+                    ]
+                    + [fmt(r.record.metric("n_model_tokens")), fmt(r.record.metric("n_sequences"))]
+                    + [portable_path(r.path)]
+                )
+                for r in runs
+            ],
+        ),
+        warnings=warnings,
+        shared_rollouts=portable_path(next(iter(sources))) if len(sources) == 1 else "",
+        differing=Table(
+            "differences",
+            "What differs between the runs",
+            [Column("setting", "code"), *(Column(r.label, "text", r.color) for r in runs)],
+            [Row([k, *(s.get(k, "-") for s in settings)]) for k in differing],
+        ),
+        metrics=Table(
+            "metrics",
+            "Metrics side by side",
+            [Column("metric", "text"), *run_columns, Column("meaning", "long")],
+            metric_rows,
+            lead="Green marks the best run of a row, red the worst (rows where lower or higher is plainly better).",
+            groups=grouped,
+        ),
+        corrections=Table(
+            "corrections",
+            "Correction what-ifs: share clipped or dropped",
+            [Column("correction", "text"), *run_columns, Column("what it does", "long")],
+            correction_rows,
+        ),
+        notes=[(r.label, r.color, labels.notes(r.record)) for r in runs if labels.notes(r.record)],
+        figures=[info for info, _ in COMPARISON_FIGURES],
+    )

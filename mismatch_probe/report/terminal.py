@@ -1,0 +1,74 @@
+"""The terminal renderings of the view models (rich): a run's summary after ``compare`` and
+``analyze``, a comparison of runs (a spec's ``[[variants]]``), a sweep's diagnosis. The same
+tables as the pages, with the same columns, labels and cells, less the long explanations."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table as RichTable
+
+from mismatch_probe.report.labels import NOTE
+from mismatch_probe.report.model import ComparisonView, RunView, Table
+from mismatch_probe.report.sweep import SweepView
+
+MARK_STYLES = {"best": "green", "worst": "red"}
+
+
+def table(t: Table, title: str | None = None) -> RichTable:
+    """``t`` as a rich table, without its "long" columns (meanings, explanations)."""
+    shown = [i for i, c in enumerate(t.columns) if c.kind != "long"]
+    out = RichTable(title=escape(t.title if title is None else title), title_justify="left")
+    for i in shown:
+        c = t.columns[i]
+        out.add_column(escape(c.label), justify="right" if c.kind == "num" else "left")
+    for row in t.rows:
+        cells = []
+        for i in shown:
+            if row.note and i >= len(row.cells):
+                cells.append(escape(row.note) if i == len(row.cells) else "")
+                continue
+            text = escape(row.cells[i])
+            if i == 0 and row.key:
+                text += f" [dim]{escape(row.key)}[/dim]"
+            mark = row.marks[i] if i < len(row.marks) else ""
+            cells.append(f"[{MARK_STYLES[mark]}]{text}[/]" if mark else text)
+        out.add_row(*cells, style="dim" if row.muted else None)
+    return out
+
+
+def note(line: str) -> str:
+    """A note as console markup: a warning's "note:" in yellow."""
+    if line.startswith(NOTE):
+        return f"[yellow]{NOTE.strip()}[/] {escape(line[len(NOTE) :])}"
+    return escape(line)
+
+
+def print_run(console: Console, view: RunView) -> None:
+    """A run's summary: its metric and correction tables, the routing agreement, notes, timings."""
+    console.print(table(view.metrics, f"mismatch: {view.subtitle}"))
+    console.print(table(view.corrections, "correction what-ifs (share of the data a trainer would clip or drop)"))
+    if view.routing_lead:
+        console.print(escape(f"MoE routing: {view.routing_lead}"))
+    for line in view.notes:
+        console.print(note(line))
+    if view.timings.rows:
+        console.print(
+            "time: "
+            + escape(", ".join(f"{stage} {s}s ({share})" for stage, s, share in (r.cells for r in view.timings.rows)))
+        )
+
+
+def print_comparison(console: Console, view: ComparisonView) -> None:
+    """Runs side by side: which is which, then every metric with the best and worst marked."""
+    console.print(table(view.runs, view.title))
+    for line in view.warnings:
+        console.print(note(NOTE + line))
+    console.print(table(view.metrics))
+    console.print(table(view.corrections))
+
+
+def print_sweep(console: Console, view: SweepView) -> None:
+    """A sweep's diagnosis in sentences."""
+    for line in view.summary:
+        console.print(escape(line))

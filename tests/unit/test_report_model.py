@@ -1,0 +1,220 @@
+"""One view model, three renderings: report.html, report.md and the terminal summary show the
+same metric table (header, rows, cells), parsed back from each output, for the committed runs
+and for runs built here with the columns the committed ones lack (later turns, an imported
+dump's trainer)."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+import re
+from html.parser import HTMLParser
+from pathlib import Path
+
+import numpy as np
+import pytest
+from report_runs import synthetic_run, synthetic_tokens
+from rich.console import Console
+
+from mismatch_probe.report import html, markdown, terminal
+from mismatch_probe.report.data import load_run
+from mismatch_probe.report.model import RunView, run_view
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMITTED = [
+    ROOT / "reports" / name
+    for name in ("example", "example-fp32", *(f"parallelism-tp2/learner-{k}" for k in ("tp2", "sp2", "tp1")))
+]
+
+
+class TableParser(HTMLParser):
+    """The rows of every <table> in a section of a page: each cell's text, its parts joined by a space."""
+
+    def __init__(self, section: str):
+        super().__init__()
+        self.section, self.inside, self.depth = section, False, 0
+        self.tables: list[list[list[str]]] = []
+        self.cell: list[str] | None = None
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "section":
+            self.depth += 1
+            if dict(attrs).get("id") == self.section:
+                self.inside, self.depth = True, 1
+        if not self.inside:
+            return
+        if tag == "table":
+            self.tables.append([])
+        elif tag == "tr":
+            self.tables[-1].append([])
+        elif tag in ("td", "th"):
+            self.cell = []
+
+    def handle_endtag(self, tag):
+        if tag == "section" and self.inside:
+            self.depth -= 1
+            self.inside = self.depth > 0
+        if self.inside and tag in ("td", "th") and self.cell is not None:
+            self.tables[-1][-1].append(" ".join(part.strip() for part in self.cell if part.strip()))
+            self.cell = None
+
+    def handle_data(self, data):
+        if self.cell is not None:
+            self.cell.append(data)
+
+
+def html_table(page: str, section: str) -> list[list[str]]:
+    parser = TableParser(section)
+    parser.feed(page)
+    return parser.tables[0]
+
+
+def md_table(text: str, heading: str) -> list[list[str]]:
+    lines = text[text.index(f"\n{heading}\n") :].splitlines()[1:]
+    rows = []
+    for line in lines[next(i for i, line in enumerate(lines) if line.startswith("|")) :]:
+        if not line.startswith("|"):
+            break
+        if re.fullmatch(r"\|(-+:?\|)+", line):
+            continue
+        cells = re.split(r"(?<!\\)\|", line)[1:-1]
+        rows.append([c.strip().replace("`", "").replace("\\|", "|").replace("\\\\", "\\") for c in cells])
+    return rows
+
+
+def terminal_tables(view: RunView) -> list[list[list[str]]]:
+    console = Console(record=True, width=400, color_system=None, file=io.StringIO())
+    terminal.print_run(console, view)
+    tables: list[list[list[str]]] = []
+    for line in console.export_text().splitlines():
+        if line.startswith(("┏", "┡", "└")):
+            if line.startswith("┏"):
+                tables.append([])
+            continue
+        if line.startswith(("┃", "│")):
+            tables[-1].append([c.strip() for c in re.split(r"[┃│]", line)[1:-1]])
+    return tables
+
+
+def rendered(view: RunView) -> tuple[list[list[str]], list[list[str]], list[list[str]]]:
+    """The metric table as report.html, report.md and the terminal show it."""
+    view = dataclasses.replace(view, figures=[])  # the tables are what is compared; figures are test_figures'
+    page = html.render_run(view, [])
+    return html_table(page, "metrics"), md_table(markdown.render_run(view), "## Metrics"), terminal_tables(view)[0]
+
+
+def assert_one_table(view: RunView) -> list[list[str]]:
+    from_html, from_md, from_terminal = rendered(view)
+    assert from_md == from_html
+    short = [i for i, c in enumerate(view.metrics.columns) if c.kind != "long"]  # the terminal leaves out
+    assert from_terminal == [[row[i] for i in short] for row in from_html]
+    assert len(from_html) == 1 + len(view.metrics.rows)
+    return from_html
+
+
+@pytest.mark.parametrize("run", COMMITTED, ids=lambda p: p.relative_to(ROOT / "reports").as_posix())
+def test_the_committed_runs_metric_table_is_the_same_in_every_rendering(run):
+    if not (run / "run.json").is_file():
+        pytest.skip("the committed example runs are absent")
+    data = load_run(run)
+    table = assert_one_table(run_view(data.record, data.path, data.dist))
+    header = table[0]
+    # one turn: its first turn is all of it, so no turn columns; decode vs prefill where measured
+    prefill = bool((data.record.decode_vs_prefill or {}).get("n_model_tokens"))
+    assert header[:-2] == ["metric", "engine vs reference"] + (["decode vs prefill"] if prefill else [])
+    k3 = next(row for row in table if row[0].endswith(" k3_kl"))
+    assert float(k3[1]) == pytest.approx(data.record.metrics["k3_kl"], rel=1e-3)
+
+
+def test_a_multi_turn_run_of_an_imported_dump_shows_its_trainer_and_its_turns():
+    record, dist = synthetic_run(5000, imported="verl")
+    table = assert_one_table(run_view(record, Path("run"), dist))
+    assert table[0][:-2] == ["metric", "engine vs your trainer (verl)", "first turn", "later turns"]
+    # K3 of every token and of the later turn, from the synthetic log-probs directly
+    _, _, turn, lt, li = synthetic_tokens(5000)
+    delta = lt.astype(np.float64) - li
+    k3 = np.exp(delta) - delta - 1
+    row = next(row for row in table if row[0].endswith(" k3_kl"))
+    assert float(row[1]) == pytest.approx(k3.mean(), rel=1e-3)
+    assert float(row[3]) == pytest.approx(k3[turn >= 1].mean(), rel=1e-3)
+    n = next(row for row in table if row[0].endswith(" n_model_tokens"))
+    assert n[1:4] == [f"{5000:,}", f"{int((turn == 0).sum()):,}", f"{int((turn >= 1).sum()):,}"]
+
+
+def test_a_rescored_dump_adds_decode_vs_prefill_and_the_trainers_columns():
+    record, dist = synthetic_run(5000, imported="slime", rescored=True)
+    table = assert_one_table(run_view(record, Path("run"), dist))
+    assert table[0][:-2] == [
+        "metric",
+        "engine vs reference",
+        "first turn",
+        "later turns",
+        "decode vs prefill",
+        "engine vs your trainer",
+        "your trainer vs reference",
+    ]
+    ppl = next(row for row in table if row[0].endswith(" log_ppl_train"))
+    assert ppl[4] == "-" and not math.isnan(float(ppl[1]))  # the engine's prefill has no reference log-ppl
+
+
+def test_report_json_is_the_view_model():
+    import json
+
+    record, dist = synthetic_run(2000)
+    view = run_view(record, Path("run"), dist)
+    data = json.loads(view.to_json())
+    assert data["kind"] == "run" and data["metrics"]["rows"][0]["key"] == "k3_kl"
+    assert [c["label"] for c in data["metrics"]["columns"]] == [c.label for c in view.metrics.columns]
+    assert [f["id"] for f in data["figures"]][:1] == ["prob_density"]
+
+
+def test_a_comparison_shows_the_same_metric_table_on_its_page_and_in_the_terminal():
+    """compare.html and the terminal's table of a spec's [[variants]] render one comparison view."""
+    from mismatch_probe.report.data import RunData
+    from mismatch_probe.report.model import comparison_view, label_runs
+
+    runs = label_runs(
+        [RunData(Path(name), *synthetic_run(n, name=name)) for name, n in (("bf16", 5000), ("fp32", 3000))]
+    )
+    view = dataclasses.replace(comparison_view(runs, "variants"), figures=[])
+    page = html.render_comparison(view, [])
+    console = Console(record=True, width=400, color_system=None, file=io.StringIO())
+    terminal.print_comparison(console, view)
+    tables: list[list[list[str]]] = []
+    for line in console.export_text().splitlines():
+        if line.startswith("┏"):
+            tables.append([])
+        elif line.startswith(("┃", "│")):
+            tables[-1].append([c.strip() for c in re.split(r"[┃│]", line)[1:-1]])
+    from_html = html_table(page, "metrics")
+    assert from_html[0] == ["metric", "CPU: EPYC", "meaning"] and from_html[1] == ["bf16", "fp32"]  # grouped header
+    assert tables[1][0] == ["metric", "bf16", "fp32"]
+    assert tables[1][1:] == [row[:3] for row in from_html[2:]]
+    k3 = next(row for row in from_html if row[0].endswith(" k3_kl"))
+    assert [float(v) for v in k3[1:3]] == pytest.approx([r.record.metrics["k3_kl"] for r in runs], rel=1e-3)
+
+
+@pytest.mark.skipif(not (ROOT / "reports" / "sweep-demo" / "sweep.json").is_file(), reason="no committed sweep")
+def test_a_sweeps_attribution_is_the_same_in_sweep_md_and_sweep_html():
+    from mismatch_probe.report.sweep import sweep_view
+    from mismatch_probe.sweep_record import read_sweep
+
+    record = read_sweep(ROOT / "reports" / "sweep-demo")
+    view = dataclasses.replace(sweep_view(record), figures=[])
+    page, md = html.render_sweep(view, []), markdown.render_sweep(view)
+    from_html, from_md = html_table(page, "attribution"), md_table(md, f"## {view.attribution.title}")
+    assert len(from_html) == len(record.points)  # the header, then a row per point but the baseline
+
+    def same(row: list[str]) -> list[str]:  # a link by its name; a refused point's note fills the row
+        row = [re.sub(r"^\[(\w+)\]\(.*\)$", r"\1", c) for c in row]
+        while row and row[-1] == "":
+            row.pop()
+        return row
+
+    assert [same(r) for r in from_md] == [same(r) for r in from_html]
+    ok = [p for p in record.points[1:] if p.status == "ok"]
+    shown = {row[0]: row for row in from_html[1:]}
+    for p in ok:
+        est = p.delta_vs_baseline["k3_kl"]["ratio"][0]
+        assert float(shown[p.name.replace("+", " + ")][1].split("x")[0]) == pytest.approx(est, rel=5e-3)
