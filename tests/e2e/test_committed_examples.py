@@ -52,7 +52,6 @@ def test_committed_comparisons_are_portable(page):
     assert not ABSOLUTE.search(text), ABSOLUTE.search(text).group(0)
 
 
-@pytest.mark.slow
 def test_the_committed_example_re_renders(tmp_path):
     import shutil
 

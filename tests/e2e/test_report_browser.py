@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import DENSE, ROOT, cli
 
-pytestmark = [pytest.mark.browser, pytest.mark.slow]
+pytestmark = pytest.mark.browser
 
 PAYLOAD = "<script>alert(1)</script>"
 ID_PAYLOAD = "<img src=x onerror=alert(2)>"

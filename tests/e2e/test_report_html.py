@@ -10,7 +10,6 @@ import re
 import shutil
 from html.parser import HTMLParser
 
-import pytest
 from conftest import cli
 
 from mismatch_probe.analysis.distributions import load
@@ -73,7 +72,6 @@ def assert_inert_and_self_contained(html: str) -> Elements:
     return doc
 
 
-@pytest.mark.slow
 def test_compare_writes_a_report_and_report_rebuilds_it_from_the_directory(bf16_run, tmp_path):
     html = (bf16_run / "report.html").read_text()
     doc = assert_inert_and_self_contained(html)
@@ -101,7 +99,6 @@ def test_compare_writes_a_report_and_report_rebuilds_it_from_the_directory(bf16_
     assert strip.sub("", out.read_text()) == strip.sub("", html)  # same page, from the directory alone
 
 
-@pytest.mark.slow
 def test_a_run_without_distributions_is_reported_from_its_table(bf16_run, tmp_path):
     run = tmp_path / "old"
     shutil.copytree(bf16_run, run)
@@ -116,7 +113,6 @@ def test_a_run_without_distributions_is_reported_from_its_table(bf16_run, tmp_pa
     ]
 
 
-@pytest.mark.slow
 def test_prompt_and_model_text_is_escaped_everywhere(bf16_run):
     run = load_run(bf16_run)
     rec, dist = copy.deepcopy(run.record.to_dict()), copy.deepcopy(run.dist)
@@ -156,7 +152,6 @@ def _fake_gpu_run(run: RunData, name: str, gpu: str, k3: float, tag: str) -> Run
     return RunData(run.path, parse_record(rec), run.dist)
 
 
-@pytest.mark.slow
 def test_comparison_groups_by_gpu_and_marks_best_and_worst(bf16_run):
     base = load_run(bf16_run)
     runs = [
@@ -184,7 +179,6 @@ def test_comparison_groups_by_gpu_and_marks_best_and_worst(bf16_run):
     assert len([a for t, a in doc.tags if t == "img"]) == 4
 
 
-@pytest.mark.slow
 def test_report_command_errors_say_what_to_do(bf16_run, tmp_path):
     proc = cli("report", str(tmp_path / "nope"))
     assert proc.returncode == 2 and "not a run directory" in proc.stderr and "Traceback" not in proc.stderr
@@ -228,7 +222,6 @@ def test_a_run_with_no_model_tokens_renders(tmp_path):
     assert comparison_of([RunData(tmp_path, record, dist), RunData(tmp_path / "b", record, dist)])
 
 
-@pytest.mark.slow
 def test_a_token_the_reference_gives_probability_zero_is_reported_not_crashed(bf16_run, tmp_path):
     """p_train = 0 makes K3 and |delta| infinite (run.json stores "inf"); every renderer must cope.
     The vLLM top-p test meets this for real; here one token of a real run is set to -inf and the

@@ -52,7 +52,7 @@ def forest_plot(record: SweepRecord, metrics: dict[str, str]) -> Figure:
         values = []
         for i, p in enumerate(rows):
             e = p.delta_vs_baseline.get(metric)
-            if not usable(e):
+            if e is None or not usable(e):
                 continue
             est, lo, hi = e["ratio"]
             values += [est, lo, hi]
