@@ -80,11 +80,31 @@ def check_first_and_later_turns(rec: dict) -> None:
 SLOW_DIRECTORIES = ("e2e", "engines", "dumps", "families")
 
 
+def tier_of(path) -> str:
+    """A test's tier: its directory under tests/."""
+    return Path(str(path)).relative_to(ROOT / "tests").parts[0]
+
+
 def pytest_itemcollected(item):
     """Mark the slow tier as each test is collected, before -m selects by marker."""
-    tier = Path(str(item.path)).relative_to(ROOT / "tests").parts[0]
-    if tier in SLOW_DIRECTORIES or item.get_closest_marker("distributed") is not None:
+    if tier_of(item.path) in SLOW_DIRECTORIES or item.get_closest_marker("distributed") is not None:
         item.add_marker(pytest.mark.slow)
+
+
+# seconds spent per tier (setup, call and teardown of its tests), printed at the end of a session:
+# what each tier costs CI, in every CI log (ARCHITECTURE.md, "Tests": the budget)
+TIER_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    tier = tier_of(ROOT / report.nodeid.split("::")[0])
+    TIER_SECONDS[tier] = TIER_SECONDS.get(tier, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if TIER_SECONDS:
+        spent = ", ".join(f"{tier} {seconds:.0f} s" for tier, seconds in sorted(TIER_SECONDS.items()))
+        terminalreporter.write_line(f"time by tier: {spent} (total {sum(TIER_SECONDS.values()):.0f} s)")
 
 
 @pytest.hookimpl(trylast=True)  # after -m/-k deselection: the engines' schedule is of what runs

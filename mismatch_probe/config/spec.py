@@ -1363,6 +1363,8 @@ def apply_overrides(
     a sweep axis) applied; ``None`` means unset. The result is validated as a whole, so two settings
     that only hold together can be given together; an error names the setting ``named_by`` says."""
     given = {k: v for k, v in overrides.items() if v is not None}
+    if not given:
+        return spec
     settings = spec_settings()
     for key in given:
         if key not in settings:

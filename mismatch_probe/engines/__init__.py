@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import typing
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 
@@ -66,8 +67,10 @@ class EngineEntry:
 
 
 def _memory_hint(*keys: str) -> str:
-    """How to size an engine's memory, in its settings' own flags."""
-    named = [f"{flag_of('engine.' + key)} (engine.{key})" for key in keys]
+    """How to size an engine's memory, in its settings' own flags: ``--max-model-len N (engine.max_model_len)``."""
+    fields = EngineSpec.model_fields
+    value = {key: "F" if float in typing.get_args(fields[key].annotation) else "N" for key in keys}
+    named = [f"{flag_of('engine.' + key)} {value[key]} (engine.{key})" for key in keys]
     return "size the KV cache with " + " or ".join(named[:-1]) + f", or shorten it with {named[-1]}"
 
 

@@ -178,3 +178,11 @@ def test_docs_settings_md_is_the_generated_reference():
     assert shipped == schema.settings_markdown(), "run: python -m mismatch_probe.config.schema"
     for s in spec_settings().values():
         assert f"`{s.key}`" in shipped and s.info.flag in shipped
+
+
+def test_an_engines_memory_hint_names_its_own_flags_with_their_values():
+    assert BUILTIN_ENGINES["vllm"].memory_hint == (
+        "size the KV cache with --kv-cache-memory-bytes N (engine.kv_cache_memory_bytes) or "
+        "--gpu-memory-utilization F (engine.gpu_memory_utilization), or shorten it with --max-model-len N "
+        "(engine.max_model_len)"
+    )
