@@ -86,9 +86,14 @@ def tier_of(path) -> str:
 
 
 def pytest_itemcollected(item):
-    """Mark the slow tier as each test is collected, before -m selects by marker."""
+    """Mark the slow tier as each test is collected, before -m selects by marker; and, for
+    ``pytest -n 2 --dist loadgroup`` (the README's test command), the unit a worker takes whole:
+    every test of a shared engine (it starts once, in one worker), else a test file (its module
+    fixtures are made once)."""
     if tier_of(item.path) in SLOW_DIRECTORIES or item.get_closest_marker("distributed") is not None:
         item.add_marker(pytest.mark.slow)
+    engine = engine_fixtures.engine_used(item)
+    item.add_marker(pytest.mark.xdist_group(f"engine-{engine}" if engine else item.nodeid.split("::")[0]))
 
 
 # seconds spent per tier (setup, call and teardown of its tests), printed at the end of a session:
@@ -104,7 +109,10 @@ def pytest_runtest_logreport(report):
 def pytest_terminal_summary(terminalreporter):
     if TIER_SECONDS:
         spent = ", ".join(f"{tier} {seconds:.0f} s" for tier, seconds in sorted(TIER_SECONDS.items()))
-        terminalreporter.write_line(f"time by tier: {spent} (total {sum(TIER_SECONDS.values()):.0f} s)")
+        terminalreporter.write_line(
+            f"time by tier: {spent} (total {sum(TIER_SECONDS.values()):.0f} s; summed over the xdist workers, "
+            "so more than the session's wall time)"
+        )
 
 
 @pytest.hookimpl(trylast=True)  # after -m/-k deselection: the engines' schedule is of what runs

@@ -76,44 +76,26 @@ def compare_cli(tmp_path, *args):
     return json.loads((out / "run.json").read_text())
 
 
-def test_fp32_engine_matches_fp32_reference(tmp_path):
-    """vLLM in fp32 against the fp32 reference: what is left is kernel order, far below bf16's."""
+def test_fp32_engine_matches_fp32_reference_and_sizes_its_kv_cache_itself(tmp_path):
+    """vLLM in fp32 against the fp32 reference: what is left is kernel order, far below bf16's.
+
+    Flags only, no memory flag: vLLM's CPU default (0.92 of the NUMA node) need not be free;
+    mismatch-probe gives it what the run needs, capped by what the node has free, and records the
+    choice."""
     rec = compare_cli(tmp_path, "--model", str(DENSE), "--engine-dtype", "float32", "--train-dtype", "float32")
-    assert rec["engine"]["dtype"] == "float32"
+    eng = rec["engine"]
+    assert eng["dtype"] == "float32"
     assert rec["metrics"]["k3_kl"] < 1e-8 and rec["metrics"]["prob_diff_max"] < 1e-3
     dvp = rec["decode_vs_prefill"]
     assert dvp["n_model_tokens"] == rec["metrics"]["n_model_tokens"] and dvp["k3_kl"] < 1e-8
-
-
-def test_flags_only_run_sizes_the_kv_cache_itself(tmp_path):
-    """No memory flag: vLLM's CPU default (0.92 of the NUMA node) need not be free; mismatch-probe
-    gives it what the run needs, capped by what the node has free, and records the choice."""
-    out = tmp_path / "run"
-    proc = cli(
-        "compare",
-        "--model",
-        str(DENSE),
-        "--engine",
-        "vllm",
-        "--prompts",
-        str(SINGLE_TURN),
-        "--out",
-        str(out),
-        "--max-prompts",
-        "4",
-        "--max-tokens",
-        "16",
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    eng = json.loads((out / "run.json").read_text())["engine"]
     sizing = eng["kv_cache_sizing"]
     assert (
         eng["kv_cache_memory_bytes"]
         == sizing["kv_cache_memory_bytes"]
         == min(sizing["needed_bytes"], sizing["cap_bytes"])
     )
-    # the fixture: 4 layers x 2 KV heads x head_dim 64 x K and V x 2 bytes (bf16 checkpoint)
-    assert sizing["bytes_per_token"] == 4 * 2 * 64 * 2 * 2
+    # the fixture: 4 layers x 2 KV heads x head_dim 64 x K and V x 4 bytes (the fp32 engine's KV cache)
+    assert sizing["bytes_per_token"] == 4 * 2 * 64 * 2 * 4
     assert sizing["cap_bytes"] < sizing["node_available_bytes"]
 
 
