@@ -109,10 +109,9 @@ def pytest_runtest_logreport(report):
 def pytest_terminal_summary(terminalreporter):
     if TIER_SECONDS:
         spent = ", ".join(f"{tier} {seconds:.0f} s" for tier, seconds in sorted(TIER_SECONDS.items()))
-        terminalreporter.write_line(
-            f"time by tier: {spent} (total {sum(TIER_SECONDS.values()):.0f} s; summed over the xdist workers, "
-            "so more than the session's wall time)"
-        )
+        workers = terminalreporter.config.getoption("numprocesses", None)
+        summed = "; summed over the xdist workers, so more than the session's wall time" if workers else ""
+        terminalreporter.write_line(f"time by tier: {spent} (total {sum(TIER_SECONDS.values()):.0f} s{summed})")
 
 
 @pytest.hookimpl(trylast=True)  # after -m/-k deselection: the engines' schedule is of what runs

@@ -104,6 +104,11 @@ ENV_RECORDED = (
 CPU_MAX_TOTAL_TOKENS = 32768
 # Set by the adapter where the spec leaves them open: SGLang's CPU defaults need sgl-kernel's CPU ops.
 CPU_DEFAULTS = {"attention_backend": "torch_native", "disable_cuda_graph": True}
+# SGLang's scheduler polls its sockets in a busy loop while it has no request: one core at 100%
+# (sgl-project/sglang#1730). On CPU that core is one the reference's scoring, and any other process
+# of the run, needs; sleep_on_idle (where this SGLang has it) parks the scheduler in zmq's poll until
+# a request comes. It changes no number, only when an idle scheduler wakes.
+CPU_IDLE_DEFAULTS = {"sleep_on_idle": True}
 
 
 class SGLangEngine:
@@ -344,6 +349,7 @@ def server_args(
         for key, value in CPU_DEFAULTS.items():
             if key not in args:
                 defaults[key] = value
+        defaults.update({k: v for k, v in CPU_IDLE_DEFAULTS.items() if k in known and k not in args})
         if spec.max_total_tokens is None and spec.gpu_memory_utilization is None:
             defaults["max_total_tokens"] = CPU_MAX_TOTAL_TOKENS
     check_extra_args(spec.extra_args, known, args, f"SGLang {version}", "sglang.srt.server_args.ServerArgs")

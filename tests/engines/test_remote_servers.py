@@ -73,7 +73,7 @@ def sglang_server(tmp_path_factory):
         *(SGLANG_PYTHON, "-m", "sglang.launch_server", "--model-path", str(DENSE)),
         *("--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16"),
         *("--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"),
-        *("--max-total-tokens", "32768", "--log-level", "warning"),
+        *("--max-total-tokens", "32768", "--sleep-on-idle", "--log-level", "warning"),
     ]
     log = tmp_path_factory.mktemp("sglang-server") / "server.log"
     with Server(cmd, log=log, port=port, env={"SGLANG_USE_CPU_ENGINE": "1"}) as server:

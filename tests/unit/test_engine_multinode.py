@@ -306,6 +306,31 @@ def test_sglang_maps_the_layout_onto_server_args_of_the_installed_sglang():
     assert "SGLang 0.4.0 has no server argument 'pp_size'" in err.message
 
 
+def test_sglang_on_cpu_sleeps_when_idle_where_the_installed_sglang_can():
+    """An idle SGLang scheduler busy-polls a core unless sleep_on_idle; on CPU mismatch-probe sets it
+    (a default the user's own value overrides), and only where the installed SGLang has the argument."""
+    known = _sglang_server_args_fields()
+    assert "sleep_on_idle" in known  # the SGLang the tests install
+    spec = EngineSpec(name="sglang")
+    args, defaults = sglang_adapter.server_args(
+        spec, "/m", device="cpu", trust_remote_code=False, version="0.5.23", known=known
+    )
+    assert args["sleep_on_idle"] is True and defaults["sleep_on_idle"] is True
+    on_gpu, _ = sglang_adapter.server_args(
+        spec, "/m", device="cuda", trust_remote_code=False, version="0.5.23", known=known
+    )
+    assert "sleep_on_idle" not in on_gpu
+    older, _ = sglang_adapter.server_args(
+        spec, "/m", device="cpu", trust_remote_code=False, version="0.4.0", known=known - {"sleep_on_idle"}
+    )
+    assert "sleep_on_idle" not in older
+    mine = spec.model_copy(update={"extra_args": {"sleep_on_idle": False}})
+    args, defaults = sglang_adapter.server_args(
+        mine, "/m", device="cpu", trust_remote_code=False, version="0.5.23", known=known
+    )
+    assert args["sleep_on_idle"] is False and "sleep_on_idle" not in defaults
+
+
 def test_sglang_runs_node_rank_0_and_names_the_command_for_the_others():
     s = EngineSpec(name="sglang", nnodes=2, node_rank=1, dist_init_addr="10.0.0.1:5000", pipeline_parallel_size=2)
     err = refusal(get_entry("sglang").check_settings, s)
