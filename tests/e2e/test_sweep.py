@@ -257,7 +257,9 @@ def test_recommendation_picks_the_cheapest_passing_point(tmp_path):
         inner = HFEngine(model_path, engine_spec, trust_remote_code=trust_remote_code)
         # record_routing does nothing for a dense model: only the scripted sleep sets the two apart
         slow = engine_spec.dtype == "float32" and engine_spec.record_routing
-        return SlowWhenRouting(inner, 3.0 if slow else 0.0)
+        # 12 s, far above what the neighbouring xdist worker's load can add to the other points' timings
+        # (3 s was not: a cold CI run measured a point without the sleep costlier than the one with it)
+        return SlowWhenRouting(inner, 12.0 if slow else 0.0)
 
     text = SPEC.split("[[sweep.axes]]")[0] + (
         'mode = "grid"\n[[sweep.axes]]\nkey = "engine.dtype"\nvalues = ["bfloat16", "float32"]\n'
