@@ -12,7 +12,6 @@ import json
 import os
 import sys
 import time
-import typing
 from pathlib import Path
 from typing import Annotated
 
@@ -143,9 +142,8 @@ def _option_param(setting) -> inspect.Parameter:
     elif info.flags[1:]:
         kind = bool | None
     else:
-        base = typing.get_args(setting.annotation) or (setting.annotation,)
-        plain = [t for t in base if t is not type(None)]
-        kind = int | None if plain == [int] else float | None if plain == [float] else str | None
+        plain = setting.value_types
+        kind = int | None if plain == (int,) else float | None if plain == (float,) else str | None
     default = setting.default
     shown = (
         None

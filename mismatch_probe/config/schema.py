@@ -62,7 +62,7 @@ def _values(s: Setting) -> str:
     if s.choices:
         return ", ".join(f"`{c}`" for c in s.choices)
     kinds = {int: "integer", float: "number", str: "text", bool: "true / false"}
-    base = [a for a in (getattr(s.annotation, "__args__", None) or (s.annotation,)) if a is not type(None)]
+    base = s.value_types
     kind = kinds.get(base[0], "table") if len(base) == 1 else "table"
     bounds = [
         f"{sign} {getattr(m, attr)}"

@@ -1177,6 +1177,11 @@ class Setting:
         return self.field.annotation
 
     @property
+    def value_types(self) -> tuple[Any, ...]:
+        """The types a value may have, ``None`` left out: ``(float,)`` for ``float | None``."""
+        return tuple(t for t in typing.get_args(self.annotation) or (self.annotation,) if t is not type(None))
+
+    @property
     def choices(self) -> tuple[Any, ...]:
         """The values a message lists: the declared ones, else the type's ``Literal`` values."""
         return self.info.choices or literal_values(self.annotation)

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import typing
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 
 from mismatch_probe.config.keys import did_you_mean
-from mismatch_probe.config.spec import COMMON_ENGINE_SETTINGS, EngineSpec, engine_settings, flag_of
+from mismatch_probe.config.spec import COMMON_ENGINE_SETTINGS, EngineSpec, engine_settings, flag_of, spec_settings
 from mismatch_probe.engines.base import Completion, Engine, GenerationRequest, PrefillScorer, ScoreRequest
 from mismatch_probe.errors import ConfigError
 
@@ -68,8 +67,8 @@ class EngineEntry:
 
 def _memory_hint(*keys: str) -> str:
     """How to size an engine's memory, in its settings' own flags: ``--max-model-len N (engine.max_model_len)``."""
-    fields = EngineSpec.model_fields
-    value = {key: "F" if float in typing.get_args(fields[key].annotation) else "N" for key in keys}
+    settings = spec_settings()
+    value = {key: "F" if float in settings[f"engine.{key}"].value_types else "N" for key in keys}
     named = [f"{flag_of('engine.' + key)} {value[key]} (engine.{key})" for key in keys]
     return "size the KV cache with " + " or ".join(named[:-1]) + f", or shorten it with {named[-1]}"
 
