@@ -81,6 +81,7 @@ __all__ = [
     "ReferenceSpec",
     "SamplingSpec",
     "Setting",
+    "SyncSpec",
     "VariantSpec",
     "apply_overrides",
     "engine_settings",
@@ -137,7 +138,7 @@ RemoteApi = Literal["openai", "sglang"]  # openai: /v1/completions (vllm serve);
 ENGINE_DEFAULT_LOGPROBS_MODE = {"sglang": "processed", "remote-sglang": "processed"}
 
 # help panels of the CLI
-INPUTS, ENGINE, LAYOUT, REMOTE, SAMPLING, REFERENCE, CORRECTIONS = (
+INPUTS, ENGINE, LAYOUT, REMOTE, SAMPLING, REFERENCE, CORRECTIONS, SYNC = (
     "Inputs",
     "Engine",
     "Engine layout (multi-GPU, multi-node)",
@@ -145,7 +146,13 @@ INPUTS, ENGINE, LAYOUT, REMOTE, SAMPLING, REFERENCE, CORRECTIONS = (
     "Sampling",
     "Reference (the training-side forward)",
     "Correction what-ifs",
+    "Weight sync (the trainer's update path)",
 )
+# How the trainer's weights reach the engine: through the engine's RPC as tensors, through a
+# checkpoint on disk, or over a process group (NCCL; GPUs only)
+SyncTransfer = Literal["tensor", "disk", "nccl"]
+# the start checkpoint the probe makes itself: the model with small deterministic noise
+PERTURBED = "perturbed"
 
 
 class _Settings(BaseModel):
@@ -822,12 +829,109 @@ class CorrectionThresholds(BaseModel):
         }
 
 
+class SyncSpec(_Settings):
+    """[sync]: the engine starts from another checkpoint and then receives the probe's model through
+    its own weight-update path before it samples, as an RL engine does after every optimizer step
+    (ARCHITECTURE.md, Weight sync). Off while ``start_from`` is unset; a spec without it records and
+    fingerprints as before [sync] existed."""
+
+    start_from: str | None = setting(
+        None,
+        "The checkpoint the engine starts from before the sync: a directory, or 'perturbed' (the model "
+        "with small deterministic noise, made by the probe). Unset: no sync.",
+        flag="--sync-from",
+        affects="rollouts",
+        group=SYNC,
+        path=True,
+        choices=(PERTURBED,),
+        since=4,
+    )
+    transfer: SyncTransfer = setting(
+        "tensor",
+        "How the weights travel: tensors through the engine's RPC, a checkpoint on disk, or NCCL (GPUs).",
+        flag="--sync-transfer",
+        affects="rollouts",
+        group=SYNC,
+        since=4,
+    )
+    dtype: EngineDtype = setting(
+        "auto",
+        "The dtype the trainer sends the weights in (auto: the checkpoint's).",
+        flag="--sync-dtype",
+        affects="rollouts",
+        group=SYNC,
+        since=4,
+    )
+    bucket_mb: float = setting(
+        512.0,
+        "Weights per transfer, in MiB (ms-swift's move_model_batches, verl's bucketed transfer).",
+        flag="--sync-bucket-mb",
+        affects="rollouts",
+        group=SYNC,
+        since=4,
+        gt=0,
+    )
+    reset_prefix_cache: bool = setting(
+        True,
+        "Reset the engine's prefix cache after the sync.",
+        flag="--sync-reset-prefix-cache/--no-sync-reset-prefix-cache",
+        affects="rollouts",
+        group=SYNC,
+        since=4,
+    )
+    repeats: int = setting(
+        1,
+        "Sync the same weights this many times, sampling after each.",
+        flag="--sync-repeats",
+        affects="rollouts",
+        group=SYNC,
+        since=4,
+        ge=1,
+        le=100,
+    )
+    warm_cache: bool = setting(
+        False,
+        "Sample the prompts before the sync, so the prefix cache holds entries of the old weights.",
+        flag="--sync-warm-cache/--no-sync-warm-cache",
+        affects="rollouts",
+        group=SYNC,
+        since=4,
+    )
+    sleep_level: int = setting(
+        0,
+        "Colocate cycle before the sync: the engine sleeps at this level (1 or 2), then wakes (0: none).",
+        flag="--sync-sleep-level",
+        affects="rollouts",
+        group=SYNC,
+        since=4,
+        ge=0,
+        le=2,
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.start_from is not None
+
+    @model_validator(mode="after")
+    def _needs_start(self) -> SyncSpec:
+        if self.start_from is None:
+            changed = [k for k, f in type(self).model_fields.items() if getattr(self, k) != f.default]
+            if changed:
+                raise rule_error(
+                    f"sync.{changed[0]} is set but sync.start_from is not: nothing is synced",
+                    key=changed[0],
+                    hint="set start_from = 'perturbed' (or a checkpoint directory) in [sync], or --sync-from",
+                )
+        return self
+
+
 # the setting tables, by their key in the spec
 SECTIONS: dict[str, type[BaseModel]] = {
     "engine": EngineSpec,
     "sampling": SamplingSpec,
     "reference": ReferenceSpec,
     "corrections": CorrectionThresholds,
+    "sync": SyncSpec,
 }
 # the tables a [[variants]] entry may change: those that score the same rollouts
 VARIANT_SECTIONS = ("reference", "corrections")
@@ -933,6 +1037,8 @@ class ProbeSpec(_Settings):
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
     reference: ReferenceSpec = Field(default_factory=ReferenceSpec)
     corrections: CorrectionThresholds = Field(default_factory=CorrectionThresholds)
+    # [sync]: the engine's weights arrive through its update path (dropped from dumps while off)
+    sync: SyncSpec = Field(default_factory=SyncSpec)
     # [[variants]]: reference (and correction) settings to score the same rollouts with, one run
     # each; recorded as {"name": ..., "reference": {...}, "corrections": {...}} (the keys given)
     variants: list[VariantSpec] = Field(default_factory=list)
@@ -1064,8 +1170,8 @@ class ProbeSpec(_Settings):
         for s in spec_settings().values():
             if not s.info.path:
                 continue
-            target = d[s.section] if s.section else d
-            if target.get(s.name) is None:
+            target = d.get(s.section) if s.section else d
+            if not target or target.get(s.name) is None or target[s.name] in s.info.choices:
                 continue
             given = self.given_paths.get(s.key)
             # a bare interpreter name (python3) is looked up on PATH: keep it as typed
@@ -1108,8 +1214,11 @@ def _merged(current: BaseModel, patch: _Patch) -> BaseModel:
 
 
 def _as_of(d: dict[str, Any], schema: int) -> dict[str, Any]:
-    """A dumped spec as a record of ``schema`` holds it (see :meth:`ProbeSpec.dump`)."""
+    """A dumped spec as a record of ``schema`` holds it (see :meth:`ProbeSpec.dump`). A [sync]
+    table that syncs nothing is left out, so such a spec records and fingerprints as before [sync]."""
     d = json.loads(json.dumps(d))  # a copy
+    if isinstance(d.get("sync"), dict) and d["sync"].get("start_from") is None:
+        del d["sync"]
     for s in spec_settings().values():
         target = d.get(s.section) if s.section else d
         if isinstance(target, dict) and schema < s.info.since and s.name in target and target[s.name] == s.default:
@@ -1312,7 +1421,7 @@ def spec_from_dict(
                 continue
             table = data if not s.section else data.get(s.section)
             value = table.get(s.name) if isinstance(table, dict) else None
-            if not isinstance(value, str):
+            if not isinstance(value, str) or value in s.info.choices:  # a word it takes in a path's place
                 continue
             if s.key == "engine.python" and "/" not in value:
                 continue  # a bare name (python3) is looked up on PATH
@@ -1380,7 +1489,12 @@ def apply_overrides(
     paths = dict(spec.given_paths)
     for key, value in given.items():
         s = settings[key]
-        if s.info.path and isinstance(value, str) and (key != "engine.python" or "/" in value):
+        if (
+            s.info.path
+            and isinstance(value, str)
+            and value not in s.info.choices
+            and (key != "engine.python" or "/" in value)
+        ):
             paths[key] = value  # as typed, relative to the working directory
             # not resolve() for the python: a venv's bin/python is a symlink whose target is not the venv
             value = os.path.abspath(value) if key == "engine.python" else str(Path(value).resolve())
