@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mismatch_probe.config.spec import EngineSpec, SamplingSpec
+from mismatch_probe.config.spec import EngineSpec, SamplingSpec, SyncSpec
 from mismatch_probe.engines import wire
 from mismatch_probe.engines.base import Completion, GenerationRequest, ScoreRequest
 from mismatch_probe.errors import ConfigError, EngineError, ProbeError
@@ -42,8 +42,10 @@ class EngineProcess:
         log_path: str | Path,
         trust_remote_code: bool = False,
         state_dir: str | Path | None = None,
+        sync: SyncSpec | None = None,
     ):
         self.name = entry.name
+        self.sync = sync if sync is not None and sync.enabled else None
         self.memory_hint = entry.memory_hint
         self.python = spec.python or sys.executable
         self.log_path = Path(log_path)
@@ -105,10 +107,12 @@ class EngineProcess:
                 "spec": spec.model_dump(),
                 "trust_remote_code": trust_remote_code,
                 "state_dir": str(state_dir) if state_dir is not None else None,
+                "sync": self.sync.model_dump() if self.sync is not None else None,
             },
             expect="started",
         )
         self.supports_prefill = bool(started.header.get("prefill"))
+        self.supports_digest = bool(started.header.get("digest"))
 
     # ---- Engine protocol -----------------------------------------------------------------
     def semantics(self, sampling: SamplingSpec) -> LogprobSemantics:
@@ -147,6 +151,29 @@ class EngineProcess:
             "prefill", {}, wire.score_requests_to_table(list(requests)), expect="prefilled", on_progress=on_progress
         )
         return wire.table_to_logprobs(reply.table)
+
+    def sync_weights(
+        self, weights_dir: str | Path, work_dir: str | Path, *, fault: str | None = None, transfer: str | None = None
+    ) -> dict:
+        """Push the checkpoint in ``weights_dir`` through the engine's own weight-update path
+        (``[sync]``, given at the start; ``transfer`` another transfer for this sync only); the
+        engine's report of what it did. ``fault``: tests only (``engines/weight_sync.py: FAULTS``)."""
+        msg = self._call(
+            "sync_weights",
+            {"weights_dir": str(weights_dir), "work_dir": str(work_dir), "fault": fault, "transfer": transfer},
+            expect="synced",
+        )
+        return msg.header["report"]
+
+    def reset_prefix_cache(self) -> dict:
+        return self._call("reset_prefix_cache", {}, expect="reset").header["report"]
+
+    def weight_digest(self, path: str | Path) -> dict[str, np.ndarray]:
+        """The engine's parameters as :func:`~mismatch_probe.engines.weight_sync.module_digest`
+        digests them, passed through ``path`` (an ``.npz`` file)."""
+        self._call("weight_digest", {"path": str(path)}, expect="digested")
+        with np.load(path) as data:
+            return {k: data[k] for k in data.files}
 
     def close(self) -> None:
         """Ask the engine to shut down and wait until its process (and its memory) is gone."""

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mismatch_probe.config.spec import EngineSpec, SamplingSpec
+from mismatch_probe.config.spec import EngineSpec, SamplingSpec, SyncSpec
 from mismatch_probe.engines.base import Completion, GenerationRequest, ScoreRequest, batch_seed, check_extra_args
 from mismatch_probe.engines.cpu_threads import cpu_thread_binding
 from mismatch_probe.errors import ConfigError
@@ -225,10 +225,42 @@ def _version_tuple(version: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
+CPU_SLEEP_REFUSAL = (
+    "vLLM's CPU worker has no sleep mode (vllm/v1/worker/cpu_worker.py: 'sleep mode is not supported on CPU, "
+    "ignore it.'), so the colocate cycle (sync.sleep_level) cannot run on CPU"
+)
+NCCL_REFUSAL = (
+    "the nccl transfer needs GPUs (NCCL); on CPU use sync.transfer = 'tensor' (collective_rpc) or 'disk' "
+    "(reload_weights)"
+)
+
+
+def check_sync(sync: SyncSpec, *, on_cpu: bool, version: str) -> None:
+    """What this vLLM cannot do of a [sync] table here; raises :class:`ConfigError` before the engine starts."""
+    if sync.transfer == "nccl":
+        if on_cpu:
+            raise ConfigError(f"vLLM {version}: {NCCL_REFUSAL}", hint="--sync-transfer tensor")
+        raise ConfigError(
+            f"sync.transfer = 'nccl' on vLLM {version} (its weight_transfer_config NCCL engine) is not driven by "
+            "mismatch-probe yet: it needs a trainer process in the NCCL group",
+            hint="measure the path with --sync-transfer tensor or disk; the NCCL leg adds no rounding of its own",
+        )
+    if sync.sleep_level and on_cpu:
+        raise ConfigError(f"vLLM {version}: {CPU_SLEEP_REFUSAL}", hint="drop --sync-sleep-level on CPU")
+
+
 class VLLMEngine:
     name = "vllm"
+    weight_sync = True  # the worker passes a [sync] table to the constructor
 
-    def __init__(self, model_path: str | Path, spec: EngineSpec, *, trust_remote_code: bool = False):
+    def __init__(
+        self,
+        model_path: str | Path,
+        spec: EngineSpec,
+        *,
+        trust_remote_code: bool = False,
+        sync: SyncSpec | None = None,
+    ):
         # Environment switches are read when vLLM is imported and by its engine-core processes,
         # so they are set before the first import (this process has never imported vLLM).
         os.environ["VLLM_BATCH_INVARIANT"] = "1" if spec.batch_invariant else "0"
@@ -261,8 +293,22 @@ class VLLMEngine:
                 local_ranks, "VLLM_CPU_OMP_THREADS_BIND", layout=layout_phrase(spec)
             )
 
+        self.sync = sync if sync is not None and sync.enabled else None
+        if self.sync is not None:
+            check_sync(self.sync, on_cpu=on_cpu, version=self.version)
         self.kv_cache_sizing = self._default_kv_cache(spec) if on_cpu else None
         self.requested = self._engine_args(spec, trust_remote_code)
+        if self.sync is not None:
+            from mismatch_probe.engines.vllm_sync import TARGET
+
+            if spec.extra_args.get("worker_extension_cls"):
+                raise ConfigError(
+                    "engine.extra_args sets worker_extension_cls, which a [sync] probe sets to its own",
+                    hint="drop worker_extension_cls from [engine.extra_args]",
+                )
+            self.requested["worker_extension_cls"] = TARGET
+            if self.sync.sleep_level:
+                self.requested["enable_sleep_mode"] = True
         if self.kv_cache_sizing is not None:
             self.requested["kv_cache_memory_bytes"] = self.kv_cache_sizing["kv_cache_memory_bytes"]
         self.llm = vllm.LLM(**self.requested)  # a memory refusal is named in our terms by EngineProcess
@@ -457,6 +503,71 @@ class VLLMEngine:
         if on_progress and len(todo) < len(requests):
             on_progress(len(requests) - len(todo))
         return result
+
+    # ---- weight sync (ARCHITECTURE.md, Weight sync) ---------------------------------------
+    def sync_weights(self, weights_dir: str, work_dir: str, fault: str | None = None) -> dict:
+        """Push the checkpoint in ``weights_dir`` into the running engine through vLLM's own update
+        path, as an RL trainer does after an optimizer step: the colocate cycle when set
+        (``sleep`` then ``wake_up``), then the tensors in buckets through ``collective_rpc`` into
+        the model's ``load_weights`` (transfer ``tensor``), or a checkpoint written to ``work_dir``
+        and vLLM's ``reload_weights`` (``disk``); then ``reset_prefix_cache`` when set."""
+        import time
+
+        from mismatch_probe.engines import weight_sync as ws
+
+        sync = self.sync
+        if sync is None:
+            raise ConfigError("this engine was started without a [sync] table", hint="set sync.start_from")
+        report: dict = {"transfer": sync.transfer, "dtype_sent": sync.dtype, "fault": fault}
+        t0 = time.perf_counter()
+        if sync.sleep_level:
+            self.llm.sleep(level=sync.sleep_level)
+            self.llm.wake_up()
+            report["sleep"] = {"level": sync.sleep_level, "calls": "LLM.sleep, LLM.wake_up"}
+        if fault == "untie_lm_head":
+            report["untied"] = self.llm.collective_rpc("probe_untie_lm_head")[0]
+        elif self.llm.collective_rpc("probe_retie_lm_head")[0]:
+            report["retied_lm_head"] = True  # a test's earlier fault, undone
+        named = ws.trainer_tensors(weights_dir, sync.dtype, fault)
+        params = set(self.llm.collective_rpc("probe_parameter_names")[0])
+        if sync.transfer == "tensor":
+            loaded: set[str] = set()
+            n_buckets = n_tensors = n_bytes = 0
+            self.llm.collective_rpc("probe_begin_update")
+            for bucket in ws.buckets(named, int(sync.bucket_mb * 2**20)):
+                n_buckets += 1
+                n_tensors += len(bucket)
+                n_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+                loaded.update(self.llm.collective_rpc("probe_load_weights", args=(ws.pack_bucket(bucket),))[0])
+            self.llm.collective_rpc("probe_finish_update")
+            report.update(
+                call="LLM.collective_rpc (worker_extension_cls): initialize_layerwise_reload, model.load_weights "
+                "per bucket, finalize_layerwise_reload",
+                buckets=n_buckets,
+                tensors=n_tensors,
+                bytes=n_bytes,
+                engine_report={"loaded": len(loaded), "not_loaded": sorted(params - loaded)},
+            )
+        else:  # disk
+            written = ws.write_checkpoint(named, work_dir, weights_dir)
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": work_dir, "is_checkpoint_format": True})
+            report.update(
+                call="LLM.collective_rpc('reload_weights', weights_path=...) (vLLM's in-place reload)",
+                buckets=1,
+                **written,
+                engine_report={"reloaded_from": "disk", "parameters": len(params)},
+            )
+        report["reset_prefix_cache"] = self.reset_prefix_cache() if sync.reset_prefix_cache else None
+        report["seconds"] = round(time.perf_counter() - t0, 3)
+        return report
+
+    def reset_prefix_cache(self) -> dict:
+        return {"call": "LLM.reset_prefix_cache", "result": bool(self.llm.reset_prefix_cache())}
+
+    def weight_digest(self) -> dict:
+        """The first worker's parameters (its shard under tensor parallelism), as ``module_digest``."""
+        digest = self.llm.collective_rpc("probe_weight_digest")[0]
+        return {k: np.frombuffer(data, np.float64).reshape(rows, 2) for k, (rows, data) in digest.items()}
 
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None

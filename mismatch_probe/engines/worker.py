@@ -16,9 +16,9 @@ import resource
 import sys
 import traceback
 
-from mismatch_probe.config.spec import EngineSpec, SamplingSpec
+from mismatch_probe.config.spec import EngineSpec, SamplingSpec, SyncSpec
 from mismatch_probe.engines import wire
-from mismatch_probe.errors import ProbeError
+from mismatch_probe.errors import ConfigError, ProbeError
 from mismatch_probe.version import __version__
 
 
@@ -61,8 +61,38 @@ def serve(requests, replies) -> bool:
                 state = (
                     {"state_dir": h["state_dir"]} if h.get("state_dir") and getattr(cls, "keeps_state", False) else {}
                 )
+                if h.get("sync"):  # a [sync] probe: the adapter readies its weight-update path
+                    if not getattr(cls, "weight_sync", False):
+                        raise ConfigError(
+                            f"engine {spec.name!r} has no weight-update path, so [sync] cannot run on it",
+                            hint="sync with the vllm or sglang engine, or a remote SGLang server",
+                        )
+                    state["sync"] = SyncSpec(**h["sync"])
                 engine = cls(h["model"], spec, trust_remote_code=h["trust_remote_code"], **state)
-                wire.send(replies, {"op": "started", "prefill": hasattr(engine, "prefill_logprobs")})
+                wire.send(
+                    replies,
+                    {
+                        "op": "started",
+                        "prefill": hasattr(engine, "prefill_logprobs"),
+                        "digest": hasattr(engine, "weight_digest"),
+                    },
+                )
+            elif op == "sync_weights":
+                started = engine.sync
+                if h.get("transfer"):  # this sync only (the transfer needs nothing at the start)
+                    engine.sync = started.model_copy(update={"transfer": h["transfer"]})
+                try:
+                    report = engine.sync_weights(h["weights_dir"], h["work_dir"], fault=h.get("fault"))
+                finally:
+                    engine.sync = started
+                wire.send(replies, {"op": "synced", "report": report})
+            elif op == "reset_prefix_cache":
+                wire.send(replies, {"op": "reset", "report": engine.reset_prefix_cache()})
+            elif op == "weight_digest":
+                import numpy as np
+
+                np.savez(h["path"], **engine.weight_digest())
+                wire.send(replies, {"op": "digested", "path": h["path"]})
             elif op == "info":
                 wire.send(replies, {"op": "info", "info": engine.info()})
             elif op == "semantics":
