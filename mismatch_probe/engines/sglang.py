@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mismatch_probe.config.spec import LAYOUT_SETTINGS, EngineSpec, SamplingSpec
+from mismatch_probe.config.spec import LAYOUT_SETTINGS, EngineSpec, SamplingSpec, SyncSpec
 from mismatch_probe.engines.base import Completion, GenerationRequest, ScoreRequest, batch_seed, check_extra_args
 from mismatch_probe.engines.cpu_threads import cpu_thread_binding
 from mismatch_probe.errors import ConfigError
@@ -110,11 +110,82 @@ CPU_DEFAULTS = {"attention_backend": "torch_native", "disable_cuda_graph": True}
 # a request comes. It changes no number, only when an idle scheduler wakes.
 CPU_IDLE_DEFAULTS = {"sleep_on_idle": True}
 
+# ---- weight sync (ARCHITECTURE.md, Weight sync) ---------------------------------------------------
+# Where SGLang flushes its radix cache by itself, in the installed sources (sglang/...)
+DISK_FLUSH_BY = (
+    "srt/managers/scheduler_components/weight_updater.py: SchedulerWeightUpdaterManager.update_weights_from_disk "
+    "-> flush_cache_after_weight_update (UpdateWeightFromDiskReqInput.flush_cache defaults to True, and "
+    "Engine.update_weights_from_disk has no argument for it)"
+)
+SLEEP_FLUSH_BY = (
+    "srt/managers/scheduler_components/weight_updater.py: SchedulerWeightUpdaterManager.release_memory_occupation "
+    "(the kv_cache tag: memory_saver_adapter.pause(KV cache), then self.flush_cache())"
+)
+CPU_SLEEP_REFUSAL = (
+    "SGLang's colocate cycle (Engine.release_memory_occupation / resume_memory_occupation) frees and restores "
+    "memory through torch_memory_saver, switched on by enable_memory_saver (srt/utils/torch_memory_saver_adapter.py: "
+    "'Backed by the upstream torch_memory_saver package (CUDA VMM, and Intel XPU via Level Zero)'); CPU memory has "
+    "no such allocator (with enable_memory_saver on and the package absent SGLang raises at start: "
+    "'enable_memory_saver is enabled, but torch-memory-saver is not installed'), and with it off the calls reach "
+    "_TorchMemorySaverAdapterNoop, whose pause/resume do nothing, so sync.sleep_level cannot run on CPU"
+)
+NCCL_REFUSAL = (
+    "SGLang's update_weights_from_distributed receives over the process group that init_weights_update_group opens, "
+    "with backend 'nccl' by default (srt/entrypoints/engine.py: Engine.init_weights_update_group(..., "
+    "backend='nccl')), and NCCL needs GPUs; on CPU use sync.transfer = 'tensor' (update_weights_from_tensor) or "
+    "'disk' (update_weights_from_disk)"
+)
+
+
+def check_sync(sync: SyncSpec, *, on_cpu: bool, version: str, data_parallel_size: int = 1) -> None:
+    """What this SGLang cannot do of a [sync] table here; raises :class:`ConfigError` before the engine starts."""
+    if sync.transfer == "nccl":
+        if on_cpu:
+            raise ConfigError(f"SGLang {version}: {NCCL_REFUSAL}", hint="--sync-transfer tensor")
+        raise ConfigError(
+            f"sync.transfer = 'nccl' on SGLang {version} (init_weights_update_group + "
+            "update_weights_from_distributed) is not driven by mismatch-probe yet: it needs a trainer process in "
+            "the NCCL group",
+            hint="measure the path with --sync-transfer tensor or disk; the NCCL leg adds no rounding of its own",
+        )
+    if sync.sleep_level and on_cpu:
+        raise ConfigError(f"SGLang {version}: {CPU_SLEEP_REFUSAL}", hint="drop --sync-sleep-level on CPU")
+    if data_parallel_size > 1:
+        raise ConfigError(
+            f"SGLang {version} updates weights from tensors only with one data-parallel replica "
+            "(srt/managers/tokenizer_control_mixin.py: update_weights_from_tensor asserts dp_size == 1: "
+            f"'data-parallel replicas are not supported for update weights from tensor'); data_parallel_size is "
+            f"{data_parallel_size}",
+            hint="run [sync] with data_parallel_size 1 (the probe's digest of the weights goes that way too)",
+        )
+    if not sync.reset_prefix_cache:
+        if sync.transfer == "disk":
+            raise ConfigError(
+                f"SGLang {version} flushes its radix cache by itself after update_weights_from_disk ({DISK_FLUSH_BY}), "
+                "so sync.reset_prefix_cache = false cannot be honored with sync.transfer = 'disk'",
+                hint="use --sync-transfer tensor (update_weights_from_tensor(flush_cache=False)) to keep the cache, "
+                "or drop --no-sync-reset-prefix-cache",
+            )
+        if sync.sleep_level:
+            raise ConfigError(
+                f"SGLang {version} flushes its radix cache by itself when it releases the KV cache's memory "
+                f"({SLEEP_FLUSH_BY}), so sync.reset_prefix_cache = false cannot be honored with sync.sleep_level",
+                hint="drop --sync-sleep-level, or --no-sync-reset-prefix-cache",
+            )
+
 
 class SGLangEngine:
     name = "sglang"
+    weight_sync = True  # the worker passes a [sync] table to the constructor
 
-    def __init__(self, model_path: str | Path, spec: EngineSpec, *, trust_remote_code: bool = False):
+    def __init__(
+        self,
+        model_path: str | Path,
+        spec: EngineSpec,
+        *,
+        trust_remote_code: bool = False,
+        sync: SyncSpec | None = None,
+    ):
         import torch
 
         spec = spec if spec.logprobs_mode else spec.model_copy(update={"logprobs_mode": "processed"})
@@ -127,6 +198,10 @@ class SGLangEngine:
                 hint="drop engine.device (auto), or run on a GPU machine",
             )
         check_spec(spec)
+        self.sync = sync if sync is not None and sync.enabled else None
+        self._control_dir: str | None = None  # where the probe loader's answers land (engines/sglang_sync.py)
+        self._calls = 0
+        self._untied = False  # the untie_lm_head fault of the last sync is in place
         # Read when SGLang is first imported, here and in its scheduler processes (they inherit the
         # environment), so they are set before the import (this worker has never imported SGLang).
         if self.device == "cpu":
@@ -141,7 +216,16 @@ class SGLangEngine:
         import sglang
 
         self.version = sglang.__version__
+        if self.sync is not None:
+            check_sync(
+                self.sync,
+                on_cpu=self.device == "cpu",
+                version=self.version,
+                data_parallel_size=spec.data_parallel_size,
+            )
         self.requested, self.defaults_applied = self._server_args(spec, trust_remote_code)
+        if self.sync is not None:
+            self.requested.update(self._sync_args(spec))
         try:
             self.engine = sglang.Engine(**self.requested)
         except (ValueError, TypeError) as exc:  # SGLang validates its arguments with these
@@ -155,6 +239,10 @@ class SGLangEngine:
         self.server_info = self.engine.get_server_info()
         self.effective = {k: self.server_info.get(k) for k in RECORDED}
         self._check_effective()
+        if self.sync is not None:
+            import tempfile
+
+            self._control_dir = tempfile.mkdtemp(prefix="mismatch-probe-sglang-sync-")
 
     # ---- settings ------------------------------------------------------------------------
     def _server_args(self, spec: EngineSpec, trust_remote_code: bool) -> tuple[dict, dict]:
@@ -168,6 +256,20 @@ class SGLangEngine:
             version=self.version,
             known=set(inspect.signature(ServerArgs).parameters),
         )
+
+    def _sync_args(self, spec: EngineSpec) -> dict:
+        """The ServerArgs a [sync] probe adds: the probe's loader among the custom weight loaders (the
+        digest and the test-only untie fault run through it), and the memory saver for the colocate
+        cycle (level 1 keeps a CPU copy of the weights, as vLLM's level 1 offloads them; level 2
+        discards them, the sync then writes every one)."""
+        from mismatch_probe.engines.sglang_sync import LOADER
+
+        loaders = list(spec.extra_args.get("custom_weight_loader") or [])
+        args: dict = {"custom_weight_loader": [*loaders, LOADER] if LOADER not in loaders else loaders}
+        if self.sync is not None and self.sync.sleep_level:
+            args["enable_memory_saver"] = True
+            args["enable_weights_cpu_backup"] = self.sync.sleep_level == 1
+        return args
 
     def _check_effective(self) -> None:
         """A setting SGLang resolved to something else is an error, not a footnote."""
@@ -303,10 +405,171 @@ class SGLangEngine:
             on_progress(len(requests))
         return result
 
+    # ---- weight sync (ARCHITECTURE.md, Weight sync) ---------------------------------------
+    def sync_weights(self, weights_dir: str, work_dir: str, fault: str | None = None) -> dict:
+        """Push the checkpoint in ``weights_dir`` into the running engine through SGLang's own update
+        path, as an RL trainer does after an optimizer step: the colocate cycle when set
+        (``release_memory_occupation`` then ``resume_memory_occupation``), then the tensors in buckets
+        through ``update_weights_from_tensor(flush_cache=False)`` inside one weight-update session
+        (transfer ``tensor``), or a checkpoint written to ``work_dir`` and ``update_weights_from_disk``
+        (``disk``, which flushes the radix cache by itself); then ``flush_cache`` when set."""
+        import time
+
+        from mismatch_probe.engines import weight_sync as ws
+
+        sync = self.sync
+        if sync is None:
+            raise ConfigError("this engine was started without a [sync] table", hint="set sync.start_from")
+        report: dict = {"transfer": sync.transfer, "dtype_sent": sync.dtype, "fault": fault}
+        t0 = time.perf_counter()
+        if sync.sleep_level:
+            self.engine.release_memory_occupation()
+            self.engine.resume_memory_occupation()
+            report["sleep"] = {
+                "level": sync.sleep_level,
+                "calls": "Engine.release_memory_occupation, Engine.resume_memory_occupation (all tags)",
+                "weights_cpu_backup": sync.sleep_level == 1,
+                "engine_flushes_itself": True,
+                "by": SLEEP_FLUSH_BY,
+            }
+        # a fault lasts the one sync it is named for: an LM head an earlier sync untied is tied again
+        if self._untied:
+            report["retied_lm_head"] = bool(self._control("retie_lm_head").get("retied"))
+            self._untied = False
+        if fault == "untie_lm_head":
+            report["untied"] = self._control("untie_lm_head")
+            self._untied = bool(report["untied"].get("untied"))
+        named = ws.trainer_tensors(weights_dir, sync.dtype, fault)
+        if sync.transfer == "tensor":
+            n_buckets = n_tensors = n_bytes = 0
+            answers: list[tuple[bool, str]] = []
+            with self._weight_update_session() as session:
+                for bucket in ws.buckets(named, int(sync.bucket_mb * 2**20)):
+                    n_buckets += 1
+                    n_tensors += len(bucket)
+                    n_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+                    success, message = self.engine.update_weights_from_tensor(bucket, flush_cache=False)
+                    answers.append((bool(success), str(message)))
+                    if not success:
+                        break
+            failed = [m for ok, m in answers if not ok]
+            report.update(
+                call="Engine.update_weights_from_tensor(bucket, flush_cache=False) per bucket, between "
+                "Engine.begin_weight_update and Engine.end_weight_update (-> model.load_weights)",
+                buckets=n_buckets,
+                tensors=n_tensors,
+                bytes=n_bytes,
+                engine_report={
+                    "success": not failed and session["end"][0],
+                    "messages": sorted({m for _, m in answers}),
+                    "begin": session["begin"],
+                    "end": session["end"],
+                },
+            )
+            if failed:
+                raise RuntimeError(f"SGLang refused a weight update: {failed[0]}")
+            report["reset_prefix_cache"] = self.reset_prefix_cache() if sync.reset_prefix_cache else None
+        else:  # disk
+            written = ws.write_checkpoint(named, work_dir, weights_dir)
+            success, message, *rest = self.engine.update_weights_from_disk(str(work_dir))
+            report.update(
+                call="Engine.update_weights_from_disk(work_dir) (SGLang's in-place reload, which flushes the "
+                "radix cache by itself)",
+                buckets=1,
+                **written,
+                engine_report={
+                    "success": bool(success),
+                    "message": str(message),
+                    **({"num_paused_requests": rest[0]} if rest else {}),
+                },
+            )
+            if not success:
+                raise RuntimeError(f"SGLang refused the weight update from disk: {message}")
+            # refused before the start when reset_prefix_cache is off (check_sync)
+            report["reset_prefix_cache"] = {
+                "call": "Engine.update_weights_from_disk",
+                "engine_flushes_itself": True,
+                "by": DISK_FLUSH_BY,
+            }
+        report["seconds"] = round(time.perf_counter() - t0, 3)
+        return report
+
+    def reset_prefix_cache(self) -> dict:
+        out = self.engine.flush_cache()
+        return {
+            "call": "Engine.flush_cache",
+            "result": bool(getattr(out, "success", out)),
+            "message": str(getattr(out, "message", "")),
+        }
+
+    def weight_digest(self) -> dict[str, np.ndarray]:
+        path = self._control_path("digest.npz")
+        self._run_control("digest", path)
+        with np.load(path) as data:
+            digest = {k: data[k] for k in data.files}
+        os.unlink(path)
+        return digest
+
+    def _control(self, op: str) -> dict:
+        """One of the probe loader's control calls (engines/sglang_sync.py); its JSON answer."""
+        import json
+
+        path = self._control_path(f"{op}.json")
+        self._run_control(op, path)
+        answer = json.loads(Path(path).read_text())
+        os.unlink(path)
+        return answer
+
+    def _control_path(self, name: str) -> str:
+        if self._control_dir is None:
+            raise ConfigError("this engine was started without a [sync] table", hint="set sync.start_from")
+        self._calls += 1
+        return os.path.join(self._control_dir, f"{self._calls:06d}-{name}")
+
+    def _run_control(self, op: str, path: str) -> None:
+        from mismatch_probe.engines.sglang_sync import LOADER, control_tensors, error_path
+
+        with self._weight_update_session():
+            success, message = self.engine.update_weights_from_tensor(
+                control_tensors(op, path), load_format=LOADER, flush_cache=False
+            )
+        if error_path(path).exists():
+            raise RuntimeError(f"the probe's {op} loader ({LOADER}) failed in SGLang: {error_path(path).read_text()}")
+        if not success or not os.path.exists(path):
+            raise RuntimeError(f"SGLang did not run the probe's {op} loader ({LOADER}): {message}")
+
+    def _weight_update_session(self):
+        """SGLang's weight-update session (``begin_weight_update`` ... ``end_weight_update``), which
+        ``update_weights_from_tensor`` requires (srt/managers/scheduler_components/weight_updater.py);
+        yields a dict that holds both calls' (success, message)."""
+        from contextlib import contextmanager
+
+        @contextmanager
+        def session():
+            answers: dict = {}
+            success, message = self.engine.begin_weight_update()
+            answers["begin"] = (bool(success), str(message))
+            if not success:
+                raise RuntimeError(f"SGLang refused to open a weight-update session: {message}")
+            try:
+                yield answers
+            finally:
+                success, message = self.engine.end_weight_update()
+                answers["end"] = (bool(success), str(message))
+            if not success:
+                raise RuntimeError(f"SGLang refused to close the weight-update session: {message}")
+
+        return session()
+
     def close(self) -> None:
         engine, self.engine = getattr(self, "engine", None), None
         if engine is not None:
             engine.shutdown()
+        control_dir, self._control_dir = getattr(self, "_control_dir", None), None
+        if control_dir is not None:
+            import shutil
+
+            shutil.rmtree(control_dir, ignore_errors=True)
 
 
 def server_args(
