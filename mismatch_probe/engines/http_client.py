@@ -148,8 +148,10 @@ class Client:
         (the server is not there: a wrong URL, or not started yet)."""
         return self._once("GET", path, None, params, attempts)
 
-    def post(self, path: str, body: dict, *, attempts: int = 3) -> tuple[int, object]:
-        return self._once("POST", path, body, None, attempts)
+    def post(
+        self, path: str, body: dict | None, *, params: dict | None = None, attempts: int = 3
+    ) -> tuple[int, object]:
+        return self._once("POST", path, body, params, attempts)
 
     def _once(self, method: str, path: str, body: dict | None, params: dict | None, attempts: int):
         import httpx

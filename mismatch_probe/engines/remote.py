@@ -23,22 +23,45 @@ turns ids on. The server's settings are read back wherever it exposes them (vLLM
 does not expose is recorded as unknown, with what would expose it, never guessed. The served
 model must be the checkpoint the reference loads (names, architectures, and the server's
 tokenizer on a probe text where it has one), unless ``engine.check_model = false``.
+
+Weight sync (``[sync]``, ARCHITECTURE.md, Weight sync) goes through the server's own HTTP routes,
+as an RL trainer that talks to a rollout server does (:func:`check_sync` says what each server
+cannot do, before any request). SGLang: ``/update_weights_from_disk`` (a checkpoint the probe
+writes to ``work_dir``, which the server must be able to read: same machine or a shared file
+system), or ``/update_weights_from_tensor`` between ``/begin_weight_update`` and
+``/end_weight_update`` with each bucket as a pickle of CPU tensors whose bytes travel inline
+(base64), which SGLang's ``SafeUnpickler`` takes from any process on any machine; then
+``/flush_cache``; the colocate cycle is ``/release_memory_occupation`` + ``/resume_memory_occupation``.
+``vllm serve`` (its development routes, ``VLLM_SERVER_DEV_MODE=1``): ``/collective_rpc`` with the
+worker's ``reload_weights(weights_path=...)`` (disk only: no route of vLLM 0.32 carries the
+tensors' bytes), ``/reset_prefix_cache``, ``/sleep`` + ``/wake_up``. After each sync the journal
+of answers starts a new epoch, so an answer given before a sync is never reused after it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import numpy as np
 
-from mismatch_probe.config.spec import EngineSpec, SamplingSpec
+from mismatch_probe.config.spec import EngineSpec, SamplingSpec, SyncSpec
 from mismatch_probe.engines.base import Completion, GenerationRequest, ScoreRequest, batch_seed
-from mismatch_probe.engines.http_client import AUTH_HINT, Client, Journal, RequestFailed, api_key_from, redact_url
-from mismatch_probe.errors import ConfigError, EngineError
+from mismatch_probe.engines.http_client import (
+    AUTH_HINT,
+    Client,
+    Journal,
+    RequestFailed,
+    _message,
+    api_key_from,
+    redact_url,
+)
+from mismatch_probe.errors import ConfigError, EngineError, ProbeError
 from mismatch_probe.modeling.logprobs import LogprobSemantics, engine_semantics
 
 # the text whose token ids the server's tokenizer must give as the checkpoint's does
@@ -146,9 +169,64 @@ def check_spec(spec: EngineSpec) -> None:
         )
 
 
+# ---- weight sync through the server's routes (ARCHITECTURE.md, Weight sync) -----------------------
+# SGLang 0.5 (sglang/srt/...): every route below is in entrypoints/http_server.py
+SGLANG_DISK_FLUSH_BY = (
+    "sglang/srt/managers/scheduler_components/weight_updater.py: SchedulerWeightUpdaterManager."
+    "update_weights_from_disk -> flush_cache_after_weight_update (UpdateWeightFromDiskReqInput.flush_cache, "
+    "default true; over HTTP the body sets it: sync.reset_prefix_cache)"
+)
+SGLANG_SLEEP_FLUSH_BY = (
+    "sglang/srt/managers/scheduler_components/weight_updater.py: SchedulerWeightUpdaterManager."
+    "release_memory_occupation (the kv_cache tag: memory_saver_adapter.pause(KV cache), then flush_cache())"
+)
+VLLM_TENSOR_REFUSAL = (
+    "vllm serve has no route that takes the tensors' bytes: /update_weights "
+    "(vllm/entrypoints/rl/online/api_router.py) drives a weight-transfer engine chosen at the server's start "
+    "(--weight-transfer-config: nccl, ipc = CUDA IPC handles, sparse_nccl, nccl_m2n, sharded_rdt, modelexpress), "
+    "each moving the bytes outside HTTP, and /collective_rpc (vllm/entrypoints/serve/dev/rpc/api_router.py) "
+    "passes JSON arguments to a worker method, whose reload_weights takes tensors only as an in-process iterator"
+)
+NCCL_REFUSAL = (
+    "the nccl transfer needs a trainer process in the server's NCCL group (SGLang: /init_weights_update_group "
+    "+ /update_weights_from_distributed; vLLM: /init_weight_transfer_engine + /update_weights with "
+    "--weight-transfer-config), which mismatch-probe does not drive"
+)
+VLLM_DEV_MODE_HINT = "restart vllm serve with VLLM_SERVER_DEV_MODE=1 in its environment (its development routes)"
+# what a server answers when it cannot read the checkpoint the probe wrote (a path it does not have
+# is then taken for a Hugging Face repo id)
+PATH_NOT_READ = re.compile(
+    r"no such file|not found|does not exist|repo.?id|name or service not known|huggingface|hf_?hub|offline",
+    re.IGNORECASE,
+)
+
+
+def check_sync(sync: SyncSpec, api: str) -> None:
+    """What a remote server cannot do of a [sync] table whatever it runs; raises
+    :class:`ConfigError` before any request (what depends on the server is checked once it is read)."""
+    server = "vllm serve" if api == "openai" else "an SGLang server"
+    if sync.transfer == "nccl":
+        raise ConfigError(
+            f"sync.transfer = 'nccl' through {server}: {NCCL_REFUSAL}",
+            hint="--sync-transfer disk" + (" or tensor" if api == "sglang" else ""),
+        )
+    if sync.transfer == "tensor" and api == "openai":
+        raise ConfigError(
+            f"sync.transfer = 'tensor' through vllm serve: {VLLM_TENSOR_REFUSAL}",
+            hint="--sync-transfer disk (/collective_rpc reload_weights from a checkpoint the server can read)",
+        )
+    if api == "sglang" and not sync.reset_prefix_cache and sync.sleep_level:
+        raise ConfigError(
+            "SGLang flushes its radix cache by itself when it releases the KV cache's memory "
+            f"({SGLANG_SLEEP_FLUSH_BY}), so sync.reset_prefix_cache = false cannot be honored with sync.sleep_level",
+            hint="drop --sync-sleep-level, or --no-sync-reset-prefix-cache",
+        )
+
+
 class RemoteEngine:
     name = "remote"
     keeps_state = True  # the worker gives it a directory for the journal of answers received
+    weight_sync = True  # the worker passes a [sync] table to the constructor (routes: check_sync)
 
     def __init__(
         self,
@@ -157,8 +235,13 @@ class RemoteEngine:
         *,
         trust_remote_code: bool = False,
         state_dir: str | Path | None = None,
+        sync: SyncSpec | None = None,
     ):
         check_spec(spec)
+        self.sync = sync if sync is not None and sync.enabled else None
+        if self.sync is not None:
+            check_sync(self.sync, spec.api)
+        self.sync_epoch = 0  # weight syncs so far: the journal's answers are per epoch
         self.spec = spec
         self.model_path = Path(model_path)
         self.trust_remote_code = trust_remote_code
@@ -187,6 +270,8 @@ class RemoteEngine:
                 "the server is vLLM's CPU build, whose runner cannot rewind a seeded generator after a "
                 "chunked-prefill discard ('CPU Generator does not use offset'); sampling uses the server's seed"
             )
+        # what the server offers for the sync, read (GET only) before anything is changed
+        self.sync_server = self.dialect.sync_check(self.client, self.server, self.sync) if self.sync else {}
 
     # ---- settings ------------------------------------------------------------------------
     def _check_declared(self) -> str:
@@ -308,6 +393,96 @@ class RemoteEngine:
     def close(self) -> None:
         self.journal.close()
 
+    # ---- weight sync (ARCHITECTURE.md, Weight sync) ---------------------------------------
+    def sync_weights(self, weights_dir: str, work_dir: str, fault: str | None = None) -> dict:
+        """Push the checkpoint in ``weights_dir`` into the running server through its own HTTP
+        routes, as an RL trainer that drives a rollout server does after an optimizer step: the
+        colocate cycle when set, then the weights (disk: a checkpoint written to ``work_dir``, which
+        the server reads; tensor: buckets over HTTP, SGLang only), then the prefix cache's reset
+        when set. The server's answers are in ``engine_report``. No ``weight_digest``: a server's
+        parameters cannot be read from outside it."""
+        from mismatch_probe.engines import weight_sync as ws
+
+        sync = self._sync_table()
+        if fault == "untie_lm_head":
+            raise ConfigError(
+                "the untie_lm_head fault acts inside the engine (the probe's own loader unties the LM head), "
+                "which a remote server does not run",
+                hint="test it with the in-process engines; through a server: "
+                + ", ".join(f for f in ws.FAULTS if f != "untie_lm_head"),
+            )
+        # from here on the server's weights are not those the journal's answers were given with
+        self.sync_epoch += 1
+        report: dict = {"transfer": sync.transfer, "dtype_sent": sync.dtype, "fault": fault}
+        t0 = time.perf_counter()
+        if sync.sleep_level:
+            report["sleep"] = self.dialect.sleep_cycle(self, sync.sleep_level)
+        named = ws.trainer_tensors(weights_dir, sync.dtype, fault)
+        if sync.transfer == "disk":
+            written = ws.write_checkpoint(named, work_dir, weights_dir)
+            try:
+                pushed = self.dialect.load_from_disk(self, str(work_dir), sync)
+            except _RouteFailed as exc:
+                raise self._unread_path(exc, str(work_dir)) from None
+            report.update(buckets=1, **written, **pushed)
+        else:  # tensor (SGLang; check_sync refused the rest)
+            report.update(self.dialect.load_tensors(self, named, sync, self.sync_server))
+        if "reset_prefix_cache" not in report:  # not done by the server itself
+            report["reset_prefix_cache"] = self.reset_prefix_cache() if sync.reset_prefix_cache else None
+        report["seconds"] = round(time.perf_counter() - t0, 3)
+        return report
+
+    def reset_prefix_cache(self) -> dict:
+        """The server's prefix cache reset through its route (SGLang ``/flush_cache``, vLLM
+        ``/reset_prefix_cache``); its answer."""
+        return self.dialect.reset_prefix_cache(self)
+
+    def _sync_table(self) -> SyncSpec:
+        if self.sync is None:
+            raise ConfigError("this engine was started without a [sync] table", hint="set sync.start_from")
+        return self.sync
+
+    def _sync_call(self, path: str, body: dict | None, what: str, *, params: dict | None = None):
+        """POST once and return the answer; a refusal is :class:`_RouteFailed`."""
+        ok, answer = self._sync_try(path, body, what, params=params)
+        if not ok:
+            raise _RouteFailed(
+                f"{what}: the server at {self.client.where(path)} refused it: {self.client.redact(_message(answer))}",
+                status=answer.get("status", 0) if isinstance(answer, dict) else 0,
+            )
+        return answer
+
+    def _sync_try(self, path: str, body: dict | None, what: str, *, params: dict | None = None) -> tuple[bool, object]:
+        """POST once (an update is not retried: a timed-out one may still be running): ``(accepted,
+        answer)``, refused on an HTTP error or ``"success": false``; a missing route is a
+        :class:`ConfigError` that says how to get it."""
+        status, answer = self.client.post(path, body, params=params, attempts=1)
+        if status == 404:
+            raise ConfigError(
+                f"{self.client.where(path)} answered HTTP 404 to {what}: the server has no such route",
+                hint=self.dialect.routes_hint,
+            )
+        refused = status >= 400 or (isinstance(answer, dict) and answer.get("success") is False)
+        if refused and not isinstance(answer, dict):
+            answer = {"message": answer}
+        if refused:
+            answer = {**answer, "status": status}  # type: ignore[dict-item]
+        return not refused, answer
+
+    def _unread_path(self, exc: _RouteFailed, work_dir: str) -> ProbeError:
+        """A refused disk update, named for what it most often is: a path the server cannot read."""
+        import socket
+
+        where = f"{work_dir} (written on {socket.gethostname()})"
+        if PATH_NOT_READ.search(exc.message):
+            return ConfigError(
+                f"the server cannot read the checkpoint the probe wrote at {where}; {exc.message}",
+                hint="the server must reach that path: run the probe on the server's machine, or put the run "
+                "directory on a file system the server mounts at the same path (or use --sync-transfer tensor "
+                "with SGLang, whose bytes travel over HTTP)",
+            )
+        return EngineError(f"{exc.message} (the checkpoint it was given: {where})", hint="see the server's log")
+
     # ---- plumbing ------------------------------------------------------------------------
     def _seeded(self) -> bool:
         return self.spec.seed_requests and self.seeds_off_because is None
@@ -316,9 +491,10 @@ class RemoteEngine:
         return f"{what} to {self.client.where(self.dialect.generate_path)}"
 
     def _post(self, path: str, bodies: list[dict], what: str, parse: Callable[[int, dict], None]) -> None:
+        journal = self.journal if self.sync_epoch == 0 else _EpochJournal(self.journal, self.sync_epoch)
         try:
             self.client.post_all(
-                path, bodies, what=lambda i: f"{what} {i + 1} of {len(bodies)}", journal=self.journal, on_answer=parse
+                path, bodies, what=lambda i: f"{what} {i + 1} of {len(bodies)}", journal=journal, on_answer=parse
             )
         except RequestFailed as exc:
             kept = f"; the {len(self.journal)} answers received are kept" if self.journal.path else ""
@@ -329,6 +505,33 @@ class RemoteEngine:
                 message,
                 hint="re-run the same command once the server is back: it resumes, sending only what is missing",
             ) from None
+
+
+class _RouteFailed(EngineError):
+    """A weight-sync route that answered with a refusal (its message is the server's)."""
+
+    def __init__(self, message: str, *, status: int, hint: str = "see the server's log"):
+        super().__init__(message, hint=hint)
+        self.status = status
+
+
+class _EpochJournal:
+    """The journal as seen after the ``epoch``-th weight sync: the same request asks again (an
+    answer given with other weights is not an answer now), and a re-run that syncs the same way
+    finds the answers of each epoch again."""
+
+    def __init__(self, journal: Journal, epoch: int):
+        self.journal = journal
+        self.epoch = epoch
+
+    def _key(self, key: str) -> str:
+        return hashlib.sha256(f"sync-epoch-{self.epoch}:{key}".encode()).hexdigest()
+
+    def get(self, key: str) -> dict | None:
+        return self.journal.get(self._key(key))
+
+    def put(self, key: str, answer: dict) -> None:
+        self.journal.put(self._key(key), answer)
 
 
 class ServerInfo:
@@ -367,11 +570,95 @@ class _Dialect:
     def prefill(self, answer: dict, request: ScoreRequest, where: str) -> np.ndarray:
         raise NotImplementedError
 
+    # ---- weight sync: the server's routes ---------------------------------------------------
+    routes_hint = ""  # how to get the weight-sync routes on a server that lacks them
+
+    def sync_check(self, client: Client, server: ServerInfo, sync: SyncSpec) -> dict:
+        """What this server cannot do of ``sync`` (read with GETs only); what the sync needs of it."""
+        raise NotImplementedError
+
+    def sleep_cycle(self, engine: RemoteEngine, level: int) -> dict:
+        raise NotImplementedError
+
+    def load_from_disk(self, engine: RemoteEngine, work_dir: str, sync: SyncSpec) -> dict:
+        raise NotImplementedError
+
+    def load_tensors(self, engine: RemoteEngine, named, sync: SyncSpec, server: dict) -> dict:
+        raise NotImplementedError
+
+    def reset_prefix_cache(self, engine: RemoteEngine) -> dict:
+        raise NotImplementedError
+
 
 class OpenAIDialect(_Dialect):
     """``/v1/completions`` with vLLM's token-id extensions."""
 
     generate_path = "/v1/completions"
+    routes_hint = VLLM_DEV_MODE_HINT
+
+    def sync_check(self, client: Client, server: ServerInfo, sync: SyncSpec) -> dict:
+        if server.software != "vllm":
+            raise ConfigError(
+                f"the server at {client.where('')} is not vLLM (it has no /version), and mismatch-probe knows the "
+                "weight-update routes of vllm serve and SGLang only",
+                hint="sync through vllm serve (VLLM_SERVER_DEV_MODE=1) or an SGLang server (--engine-api sglang)",
+            )
+        # a development route that changes nothing: present exactly when the others are
+        status = client.get("/is_sleeping")[0]
+        if status != 200:
+            raise ConfigError(
+                f"vllm serve at {client.where('')} has no development routes (GET /is_sleeping: HTTP {status}), and a "
+                "[sync] probe updates its weights through them (/collective_rpc reload_weights, /reset_prefix_cache)",
+                hint=VLLM_DEV_MODE_HINT,
+            )
+        if sync.sleep_level:
+            if server.settings.get("device") == "cpu":
+                raise ConfigError(
+                    "the server is vLLM's CPU build, whose worker has no sleep mode (vllm/v1/worker/cpu_worker.py: "
+                    "CPUWorker.sleep logs 'sleep mode is not supported on CPU, ignore it.'), so the colocate cycle "
+                    "(sync.sleep_level) cannot run there",
+                    hint="drop --sync-sleep-level with a CPU server",
+                )
+            status, info = client.get("/server_info", params={"config_format": "json"})
+            config = info.get("vllm_config") if status == 200 and isinstance(info, dict) else None
+            model_config = (config.get("model_config") or {}) if isinstance(config, dict) else {}
+            if not model_config.get("enable_sleep_mode"):
+                raise ConfigError(
+                    f"vllm serve at {client.where('')} runs without sleep mode, so /sleep cannot free its memory "
+                    "(sync.sleep_level)",
+                    hint="restart it with --enable-sleep-mode, or drop --sync-sleep-level",
+                )
+        return {"routes": "vLLM development routes (VLLM_SERVER_DEV_MODE=1)"}
+
+    def sleep_cycle(self, engine: RemoteEngine, level: int) -> dict:
+        slept = engine._sync_call("/sleep", None, "the sleep call (/sleep)", params={"level": level})
+        woke = engine._sync_call("/wake_up", None, "the wake-up call (/wake_up)")
+        return {
+            "level": level,
+            "calls": "POST /sleep?level=N, POST /wake_up (vllm/entrypoints/serve/dev/sleep/api_router.py)",
+            "answers": [slept, woke],
+        }
+
+    def load_from_disk(self, engine: RemoteEngine, work_dir: str, sync: SyncSpec) -> dict:
+        body = {"method": "reload_weights", "kwargs": {"weights_path": work_dir, "is_checkpoint_format": True}}
+        answer = engine._sync_call("/collective_rpc", body, "the weight reload (/collective_rpc reload_weights)")
+        return {
+            "call": "POST /collective_rpc {method: reload_weights, kwargs: {weights_path, is_checkpoint_format: "
+            "true}} (vllm/entrypoints/serve/dev/rpc/api_router.py: collective_rpc -> Worker.reload_weights, "
+            "vLLM's in-place reload)",
+            "engine_report": {
+                "reloaded_from": "disk",
+                "results": answer.get("results") if isinstance(answer, dict) else answer,
+            },
+        }
+
+    def reset_prefix_cache(self, engine: RemoteEngine) -> dict:
+        ok, answer = engine._sync_try("/reset_prefix_cache", None, "the prefix cache reset (/reset_prefix_cache)")
+        return {
+            "call": "POST /reset_prefix_cache (vllm/entrypoints/serve/dev/cache/api_router.py)",
+            "result": bool(ok and isinstance(answer, dict) and answer.get("success")),
+            **({} if ok else {"message": _message(answer)}),
+        }
 
     def read_server(self, client: Client, served_model: str | None) -> ServerInfo:
         status, models = client.get("/v1/models")
@@ -547,6 +834,141 @@ class SGLangDialect(_Dialect):
     """SGLang's native ``/generate`` (token ids in and out)."""
 
     generate_path = "/generate"
+    routes_hint = (
+        "every SGLang server (python -m sglang.launch_server) has the weight-update routes; a router in front of "
+        "workers may not: point --engine-url at one worker"
+    )
+
+    def sync_check(self, client: Client, server: ServerInfo, sync: SyncSpec) -> dict:
+        info = _first_found(client, ("/server_info", "/get_server_info"))
+        if not info:
+            raise ConfigError(
+                f"{client.where('')} has no /server_info (a router?), so its parallel layout, which a weight "
+                "update must match, is unknown",
+                hint="point --engine-url at one SGLang worker to sync its weights",
+            )
+        tp, dp = int(info.get("tp_size") or 1), int(info.get("dp_size") or 1)
+        if sync.transfer == "tensor" and dp > 1:
+            raise ConfigError(
+                "SGLang updates weights from tensors only with one data-parallel replica "
+                "(srt/managers/tokenizer_control_mixin.py: update_weights_from_tensor asserts dp_size == 1: "
+                f"'data-parallel replicas are not supported for update weights from tensor'); the server has dp_size {dp}",
+                hint="--sync-transfer disk (update_weights_from_disk reaches every replica)",
+            )
+        if sync.sleep_level:
+            if info.get("device") == "cpu":
+                raise ConfigError(
+                    "the server is SGLang on CPU: its colocate cycle (/release_memory_occupation, "
+                    "/resume_memory_occupation) frees and restores memory through torch_memory_saver "
+                    "(srt/utils/torch_memory_saver_adapter.py: CUDA VMM and Intel XPU), which CPU memory has no "
+                    "allocator for, so sync.sleep_level cannot run there",
+                    hint="drop --sync-sleep-level with a CPU server",
+                )
+            if not info.get("enable_memory_saver"):
+                raise ConfigError(
+                    f"the SGLang server at {client.where('')} runs without its memory saver, so "
+                    "/release_memory_occupation frees nothing (sync.sleep_level)",
+                    hint="restart it with --enable-memory-saver, or drop --sync-sleep-level",
+                )
+            backup = bool(info.get("enable_weights_cpu_backup"))
+            if backup != (sync.sleep_level == 1):
+                raise ConfigError(
+                    f"sync.sleep_level = {sync.sleep_level} {'keeps' if sync.sleep_level == 1 else 'discards'} the "
+                    f"weights over the cycle (vLLM's levels), but the SGLang server runs "
+                    f"{'with' if backup else 'without'} --enable-weights-cpu-backup, so it "
+                    f"{'keeps' if backup else 'discards'} them",
+                    hint=f"--sync-sleep-level {1 if backup else 2}, or restart the server "
+                    f"{'without' if backup else 'with'} --enable-weights-cpu-backup",
+                )
+        return {"tp_size": tp, "dp_size": dp}
+
+    def sleep_cycle(self, engine: RemoteEngine, level: int) -> dict:
+        engine._sync_call("/release_memory_occupation", {}, "the memory release (/release_memory_occupation)")
+        engine._sync_call("/resume_memory_occupation", {}, "the memory resumption (/resume_memory_occupation)")
+        return {
+            "level": level,
+            "calls": "POST /release_memory_occupation, POST /resume_memory_occupation (all tags)",
+            "weights_cpu_backup": level == 1,
+            "engine_flushes_itself": True,
+            "by": SGLANG_SLEEP_FLUSH_BY,
+        }
+
+    def load_from_disk(self, engine: RemoteEngine, work_dir: str, sync: SyncSpec) -> dict:
+        body = {"model_path": work_dir, "flush_cache": bool(sync.reset_prefix_cache)}
+        answer = engine._sync_call("/update_weights_from_disk", body, "the weight update (/update_weights_from_disk)")
+        # SGLang now names the served model by the path it loaded (TokenizerManager._update_model_path_info)
+        status, model_info = engine.client.get("/model_info")
+        after = {k: model_info.get(k) for k in ("model_path", "weight_version")} if status == 200 else None
+        out = {
+            "call": "POST /update_weights_from_disk {model_path, flush_cache} (srt/entrypoints/http_server.py: "
+            "update_weights_from_disk, SGLang's in-place reload)",
+            "engine_report": {**answer, "model_info_after": after} if isinstance(answer, dict) else answer,
+        }
+        if sync.reset_prefix_cache:
+            out["reset_prefix_cache"] = {
+                "call": "POST /update_weights_from_disk (flush_cache = true)",
+                "engine_flushes_itself": True,
+                "by": SGLANG_DISK_FLUSH_BY,
+            }
+        return out
+
+    def load_tensors(self, engine: RemoteEngine, named, sync: SyncSpec, server: dict) -> dict:
+        from mismatch_probe.engines import weight_sync as ws
+
+        session = "the weight-update session"
+        begin = engine._sync_try("/begin_weight_update", {}, f"opening {session} (/begin_weight_update)")
+        if not begin[0]:
+            raise _RouteFailed(
+                f"SGLang at {engine.client.where('/begin_weight_update')} did not open {session}: {_message(begin[1])}",
+                status=0,
+                hint="if a sync was interrupted, its session is still open: POST /end_weight_update to the server "
+                "closes it",
+            )
+        n_buckets = n_tensors = n_bytes = 0
+        messages: set[str] = set()
+        failed: _RouteFailed | None = None
+        try:
+            for bucket in ws.buckets(named, int(sync.bucket_mb * 2**20)):
+                n_buckets += 1
+                n_tensors += len(bucket)
+                n_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+                payload = _pickled_bucket(bucket)
+                body = {"serialized_named_tensors": [payload] * server["tp_size"], "flush_cache": False}
+                answer = engine._sync_call(
+                    "/update_weights_from_tensor", body, f"bucket {n_buckets} (/update_weights_from_tensor)"
+                )
+                messages.add(str(answer.get("message")) if isinstance(answer, dict) else str(answer))
+        except _RouteFailed as exc:
+            failed = exc
+        end = engine._sync_try("/end_weight_update", {}, f"closing {session} (/end_weight_update)")
+        if failed is not None:
+            raise failed
+        if not end[0]:
+            raise _RouteFailed(f"SGLang did not close {session}: {_message(end[1])}", status=0)
+        return {
+            "call": "POST /update_weights_from_tensor {serialized_named_tensors, flush_cache: false} per bucket, "
+            "between POST /begin_weight_update and POST /end_weight_update (srt/entrypoints/http_server.py; "
+            "-> model.load_weights); each bucket a pickle of CPU tensors, their bytes inline (base64), one copy "
+            "per tensor-parallel rank",
+            "buckets": n_buckets,
+            "tensors": n_tensors,
+            "bytes": n_bytes,
+            "engine_report": {
+                "success": True,
+                "messages": sorted(messages),
+                "begin": _message(begin[1]),
+                "end": _message(end[1]),
+                "tp_size": server["tp_size"],
+            },
+        }
+
+    def reset_prefix_cache(self, engine: RemoteEngine) -> dict:
+        ok, answer = engine._sync_try("/flush_cache", None, "the radix cache flush (/flush_cache)")
+        return {
+            "call": "POST /flush_cache (srt/entrypoints/http_server.py: flush_cache)",
+            "result": ok,
+            "message": _message(answer),
+        }
 
     def read_server(self, client: Client, served_model: str | None) -> ServerInfo:
         server_info = _first_found(client, ("/server_info", "/get_server_info"))
@@ -741,6 +1163,24 @@ def _choose_model(cards: dict, served_model: str | None, client: Client) -> str:
             hint=f"name one with --engine-model ({', '.join(map(repr, sorted(cards))) or 'none listed'})",
         )
     return next(iter(cards))
+
+
+def _pickled_bucket(bucket) -> str:
+    """A bucket of named CPU tensors as SGLang's ``/update_weights_from_tensor`` takes one from
+    another process: a plain pickle (each tensor's bytes inside it, through
+    ``torch.storage._load_from_bytes``, which SGLang's ``SafeUnpickler`` maps to a
+    ``weights_only`` load), base64-encoded. Not ``MultiprocessingSerializer``: it pickles shared
+    memory handles, which a server on another machine (or without this process's authkey) cannot open."""
+    import base64
+    import pickle
+
+    own = []
+    for name, tensor in bucket:
+        t = tensor.detach().contiguous()
+        if t.storage_offset() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            t = t.clone()  # a view would carry its whole storage
+        own.append((name, t))
+    return base64.b64encode(pickle.dumps(own, protocol=pickle.HIGHEST_PROTOCOL)).decode("ascii")
 
 
 def _first_found(client: Client, paths: Sequence[str]) -> dict | None:
