@@ -163,6 +163,9 @@ def sample(ctx: RunContext, *, engine: Engine | None = None, rollouts_from: str 
             "token_shards_reused": sum((token_dir / shard_name(i)).is_file() for i in range(len(ctx.shards))),
         }
     missing = ctx.missing(ROLLOUTS_DIR)
+    if spec.sync.enabled and rollouts_from is None:
+        _sample_synced(ctx, missing)
+        return
     if not missing:
         # a run stopped right after its last shard may have left a remote engine's answers
         shutil.rmtree(rollout_dir / RECEIVED_DIR, ignore_errors=True)
@@ -199,6 +202,29 @@ def sample(ctx: RunContext, *, engine: Engine | None = None, rollouts_from: str 
         raise
     # every shard is written: the answers a remote engine kept for a resume are in them now
     shutil.rmtree(rollout_dir / RECEIVED_DIR, ignore_errors=True)
+
+
+def _sample_synced(ctx: RunContext, missing: list[int]) -> None:
+    """The sample stage of a run with [sync]: its engines are its own (``pipeline/sync.py``), a
+    caller's shared engine holds other weights."""
+    from mismatch_probe.pipeline import sync
+
+    if not missing and not sync.sync_incomplete(ctx):
+        return
+    if ctx.inputs is None:
+        raise ConfigError(
+            f"{ctx.out} lacks rollout shards",
+            hint=f"sample them with its spec: mismatch-probe sample SPEC --out {ctx.out}",
+        )
+    if sync.sync_incomplete(ctx) and len(missing) < len(ctx.shards):
+        sync.restart_sample_stage(ctx)  # the engine that held the sync's state is gone
+        missing = ctx.missing(ROLLOUTS_DIR)
+    try:
+        sync.sample_synced(ctx, missing, sample_shards)
+    except BaseException as exc:
+        ctx.fail(exc)
+        raise
+    shutil.rmtree(ctx.out / ROLLOUTS_DIR / RECEIVED_DIR, ignore_errors=True)
 
 
 def score(ctx: RunContext) -> None:
@@ -269,6 +295,11 @@ def analyze(ctx: RunContext) -> dict:
     if sections.get("decode_vs_prefill") is None:
         sections["decode_vs_prefill"] = record.decode_vs_prefill or None
     sections["samples"] = sample_summary(out)
+    if ctx.spec.sync.enabled and record.sync is not None:
+        from mismatch_probe.pipeline.sync import analyze_sync
+
+        with timed(ctx.timings, "metrics_s"):
+            sections["sync"] = analyze_sync(ctx)
     with timed(ctx.timings, "metrics_s"):
         write_sequences(out, sequences.table)
         dist = distributions.result

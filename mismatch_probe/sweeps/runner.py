@@ -240,7 +240,8 @@ class _Sweep:
                         self._tick(q)
                     return
                 contexts[p.name] = ctx
-                if ctx.missing(ROLLOUTS_DIR) and engine is None:
+                # a [sync] point starts its own engines (from its start checkpoint, then a fresh one)
+                if ctx.missing(ROLLOUTS_DIR) and engine is None and not p.spec.sync.enabled:
                     assert ctx.inputs is not None  # prepared here, to sample
                     engine = self._start_engine(key, p.spec, members, ctx.inputs.prompts[0].token_ids)
                     if engine is None:

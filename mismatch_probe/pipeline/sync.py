@@ -1,0 +1,307 @@
+"""The weight-sync probe inside a run (ARCHITECTURE.md, Weight sync): the sample stage's engine
+starts from another checkpoint and receives the run's model through its own update path before it
+samples; a fresh engine loaded from the model then scores the same tokens, so the error the sync
+path adds is measured apart from the kernels' mismatch.
+
+Sample stage (:func:`sample_synced`), in order:
+
+1. the engine starts from ``sync.start_from`` (``perturbed``: built here, ``sync/start-perturbed/``)
+   and digests its parameters;
+2. ``warm_cache``: it samples the prompts once, so its prefix cache holds the old weights' entries;
+3. each of ``repeats`` syncs (``engine.sync_weights``: the colocate cycle, the transfer, the cache
+   reset as set), digests its parameters and re-scores the prompts with its prefill (the fixed token
+   set of every repeat); between repeats it samples the prompts again;
+4. the run's rollouts are sampled as in any run (decode, then the engine's own prefill);
+5. ``warm_cache`` without a reset: the first shard's prompts are sampled again after a reset (the
+   clean side of the stale-cache comparison);
+6. the engine closes, and a fresh engine loaded from the model digests its parameters and prefills
+   the prompts and every rollout: ``sync/fresh-prefill.parquet``.
+
+The analyze stage (:func:`analyze_sync`) joins the fresh prefill with the token table (the
+synced engine's prefill and the reference) into run.json's ``sync`` section.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+
+from mismatch_probe.config.spec import PERTURBED
+from mismatch_probe.engines.base import GenerationRequest, ScoreRequest
+from mismatch_probe.errors import ConfigError
+from mismatch_probe.files import portable_path
+from mismatch_probe.pipeline.runs import ENGINE_LOG, RunContext, timed
+from mismatch_probe.table.tokens import ROLLOUTS_DIR, read_rollout_shard, shard_name
+
+SYNC_DIR = "sync"
+FRESH_PREFILL = "fresh-prefill.parquet"
+WARM_MAX_TOKENS = 1  # a warm-up request only needs its prompt's blocks in the cache
+
+
+def _prompt_ids(ctx: RunContext) -> list[np.ndarray]:
+    assert ctx.inputs is not None
+    return [np.asarray(p.token_ids, np.int32) for p in ctx.inputs.prompts]
+
+
+def start_checkpoint(ctx: RunContext) -> Path:
+    """The checkpoint the engine starts from: a directory, or the perturbed model built once in the run."""
+    from mismatch_probe.engines.weight_sync import perturbed_checkpoint
+
+    start = ctx.spec.sync.start_from
+    assert start is not None
+    if start == PERTURBED:
+        return perturbed_checkpoint(ctx.model_path, ctx.out / SYNC_DIR / "start-perturbed")
+    path = Path(start)
+    if not path.is_dir() or not any(path.glob("*.safetensors")):
+        raise ConfigError(f"sync.start_from {start!r} is not a checkpoint directory with *.safetensors files")
+    return path
+
+
+def _prefill(engine, sequences: list[np.ndarray], starts: list[int]) -> list[np.ndarray]:
+    return engine.prefill_logprobs([ScoreRequest(ids, s) for ids, s in zip(sequences, starts)])
+
+
+def _sample_prompts(engine, ctx: RunContext, max_tokens: int, seed: int) -> list:
+    assert ctx.inputs is not None
+    requests = [GenerationRequest(ids, max_tokens) for ids in _prompt_ids(ctx)]
+    return engine.generate(requests, ctx.spec.sampling, stop_token_ids=ctx.inputs.stop_token_ids, seed=seed)
+
+
+def _decode_vs_prefill(engine, ctx: RunContext, seed: int) -> dict:
+    """Sample the prompts and re-score the answers with the same engine's prefill: decode against
+    prefill on the same tokens (``analysis/sync.py: logprob_fidelity``)."""
+    from mismatch_probe.analysis.sync import logprob_fidelity
+
+    prompts = _prompt_ids(ctx)
+    answers = _sample_prompts(engine, ctx, ctx.spec.sampling.max_tokens, seed)
+    full = [np.concatenate([p, a.token_ids]).astype(np.int32) for p, a in zip(prompts, answers)]
+    scored = _prefill(engine, full, [len(p) for p in prompts])
+    decode = np.concatenate([a.logprobs for a in answers]) if answers else np.zeros(0)
+    return logprob_fidelity(decode, np.concatenate(scored) if scored else np.zeros(0))
+
+
+def sample_synced(ctx: RunContext, missing: list[int], sample_shards) -> None:
+    """The sample stage of a run with ``[sync]`` (module docstring); ``sample_shards`` samples the
+    run's rollout shards with an engine, as in any run."""
+    from mismatch_probe.analysis.sync import logprob_fidelity, stale_cache, weight_findings
+    from mismatch_probe.engines.process import EngineProcess
+    from mismatch_probe.engines.weight_sync import fault_from_env
+
+    spec, out, record, progress = ctx.spec, ctx.out, ctx.record, ctx.progress
+    sync = spec.sync
+    assert ctx.inputs is not None
+    entry = ctx.inputs.entry
+    sync_dir = out / SYNC_DIR
+    sync_dir.mkdir(exist_ok=True)
+    fault = fault_from_env()  # tests only
+    start = start_checkpoint(ctx)
+    prompts = _prompt_ids(ctx)
+    timings: dict = {"sync_s": []}
+    progress.log(
+        f"[sync] starting engine {entry.name} from {portable_path(start)} (log: {portable_path(out / ENGINE_LOG)})"
+    )
+    t0 = time.perf_counter()
+    with timed(ctx.timings, "engine_start_s"):
+        engine = EngineProcess(
+            entry,
+            start,
+            spec.engine,
+            log_path=out / ENGINE_LOG,
+            trust_remote_code=spec.trust_remote_code,
+            state_dir=out / ROLLOUTS_DIR / ".received",
+            sync=sync,
+        )
+    timings["engine_start_s"] = round(time.perf_counter() - t0, 3)
+    repeats: list[dict] = []
+    digests: dict[str, dict] = {}
+    stale = None
+    try:
+        if not engine.supports_prefill:
+            raise ConfigError(
+                f"engine {entry.name!r} cannot re-score tokens with its own prefill, which the sync probe compares",
+                hint="sync with the vllm or sglang engine",
+            )
+        if engine.supports_digest:
+            digests["before"] = engine.weight_digest(sync_dir / "digest-before.npz")
+        if sync.warm_cache:
+            _sample_prompts(engine, ctx, WARM_MAX_TOKENS, seed=spec.sampling.seed)
+        for r in range(1, sync.repeats + 1):
+            progress.log(f"[sync] {r}/{sync.repeats}: {sync.transfer} transfer into {entry.name}")
+            report = engine.sync_weights(ctx.model_path, sync_dir / "trainer-checkpoint", fault=fault)
+            timings["sync_s"].append(report.get("seconds"))
+            if engine.supports_digest:
+                digests[f"repeat-{r}"] = engine.weight_digest(sync_dir / f"digest-repeat-{r}.npz")
+            scored = _prefill(engine, prompts, [1] * len(prompts))
+            np.savez(sync_dir / f"prompts-synced-{r}.npz", *scored)
+            repeats.append({"repeat": r, "report": report})
+            if r < sync.repeats:  # sampling between syncs, as a training step does
+                _sample_prompts(engine, ctx, spec.sampling.max_tokens, seed=spec.sampling.seed + r)
+        sample_shards(ctx, engine, missing)
+        if sync.warm_cache and not sync.reset_prefix_cache:
+            # the run's rollouts were decoded with the old weights' cache entries; the clean side
+            # of the comparison: the same engine after a reset
+            stale_side = _stale_side(ctx, logprob_fidelity)
+            engine.reset_prefix_cache()
+            stale = stale_cache(stale_side, _decode_vs_prefill(engine, ctx, seed=spec.sampling.seed))
+    finally:
+        with timed(ctx.timings, "engine_stop_s"):
+            engine.close()
+        record.engine_process = engine.describe()
+
+    progress.log(f"[sync] fresh engine {entry.name} from {portable_path(ctx.model_path)}: the baseline")
+    t0 = time.perf_counter()
+    fresh = EngineProcess(
+        entry,
+        ctx.model_path,
+        spec.engine,
+        log_path=out / ENGINE_LOG,
+        trust_remote_code=spec.trust_remote_code,
+        sync=sync,
+    )
+    timings["fresh_engine_start_s"] = round(time.perf_counter() - t0, 3)
+    try:
+        if fresh.supports_digest:
+            digests["fresh"] = fresh.weight_digest(sync_dir / "digest-fresh.npz")
+        fresh_prompts = _prefill(fresh, prompts, [1] * len(prompts))
+        _write_fresh_prefill(ctx, fresh)
+    finally:
+        fresh.close()
+
+    n_experts = _n_experts(ctx)
+    for item in repeats:
+        r = item["repeat"]
+        with np.load(sync_dir / f"prompts-synced-{r}.npz") as data:
+            synced = [data[f"arr_{i}"] for i in range(len(prompts))]
+        item["fidelity"] = logprob_fidelity(np.concatenate(synced), np.concatenate(fresh_prompts))
+        if "fresh" in digests:
+            differing, found = weight_findings(
+                digests["before"], digests[f"repeat-{r}"], digests["fresh"], n_experts=n_experts
+            )
+            item["weights"] = {"compared": len(digests["fresh"]), "differing": differing}
+            item["weight_findings"] = found
+        else:
+            item["weights"] = {"unavailable": f"the {entry.name} engine does not expose its parameters"}
+    record.update_sections(
+        {
+            "sync": {
+                "settings": sync.model_dump(),
+                "engine": entry.name,
+                "start_checkpoint": portable_path(start),
+                "fault_injected": fault,
+                "repeats": repeats,
+                "stale_cache": stale,
+                "timings": timings,
+                "complete": False,  # the analyze stage adds the comparisons with the reference
+            }
+        }
+    )
+    ctx.save()
+
+
+def _stale_side(ctx: RunContext, fidelity) -> dict:
+    """Decode against the engine's own prefill over the first rollout shard's model tokens."""
+    rollouts = read_rollout_shard(ctx.out / ROLLOUTS_DIR / shard_name(0), None)
+    decode, prefill = [], []
+    for r in rollouts:
+        if r.logp_prefill is None:
+            continue
+        m = np.asarray(r.is_model_token, bool)
+        decode.append(np.asarray(r.logp_infer)[m])
+        prefill.append(np.asarray(r.logp_prefill)[m])
+    if not decode:
+        return {"tokens": 0, "bitwise_share": None, "max_abs_dlogp": None, "k3": None}
+    return fidelity(np.concatenate(decode), np.concatenate(prefill))
+
+
+def _write_fresh_prefill(ctx: RunContext, fresh) -> None:
+    """The fresh engine's prefill of every rollout (from its first position; NaN before), one row per sample."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    ids, logps = [], []
+    for i in range(len(ctx.shards)):
+        rollouts = read_rollout_shard(ctx.out / ROLLOUTS_DIR / shard_name(i), None)
+        scored = _prefill(fresh, [r.token_ids for r in rollouts], [1] * len(rollouts))
+        for r, lp in zip(rollouts, scored):
+            ids.append(r.sample_id)
+            logps.append(np.concatenate([[np.nan], lp]).astype(np.float32))
+    table = pa.table({"sample_id": pa.array(ids, pa.int64()), "logp_fresh": pa.array(logps, pa.list_(pa.float32()))})
+    path = ctx.out / SYNC_DIR / FRESH_PREFILL
+    pq.write_table(table, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").replace(path)
+
+
+def _n_experts(ctx: RunContext) -> int | None:
+    try:
+        config = json.loads((Path(ctx.model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    c = config.get("text_config") or config
+    return c.get("num_local_experts") or c.get("num_experts") or c.get("n_routed_experts")
+
+
+def sync_incomplete(ctx: RunContext) -> bool:
+    """A run with [sync] whose sample stage did not finish its sync probe (it redoes the stage)."""
+    return ctx.spec.sync.enabled and (ctx.record.sync is None or not (ctx.out / SYNC_DIR / FRESH_PREFILL).is_file())
+
+
+def restart_sample_stage(ctx: RunContext) -> None:
+    """The sync probe's state lived in the engine that was stopped: sample every shard again."""
+    shutil.rmtree(ctx.out / ROLLOUTS_DIR, ignore_errors=True)
+    (ctx.out / ROLLOUTS_DIR).mkdir()
+
+
+def analyze_sync(ctx: RunContext) -> dict | None:
+    """run.json's ``sync`` section, complete: the sample stage's measurements, the fidelity and the
+    K3 against the reference of the synced and the fresh prefill on the rollouts' model tokens, and
+    the findings."""
+    import pyarrow.dataset as ds
+    import pyarrow.parquet as pq
+
+    from mismatch_probe.analysis.sync import logprob_fidelity, sync_findings, vs_fresh_k3
+    from mismatch_probe.table.tokens import TOKENS_DIR
+
+    section = ctx.record.sync
+    if section is None:
+        return None
+    section = dict(section)
+    fresh = pq.read_table(ctx.out / SYNC_DIR / FRESH_PREFILL)
+    fresh_by_id = dict(zip(fresh.column("sample_id").to_pylist(), fresh.column("logp_fresh").to_pylist()))
+    table = ds.dataset(ctx.out / TOKENS_DIR, format="parquet").to_table(
+        columns=["sample_id", "position", "is_model_token", "logp_prefill", "logp_train"]
+    )
+    sample = table.column("sample_id").to_numpy()
+    position = table.column("position").to_numpy()
+    model = table.column("is_model_token").to_numpy(zero_copy_only=False)
+    synced = table.column("logp_prefill").to_numpy(zero_copy_only=False).astype(np.float64)
+    reference = table.column("logp_train").to_numpy(zero_copy_only=False).astype(np.float64)
+    fresh_values = np.full(len(sample), np.nan)
+    for sid in np.unique(sample):
+        rows = np.flatnonzero(sample == sid)
+        values = np.asarray(fresh_by_id.get(int(sid), []), np.float64)
+        pos = position[rows]
+        ok = pos < len(values)
+        fresh_values[rows[ok]] = values[pos[ok]]
+    m = model.astype(bool)
+    section["fidelity"] = logprob_fidelity(synced[m], fresh_values[m])
+    section["vs_fresh"] = vs_fresh_k3(synced[m], fresh_values[m], reference[m], sample[m])
+    repeats = section.get("repeats", [])
+    section["findings"] = sync_findings(repeats, section.get("stale_cache"), section["fidelity"])
+    section["routing"] = _routing_note(ctx)
+    section["clean"] = not section["findings"]
+    section["complete"] = True
+    return section
+
+
+def _routing_note(ctx: RunContext) -> dict | None:
+    routing = ctx.record.engine.routing if ctx.record.engine is not None else None
+    if _n_experts(ctx) is None:
+        return None
+    if routing is None:
+        info = ctx.record.engine.to_dict() if ctx.record.engine is not None else {}
+        return {"unavailable": info.get("routing_unavailable") or "the engine does not report its routing"}
+    return {"available": True}
