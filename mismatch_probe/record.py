@@ -292,6 +292,10 @@ class RunRecord(Section):
     routing: dict[str, Any] | None = None
     # an imported dump's trainer log-probs against the engine's and this run's reference's
     trainer: dict[str, Metrics] | None = None
+    # the weight-sync probe ([sync]): each sync of the model's weights through the engine's update
+    # path against a fresh load, the stale prefix cache, the findings (analysis/sync.py); None when
+    # the run did not sync
+    sync: dict[str, Any] | None = None
     samples: dict[str, Any] | None = None
     distributions: str | None = None
     sequences: str | None = None
@@ -305,6 +309,11 @@ class RunRecord(Section):
     @field_validator("breakdowns", "breakdowns_by_turn", mode="before")
     @classmethod
     def _bucket_numbers(cls, value: Any) -> Any:  # a bucket's |delta| max or K3 mean can be inf
+        return restore_numbers(value)
+
+    @field_validator("sync", mode="before")
+    @classmethod
+    def _sync_numbers(cls, value: Any) -> Any:  # the stale cache's K3 ratio is inf when the reset one is 0
         return restore_numbers(value)
 
     # ---- reading -------------------------------------------------------------------------

@@ -9,7 +9,9 @@ A check names a value, a comparison and a bound::
     threshold = 1e-3                 # or: baseline_factor = 1.5 (at most 1.5x the baseline's value)
     severity = "fail"                # or "warn"
 
-or a statistic over the run's sequences (``sequence_metric``, ``statistic``, ``turns``). Every
+or a statistic over the run's sequences (``sequence_metric``, ``statistic``, ``turns``). A ``metric``
+may also name a value the gate derives from a section of run.json (:data:`SYNC_VALUES`: the
+weight-sync probe's, e.g. ``metric = "sync_findings"``, ``op = "=="``, ``threshold = 0``). Every
 problem is a :class:`ConfigError` naming the file's line. Whether a ``metric`` names a value a run
 records is the gate's to check: it knows the metrics, this layer does not.
 """
@@ -59,6 +61,17 @@ SEQUENCE_METRICS = {
     "n_tokens": "model tokens in the sequence",
 }
 assert tuple(SEQUENCE_METRICS) == typing.get_args(SequenceMetric)
+# values the gate derives from run.json's ``sync`` section (the weight-sync probe, analysis/sync.py),
+# named by a check's ``metric`` like a metrics key; a run without the section fails such a check
+# closed, like any missing value
+SyncValue = Literal["sync_fidelity_max_abs", "sync_fidelity_k3", "sync_stale_cache_k3", "sync_findings"]
+SYNC_VALUES = {
+    "sync_fidelity_max_abs": "largest |Δ log p| between the synced engine's prefill and a fresh engine's, over the syncs",
+    "sync_fidelity_k3": "largest K3 of the synced engine's prefill against a fresh engine's, over the syncs",
+    "sync_stale_cache_k3": "decode vs prefill K3 with the prefix cache holding the old weights' entries",
+    "sync_findings": "number of the weight sync's findings (not updated, rounded, permuted, stale cache, ...)",
+}
+assert tuple(SYNC_VALUES) == typing.get_args(SyncValue)
 
 FiniteNumber = Annotated[float, Field(allow_inf_nan=False)]
 
@@ -69,7 +82,11 @@ class CheckSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     name: str = ""
-    metric: str | None = Field(default=None, description="a key of run.json's metrics, or a dotted path")
+    metric: str | None = Field(
+        default=None,
+        description="a key of run.json's metrics, a dotted path, or a value derived from the sync section: "
+        + ", ".join(SYNC_VALUES),
+    )
     sequence_metric: SequenceMetric | None = None
     statistic: Statistic | None = None
     above: FiniteNumber | None = Field(default=None, description="the bound of statistic = share_above")

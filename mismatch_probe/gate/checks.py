@@ -12,13 +12,14 @@ from __future__ import annotations
 import math
 import operator
 import re
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mismatch_probe.config.keys import closest
 from mismatch_probe.config.thresholds import OPS as CHECK_OPS
-from mismatch_probe.config.thresholds import load_thresholds
+from mismatch_probe.config.thresholds import SYNC_VALUES, load_thresholds
 from mismatch_probe.numbers import significant
 from mismatch_probe.record import RunRecord, read_record
 
@@ -45,8 +46,42 @@ _TURN_INDEX = re.compile(r"^metrics_by_turn_index\.\d+\.(?P<key>\w+)$")
 
 
 def resolve_metric(name: str) -> str:
-    """A check's ``metric`` as a full path: a bare key means ``metrics.<key>``."""
-    return name if "." in name else f"metrics.{name}"
+    """A check's ``metric`` as a full path: a bare key means ``metrics.<key>``; a value the gate
+    derives from a section (:data:`SYNC_VALUES`) keeps its name."""
+    return name if "." in name or name in SYNC_VALUES else f"metrics.{name}"
+
+
+# sync_fidelity_*: the key of each sync's fidelity (analysis/sync.py: logprob_fidelity) maximized over the syncs
+SYNC_FIDELITY = {"sync_fidelity_max_abs": "max_abs_dlogp", "sync_fidelity_k3": "k3"}
+
+
+def sync_value(name: str, sync: Mapping[str, Any] | None) -> tuple[float | None, str]:
+    """A value of :data:`SYNC_VALUES` from run.json's ``sync`` section, or None and why it is
+    missing (the check then fails closed). A NaN in any sync is the value (it fails closed too)."""
+    if sync is None:
+        return None, "the run has no sync section (it did not probe the weight sync)"
+    if name == "sync_findings":
+        findings = sync.get("findings")
+        if not isinstance(findings, list):
+            return None, "its sync section lists no findings"
+        return float(len(findings)), ""
+    if name == "sync_stale_cache_k3":
+        stale = sync.get("stale_cache")
+        if not isinstance(stale, Mapping):
+            return None, "the run did not measure a stale prefix cache (sync.stale_cache is null)"
+        value = _number((stale.get("stale") or {}).get("k3"))
+        return value, "" if value is not None else "sync.stale_cache.stale has no k3"
+    key = SYNC_FIDELITY[name]
+    repeats = sync.get("repeats") or []
+    if not repeats:
+        return None, "its sync section has no syncs (repeats)"
+    values = []
+    for k, r in enumerate(repeats):
+        value = _number((r.get("fidelity") or {}).get(key))
+        if value is None:
+            return None, f"sync {r.get('repeat', k + 1)} has no fidelity.{key} (its log-probs were not compared)"
+        values.append(value)
+    return next((v for v in values if math.isnan(v)), max(values)), ""
 
 
 @dataclass
@@ -109,8 +144,12 @@ def load_gate(path: str | Path) -> GateSpec:
         if item.metric is not None:
             path_ = resolve_metric(item.metric)
             m = _TURN_INDEX.match(path_)
-            if path_ not in known and not (m and f"metrics.{m.group('key')}" in known):
-                close = closest(path_, known, cutoff=0.75)
+            if path_ not in known | set(SYNC_VALUES) and not (m and f"metrics.{m.group('key')}" in known):
+                close = (
+                    closest(item.metric, SYNC_VALUES, cutoff=0.75)
+                    if item.metric.startswith("sync")
+                    else closest(path_, known, cutoff=0.75)
+                )
                 raise thresholds.error(
                     k,
                     f"unknown metric {item.metric!r}",
@@ -233,6 +272,8 @@ def sequence_values(run_dir: str | Path) -> dict[str, dict]:
 
 def _value(check: Check, record: RunRecord, run_dir: Path | None, cache: dict):
     """(value, None) or (None, error message) for a check on one run."""
+    if check.metric in SYNC_VALUES:
+        return sync_value(check.metric, record.sync)[0], None
     if check.metric:
         return _number(record.lookup(check.metric)), None
     if check.sequence_metric is None or check.statistic is None:  # CheckSpec validation gives both
@@ -249,6 +290,13 @@ def _value(check: Check, record: RunRecord, run_dir: Path | None, cache: dict):
     if isinstance(seqs, Exception):
         return None, f"cannot compute sequence statistics: {seqs}"
     return sequence_statistic(seqs[check.turns][check.sequence_metric], check.statistic, check.above), None
+
+
+def _missing(check: Check, record: RunRecord) -> str:
+    """Why a check's value is missing from the run, where the gate can say (else "")."""
+    if check.metric in SYNC_VALUES:
+        return sync_value(check.metric, record.sync)[1]
+    return ""
 
 
 def evaluate(
@@ -313,6 +361,7 @@ def evaluate(
             bound = c.baseline_factor * baseline_value
         shown_bound = c.describe_bound(baseline_value)
         if value is None or not math.isfinite(value):
+            why = _missing(c, record) if value is None else ""
             results.append(
                 CheckResult(
                     status="FAIL",
@@ -320,7 +369,7 @@ def evaluate(
                     bound=shown_bound,
                     threshold=bound,
                     baseline_value=baseline_value,
-                    message=f"value is {significant(value)}: the gate fails closed",
+                    message=f"value is {significant(value)}" + (f" ({why})" if why else "") + ": the gate fails closed",
                     **base,
                 )
             )

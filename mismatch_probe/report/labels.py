@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from mismatch_probe.analysis.metric_docs import negative_chi2_note
-from mismatch_probe.numbers import fmt, mib
+from mismatch_probe.numbers import fmt, mib, pct
 from mismatch_probe.record import EngineInfo, Environment, Inputs, ReferenceInfo, RunRecord
 
 # an imported dump re-scored by the reference (record.trainer): its trainer's log-probs against both
@@ -256,6 +256,101 @@ def _dotted(d: dict, prefix: str = "") -> dict:
         else:
             out[f"{prefix}{k}"] = v
     return out
+
+
+# ---- the weight-sync probe (record.sync) --------------------------------------------------------
+
+SYNC_CLEAN = "the synced engine matches a fresh load bit for bit"
+# the start checkpoint the probe makes itself (config/spec.py: PERTURBED)
+SYNC_START = {"perturbed": "perturbed (the model with small deterministic noise, made by the probe)"}
+# the sync's timings (sync.timings), in the order shown; sync_s holds one duration per sync
+SYNC_TIMING_LABELS = {
+    "fresh_engine_start_s": "fresh engine start (for the comparison)",
+    "engine_start_s": "synced engine start (from the start checkpoint)",
+}
+
+
+def sync_findings(sync: Mapping[str, Any]) -> list[str]:
+    """Each finding of a weight sync, as its message."""
+    return [str(f.get("message") or f.get("kind")) for f in sync.get("findings") or []]
+
+
+def sync_verdict(sync: Mapping[str, Any]) -> tuple[bool, str]:
+    """(clean, the headline): clean when no finding and every sync's prefill log-probs equal a fresh
+    engine's bit for bit; else how many findings (their messages: :func:`sync_findings`), or which
+    sync was not shown to match."""
+    findings = sync.get("findings") or []
+    if findings:
+        return False, f"{len(findings)} finding{'s' if len(findings) > 1 else ''} in the weight sync"
+    if sync.get("complete") is False:  # the sample stage's measurements, before the analysis compared them
+        return False, "not analyzed yet: the syncs were measured but not compared with a fresh engine"
+    repeats = sync.get("repeats") or []
+    if not repeats:
+        return False, "no sync was measured"
+    shares = [(r.get("repeat", k + 1), (r.get("fidelity") or {}).get("bitwise_share")) for k, r in enumerate(repeats)]
+    off = [(k, share) for k, share in shares if share != 1]
+    if not off:
+        return True, SYNC_CLEAN
+    return False, "no finding, but not shown to match a fresh load bit for bit: " + "; ".join(
+        f"sync {k}: " + ("log-probs not compared" if share is None else f"{pct(share)} of tokens bitwise equal")
+        for k, share in off
+    )
+
+
+def sync_setup_rows(sync: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """What the sync probe did: the engine, where it started from, the sync's settings, and MoE
+    routing after the sync where the engine reports it."""
+    settings = dict(sync.get("settings") or {})
+    start = settings.pop("start_from", None)
+    rows = [
+        ("engine", str(sync.get("engine") or "-")),
+        ("started from", SYNC_START.get(str(start), str(start)) if start is not None else "-"),
+        ("sync settings", ", ".join(f"{k}={v}" for k, v in settings.items()) or "-"),
+    ]
+    if sync.get("fault_injected"):
+        rows.append(("fault injected (a test's)", str(sync["fault_injected"])))
+    fid = sync.get("fidelity")
+    if isinstance(fid, Mapping) and fid:  # the last sync's prefill of the run's own rollouts
+        line = (
+            f"{pct(fid.get('bitwise_share'))} of {fmt(fid.get('tokens'))} model tokens bitwise equal, "
+            f"max |Δ log p| {fmt(fid.get('max_abs_dlogp'))}, K3 {fmt(fid.get('k3'))}"
+        )
+        rows.append(("the rollouts, synced vs fresh prefill", line))
+    routing = sync.get("routing")
+    if isinstance(routing, Mapping) and routing:
+        if "unavailable" in routing:
+            line = f"not measured: {routing['unavailable']}"
+        else:
+            line = ", ".join(f"{k} {fmt(v)}" for k, v in routing.items() if not isinstance(v, (Mapping, list)))
+        rows.append(("MoE routing after the sync", line or "-"))
+    return rows
+
+
+def sync_engine_report(report: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """A sync's report as the engine gave it (``repeats[k].report``): the update call, what the
+    engine loaded and did not, the prefix-cache reset, the dtype sent; a fault injected by a test."""
+    engine = dict(report.get("engine_report") or {})
+    rows = [("update call", str(report.get("call") or "-"))]
+    if "loaded" in engine:
+        rows.append(("loaded", fmt(engine.pop("loaded"))))
+    if "not_loaded" in engine:
+        missing = engine.pop("not_loaded") or []
+        rows.append(("not loaded", ", ".join(map(str, missing)) if missing else "none"))
+    rows += [(str(k).replace("_", " "), _plain(v)) for k, v in engine.items()]
+    reset = report.get("reset_prefix_cache")
+    if isinstance(reset, Mapping):
+        rows.append(("prefix cache reset", f"{reset.get('call', '-')}: {_plain(reset.get('result'))}"))
+    elif reset is not None:
+        rows.append(("prefix cache reset", _plain(reset)))
+    if report.get("dtype_sent") is not None:
+        rows.append(("dtype sent", str(report["dtype_sent"])))
+    if report.get("fault"):
+        rows.append(("fault injected (a test's)", str(report["fault"])))
+    return rows
+
+
+def _plain(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, (Mapping, list)) else fmt(value)
 
 
 # ---- what the numbers alone do not say ---------------------------------------------------------

@@ -6,7 +6,7 @@ They open anywhere (a terminal, an editor, a CI artifact viewer, GitHub). Every 
 
 from __future__ import annotations
 
-from mismatch_probe.report.model import RunView, Table
+from mismatch_probe.report.model import RunView, SyncView, Table
 from mismatch_probe.report.sweep import SweepView
 
 
@@ -57,6 +57,8 @@ def render_run(view: RunView) -> str:
         out += table(t)
     for t in view.routing:
         out += table(t)
+    if view.sync is not None:
+        out += sync(view.sync)
     out += [
         "## Figures",
         "",
@@ -67,6 +69,17 @@ def render_run(view: RunView) -> str:
     out += table(view.worst)
     out += ["## The run", ""] + _pairs(view.run) + table(view.timings, "###")
     return "\n".join(out).rstrip("\n") + "\n"
+
+
+def sync(view: SyncView) -> list[str]:
+    """The weight-sync probe's section: the verdict (and each finding), what was synced, its tables."""
+    out = ["## Weight sync", "", f"**{md_cell(view.verdict)}**", ""]
+    out += [f"- {md_cell(line)}" for line in view.findings] + ([""] if view.findings else [])
+    out += _pairs(view.setup)
+    out += table(view.repeats, "###") + table(view.stale_cache, "###") + table(view.vs_fresh, "###")
+    if view.engine_report:
+        out += ["### The engine's report of the last sync", ""] + _pairs(view.engine_report)
+    return out + table(view.timings, "###")
 
 
 def render_sweep(view: SweepView) -> str:

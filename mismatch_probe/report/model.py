@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from mismatch_probe.analysis.metric_docs import CORRECTION_DOCS, METRIC_DOC, METRIC_DOCS, k3_context, rank
 from mismatch_probe.files import portable_path, resolve_from_dir
-from mismatch_probe.numbers import fmt, pct, ratio, seconds, short, tick
+from mismatch_probe.numbers import fmt, fold, pct, ratio, seconds, short, tick
 from mismatch_probe.record import RunRecord
 from mismatch_probe.report import labels
 from mismatch_probe.report.data import RunData
@@ -76,6 +76,23 @@ class Span:
     gap: int = 0
 
 
+@dataclass
+class SyncView:
+    """The weight-sync probe's part of a run's pages (``record.sync``): the verdict, each sync of the
+    same weights, the stale-cache and fresh-engine comparisons, the engine's own report of the last
+    sync, the timings."""
+
+    clean: bool
+    verdict: str
+    findings: list[str]  # each finding's message
+    setup: list[tuple[str, str]]
+    repeats: Table
+    stale_cache: Table  # no rows when the run did not measure it
+    vs_fresh: Table
+    engine_report: list[tuple[str, str]]
+    timings: Table
+
+
 class View:
     """A page's view model: plain data, serializable as JSON (``report --json``)."""
 
@@ -107,6 +124,7 @@ class RunView(View):
     worst_has_text: bool
     run: list[tuple[str, str]]
     timings: Table
+    sync: SyncView | None = None  # a run that synced its engine's weights ([sync])
     version: str = __version__
 
 
@@ -277,6 +295,124 @@ def routing_tables(record: RunRecord) -> tuple[str, list[Table]]:
         ],
     )
     return lead, [tokens, layers]
+
+
+SYNC_NAMES_SHOWN = 4  # differing parameters named in a sync's row (all of them are in run.json)
+
+
+def _seconds(value) -> str:
+    return seconds(value) if isinstance(value, int | float) and not isinstance(value, bool) else "-"
+
+
+def _differing(weights: dict) -> str:
+    """A sync's parameters that differ from a fresh load, the first few by name; or why they were
+    not compared."""
+    if "unavailable" in weights:
+        return f"not compared: {weights['unavailable']}"
+    names, compared = weights.get("differing"), weights.get("compared")
+    if names is None:
+        return "-"
+    of = f" of {fmt(compared)}" if compared is not None else ""
+    if not names:
+        return f"none{of}"
+    shown = ", ".join(map(str, names[:SYNC_NAMES_SHOWN]))
+    more = f", … {len(names) - SYNC_NAMES_SHOWN} more" if len(names) > SYNC_NAMES_SHOWN else ""
+    return f"{len(names)}{of}: {shown}{more}"
+
+
+def sync_view(record: RunRecord) -> SyncView | None:
+    """The weight-sync probe's section, or None for a run that did not sync."""
+    sync = record.sync
+    if sync is None:
+        return None
+    repeats = sync.get("repeats") or []
+    rows = []
+    for k, r in enumerate(repeats):
+        report, fid, weights = r.get("report") or {}, r.get("fidelity") or {}, r.get("weights") or {}
+        rows.append(
+            Row(
+                [str(r.get("repeat", k + 1)), str(report.get("transfer") or "-"), fmt(report.get("buckets"))]
+                + [fmt(report.get("bytes")), _seconds(report.get("seconds"))]
+                + [fmt(fid.get("tokens")), pct(fid.get("bitwise_share")), fmt(fid.get("max_abs_dlogp"))]
+                + [fmt(fid.get("k3")), _differing(weights)]
+            )
+        )
+    repeats_table = Table(
+        "sync_repeats",
+        "Each sync of the same weights",
+        [Column("sync", "text"), Column("transfer", "text"), Column("buckets"), Column("bytes"), Column("seconds")]
+        + [Column("tokens"), Column("bitwise share"), Column("max |Δ log p|"), Column("K3")]
+        + [Column("differing parameters", "text")],
+        rows,
+        lead="The synced engine's prefill log-probs against a fresh engine's (loaded from the same weights) on "
+        "the same tokens, and its parameters against the fresh engine's: the error the sync path adds.",
+    )
+    stale = sync.get("stale_cache") or {}
+    stale_table = Table(
+        "sync_stale_cache",
+        "Stale prefix cache",
+        [Column("prefix cache", "text"), Column("tokens"), Column("K3 decode vs prefill"), Column("max |Δ log p|")],
+        [
+            Row([label, fmt(side.get("tokens")), fmt(side.get("k3")), fmt(side.get("max_abs_dlogp"))])
+            for label, side in (
+                ("holding the old weights' entries", stale.get("stale") or {}),
+                ("after a reset", stale.get("clean") or {}),
+            )
+        ]
+        if stale
+        else [],
+        lead="The engine's decode against its own prefill with the prefix cache holding entries computed with "
+        "the weights it started from, and after a reset"
+        + (
+            f": K3 with the stale cache is {fold(stale['ratio'])} the K3 after the reset."
+            if stale.get("ratio") is not None
+            else "."
+        ),
+    )
+    fresh = sync.get("vs_fresh") or {}
+    interval = fresh.get("interval")
+    within = fresh.get("within_noise")
+    fresh_table = Table(
+        "sync_vs_fresh",
+        "Synced vs fresh engine, against the reference",
+        [Column("tokens"), Column("K3 synced"), Column("K3 fresh"), Column("difference"), Column("interval", "text")]
+        + [Column("within noise", "text")],
+        [
+            Row(
+                [fmt(fresh.get("tokens")), fmt(fresh.get("k3_synced")), fmt(fresh.get("k3_fresh"))]
+                + [fmt(fresh.get("difference"))]
+                + [f"[{fmt(interval[0])}, {fmt(interval[1])}]" if interval and len(interval) == 2 else "-"]
+                + ["-" if within is None else "yes" if within else "no"]
+            )
+        ]
+        if fresh
+        else [],
+        lead="Mismatch (K3) against the reference of the synced engine's prefill and of a fresh engine's on the "
+        "same tokens; the interval of the difference is a sequence bootstrap, within noise when it covers 0.",
+    )
+    timings = sync.get("timings") or {}
+    timing_rows = [
+        Row([label, _seconds(timings[key])]) for key, label in labels.SYNC_TIMING_LABELS.items() if key in timings
+    ]
+    timing_rows += [Row([f"sync {k + 1}", _seconds(t)]) for k, t in enumerate(timings.get("sync_s") or [])]
+    timing_rows += [
+        Row([key.removesuffix("_s").replace("_", " "), _seconds(v)])
+        for key, v in timings.items()
+        if key not in labels.SYNC_TIMING_LABELS and key != "sync_s"
+    ]
+    clean, verdict = labels.sync_verdict(sync)
+    last = (repeats[-1].get("report") or {}) if repeats else {}
+    return SyncView(
+        clean=clean,
+        verdict=verdict,
+        findings=labels.sync_findings(sync),
+        setup=_kv(labels.sync_setup_rows(sync)),
+        repeats=repeats_table,
+        stale_cache=stale_table,
+        vs_fresh=fresh_table,
+        engine_report=_kv(labels.sync_engine_report(last)) if last else [],
+        timings=Table("sync_timings", "Weight sync timings", [Column("step", "text"), Column("seconds")], timing_rows),
+    )
 
 
 def headline(record: RunRecord) -> list[Card]:
@@ -460,6 +596,7 @@ def run_view(record: RunRecord, path: Path, dist: dict | None = None) -> RunView
         worst_has_text=any(s["tokens"].get("text") is not None for s in worst),
         run=_run_rows(record),
         timings=timings_table(record),
+        sync=sync_view(record),
     )
 
 

@@ -45,11 +45,16 @@ def note(line: str) -> str:
 
 
 def print_run(console: Console, view: RunView) -> None:
-    """A run's summary: its metric and correction tables, the routing agreement, notes, timings."""
+    """A run's summary: its metric and correction tables, the routing agreement, the weight sync's
+    verdict and findings, notes, timings."""
     console.print(table(view.metrics, f"mismatch: {view.subtitle}"))
     console.print(table(view.corrections, "correction what-ifs (share of the data a trainer would clip or drop)"))
     if view.routing_lead:
         console.print(escape(f"MoE routing: {view.routing_lead}"))
+    if view.sync is not None:
+        console.print(escape(f"weight sync: {view.sync.verdict}"))
+        for line in view.sync.findings:
+            console.print(note(NOTE + line))
     for line in view.notes:
         console.print(note(line))
     if view.timings.rows:
