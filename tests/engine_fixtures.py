@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from conftest import DENSE, SGLANG_PYTHON
 
-from mismatch_probe.config.spec import EngineSpec, SamplingSpec
+from mismatch_probe.config.spec import EngineSpec, SamplingSpec, SyncSpec
 from mismatch_probe.engines import Completion, GenerationRequest, get_entry
 from mismatch_probe.engines.process import EngineProcess
 
@@ -34,6 +34,10 @@ def hf_spec(**kw) -> EngineSpec:
     return EngineSpec(**{"name": "hf", "dtype": "bfloat16", **kw})
 
 
+# the shared engines that start ready to take a weight sync (tests/engines/test_*_sync.py)
+SYNCED = ("vllm", "sglang")
+
+
 @dataclass(frozen=True)
 class Config:
     """How one engine is started for the shared tests, and the sampling they use with it."""
@@ -45,7 +49,10 @@ class Config:
     sampling: SamplingSpec
 
     def start(self, log_path) -> EngineProcess:
-        return EngineProcess(get_entry(self.name), DENSE, self.spec(**self.shared), log_path=log_path)
+        # vLLM and SGLang ready their weight-update path (a worker extension, a custom loader; the
+        # numerics are the same), so the sync tests can digest and sync the shared engine
+        sync = SyncSpec(start_from="perturbed") if self.name in SYNCED else None
+        return EngineProcess(get_entry(self.name), DENSE, self.spec(**self.shared), log_path=log_path, sync=sync)
 
 
 CONFIGS = {
@@ -127,9 +134,10 @@ POOL = _Pool()
 
 def engine_used(item) -> str | None:
     """The shared engine a collected test uses: a ``<name>_engine`` fixture, or the conformance
-    suite's ``engine`` parameter."""
+    suite's ``engine`` parameter; or a ``<name>_server`` fixture (tests/engines/test_remote_servers.py:
+    a module's server of that engine starts once when its tests run in one worker, as the engine's do)."""
     for name in CONFIGS:
-        if f"{name}_engine" in item.fixturenames:
+        if f"{name}_engine" in item.fixturenames or f"{name}_server" in item.fixturenames:
             return name
     params = getattr(getattr(item, "callspec", None), "params", {})
     return params.get("engine") if "engine" in item.fixturenames and params.get("engine") in CONFIGS else None

@@ -12,6 +12,8 @@ from conftest import ROOT
 
 REFERENCE = re.compile(r"([a-z_][a-z0-9_/]*\.py): ([A-Za-z_][A-Za-z0-9_]*)")
 CODE_DIRS = ("mismatch_probe", "tests", "scripts", "benchmarks", "examples")
+# the top directories of the engines' sources (sglang's as ``srt/...`` too): not this repository's
+ENGINE_SOURCES = ("vllm", "sglang", "srt")
 
 
 def defined_names(path: Path) -> set[str]:
@@ -33,6 +35,8 @@ def test_every_path_and_name_reference_resolves():
     checked, broken = 0, []
     for text in texts:
         for path, name in REFERENCE.findall(text.read_text()):
+            if path.split("/")[0] in ENGINE_SOURCES:
+                continue  # a file of an engine's own sources, cited where its behaviour is relied on
             files = [p for p in sources if p.as_posix().endswith("/" + path)]
             checked += 1
             if not files:
