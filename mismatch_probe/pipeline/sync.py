@@ -171,6 +171,10 @@ def sample_synced(ctx: RunContext, missing: list[int], sample_shards) -> None:
     finally:
         fresh.close()
 
+    # the transfer's checkpoint and the perturbed start are the size of the model: a resume rebuilds them
+    shutil.rmtree(sync_dir / "trainer-checkpoint", ignore_errors=True)
+    if spec.sync.start_from == PERTURBED:
+        shutil.rmtree(sync_dir / "start-perturbed", ignore_errors=True)
     n_experts = _n_experts(ctx)
     for item in repeats:
         r = item["repeat"]
