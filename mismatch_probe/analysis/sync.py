@@ -253,7 +253,7 @@ def sync_findings(repeats: list[dict], stale: dict | None, rollouts: dict | None
     if not out:
         sides = [(f"after sync {r['repeat']}, on the prompts", r.get("fidelity")) for r in repeats]
         sides.append(("on the sampled tokens", rollouts))
-        bad = [(where, fid) for where, fid in sides if fid and fid.get("bitwise_share") not in (None, 1.0)]
+        bad = [(where, fid) for where, fid in sides if fid and fid.get("bitwise_share", 1.0) not in (None, 1.0)]
         if bad:
             where, fid = bad[0]
             out.append(

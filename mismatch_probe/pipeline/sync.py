@@ -40,6 +40,7 @@ from mismatch_probe.table.tokens import ROLLOUTS_DIR, read_rollout_shard, shard_
 SYNC_DIR = "sync"
 FRESH_PREFILL = "fresh-prefill.parquet"
 WARM_MAX_TOKENS = 1  # a warm-up request only needs its prompt's blocks in the cache
+REMOTE = "remote"  # the engine of a running server (engines/remote.py)
 
 
 def _prompt_ids(ctx: RunContext) -> list[np.ndarray]:
@@ -53,6 +54,12 @@ def start_checkpoint(ctx: RunContext) -> Path:
 
     start = ctx.spec.sync.start_from
     assert start is not None
+    if start == PERTURBED and ctx.spec.engine.name == REMOTE:
+        raise ConfigError(
+            "sync.start_from = 'perturbed' makes a checkpoint a server would have to be started from",
+            hint="start the server from the weights before the step and give that directory as sync.start_from "
+            "(the server must serve it)",
+        )
     if start == PERTURBED:
         return perturbed_checkpoint(ctx.model_path, ctx.out / SYNC_DIR / "start-perturbed")
     path = Path(start)
@@ -152,24 +159,32 @@ def sample_synced(ctx: RunContext, missing: list[int], sample_shards) -> None:
             engine.close()
         record.engine_process = engine.describe()
 
-    progress.log(f"[sync] fresh engine {entry.name} from {portable_path(ctx.model_path)}: the baseline")
-    t0 = time.perf_counter()
-    fresh = EngineProcess(
-        entry,
-        ctx.model_path,
-        spec.engine,
-        log_path=out / ENGINE_LOG,
-        trust_remote_code=spec.trust_remote_code,
-        sync=sync,
-    )
-    timings["fresh_engine_start_s"] = round(time.perf_counter() - t0, 3)
-    try:
-        if fresh.supports_digest:
-            digests["fresh"] = fresh.weight_digest(sync_dir / "digest-fresh.npz")
-        fresh_prompts = _prefill(fresh, prompts, [1] * len(prompts))
-        _write_fresh_prefill(ctx, fresh)
-    finally:
-        fresh.close()
+    fresh_prompts = None
+    if entry.name == REMOTE:  # the server now holds the synced weights: no fresh load to compare with
+        fresh_unavailable = (
+            "a server is started by its owner, not by the probe, so no fresh load of the model is compared; "
+            "start a second server from the model and probe it for the baseline"
+        )
+    else:
+        fresh_unavailable = None
+        progress.log(f"[sync] fresh engine {entry.name} from {portable_path(ctx.model_path)}: the baseline")
+        t0 = time.perf_counter()
+        fresh = EngineProcess(
+            entry,
+            ctx.model_path,
+            spec.engine,
+            log_path=out / ENGINE_LOG,
+            trust_remote_code=spec.trust_remote_code,
+            sync=sync,
+        )
+        timings["fresh_engine_start_s"] = round(time.perf_counter() - t0, 3)
+        try:
+            if fresh.supports_digest:
+                digests["fresh"] = fresh.weight_digest(sync_dir / "digest-fresh.npz")
+            fresh_prompts = _prefill(fresh, prompts, [1] * len(prompts))
+            _write_fresh_prefill(ctx, fresh)
+        finally:
+            fresh.close()
 
     # the transfer's checkpoint and the perturbed start are the size of the model: a resume rebuilds them
     shutil.rmtree(sync_dir / "trainer-checkpoint", ignore_errors=True)
@@ -180,7 +195,11 @@ def sample_synced(ctx: RunContext, missing: list[int], sample_shards) -> None:
         r = item["repeat"]
         with np.load(sync_dir / f"prompts-synced-{r}.npz") as data:
             synced = [data[f"arr_{i}"] for i in range(len(prompts))]
-        item["fidelity"] = logprob_fidelity(np.concatenate(synced), np.concatenate(fresh_prompts))
+        item["fidelity"] = (
+            logprob_fidelity(np.concatenate(synced), np.concatenate(fresh_prompts))
+            if fresh_prompts is not None
+            else {"unavailable": fresh_unavailable}
+        )
         if "fresh" in digests:
             differing, found = weight_findings(
                 digests["before"], digests[f"repeat-{r}"], digests["fresh"], n_experts=n_experts
@@ -199,6 +218,7 @@ def sample_synced(ctx: RunContext, missing: list[int], sample_shards) -> None:
                 "repeats": repeats,
                 "stale_cache": stale,
                 "timings": timings,
+                "fresh_unavailable": fresh_unavailable,
                 "complete": False,  # the analyze stage adds the comparisons with the reference
             }
         }
@@ -250,7 +270,12 @@ def _n_experts(ctx: RunContext) -> int | None:
 
 def sync_incomplete(ctx: RunContext) -> bool:
     """A run with [sync] whose sample stage did not finish its sync probe (it redoes the stage)."""
-    return ctx.spec.sync.enabled and (ctx.record.sync is None or not (ctx.out / SYNC_DIR / FRESH_PREFILL).is_file())
+    if not ctx.spec.sync.enabled:
+        return False
+    section = ctx.record.sync
+    if section is None:
+        return True
+    return section.get("fresh_unavailable") is None and not (ctx.out / SYNC_DIR / FRESH_PREFILL).is_file()
 
 
 def restart_sample_stage(ctx: RunContext) -> None:
@@ -273,6 +298,14 @@ def analyze_sync(ctx: RunContext) -> dict | None:
     if section is None:
         return None
     section = dict(section)
+    if section.get("fresh_unavailable"):
+        unavailable = {"unavailable": section["fresh_unavailable"]}
+        section.update(fidelity=unavailable, vs_fresh=unavailable)
+        section["findings"] = sync_findings(section.get("repeats", []), section.get("stale_cache"))
+        section["routing"] = _routing_note(ctx)
+        section["clean"] = not section["findings"]
+        section["complete"] = True
+        return section
     fresh = pq.read_table(ctx.out / SYNC_DIR / FRESH_PREFILL)
     fresh_by_id = dict(zip(fresh.column("sample_id").to_pylist(), fresh.column("logp_fresh").to_pylist()))
     table = ds.dataset(ctx.out / TOKENS_DIR, format="parquet").to_table(
