@@ -69,8 +69,8 @@ def sync_value(name: str, sync: Mapping[str, Any] | None) -> tuple[float | None,
         stale = sync.get("stale_cache")
         if not isinstance(stale, Mapping):
             return None, "the run did not measure a stale prefix cache (sync.stale_cache is null)"
-        value = _number((stale.get("stale") or {}).get("k3"))
-        return value, "" if value is not None else "sync.stale_cache.stale has no k3"
+        value = _number(stale.get("k3"))
+        return value, "" if value is not None else "sync.stale_cache has no k3"
     key = SYNC_FIDELITY[name]
     repeats = sync.get("repeats") or []
     if not repeats:

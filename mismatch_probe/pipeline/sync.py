@@ -12,8 +12,8 @@ Sample stage (:func:`sample_synced`), in order:
    reset as set), digests its parameters and re-scores the prompts with its prefill (the fixed token
    set of every repeat); between repeats it samples the prompts again;
 4. the run's rollouts are sampled as in any run (decode, then the engine's own prefill);
-5. ``warm_cache`` without a reset: the first shard's prompts are sampled again after a reset (the
-   clean side of the stale-cache comparison);
+5. ``warm_cache`` without a reset: the prompts decoded greedily before the rollouts (the cache holds
+   the old weights' entries) and again after a reset: the stale-cache comparison;
 6. the engine closes, and a fresh engine loaded from the model digests its parameters and prefills
    the prompts and every rollout: ``sync/fresh-prefill.parquet``.
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mismatch_probe.config.spec import PERTURBED
+from mismatch_probe.config.spec import PERTURBED, SamplingSpec
 from mismatch_probe.engines.base import GenerationRequest, ScoreRequest
 from mismatch_probe.errors import ConfigError
 from mismatch_probe.files import portable_path
@@ -40,6 +40,8 @@ from mismatch_probe.table.tokens import ROLLOUTS_DIR, read_rollout_shard, shard_
 SYNC_DIR = "sync"
 FRESH_PREFILL = "fresh-prefill.parquet"
 WARM_MAX_TOKENS = 1  # a warm-up request only needs its prompt's blocks in the cache
+STALE_CHECK_TOKENS = 8  # greedy tokens per prompt that compare a stale cache with a reset one
+GREEDY = SamplingSpec(temperature=0.0, top_p=1.0, top_k=0, max_tokens=STALE_CHECK_TOKENS, n=1, seed=0)
 REMOTE = "remote"  # the engine of a running server (engines/remote.py)
 
 
@@ -78,17 +80,25 @@ def _sample_prompts(engine, ctx: RunContext, max_tokens: int, seed: int) -> list
     return engine.generate(requests, ctx.spec.sampling, stop_token_ids=ctx.inputs.stop_token_ids, seed=seed)
 
 
-def _decode_vs_prefill(engine, ctx: RunContext, seed: int) -> dict:
-    """Sample the prompts and re-score the answers with the same engine's prefill: decode against
-    prefill on the same tokens (``analysis/sync.py: logprob_fidelity``)."""
-    from mismatch_probe.analysis.sync import logprob_fidelity
+def _greedy_prompts(engine, ctx: RunContext) -> list:
+    """The prompts decoded greedily for a few tokens: the same requests give the same answers unless
+    what the engine reuses (its prefix cache) changed."""
+    assert ctx.inputs is not None
+    requests = [GenerationRequest(ids, STALE_CHECK_TOKENS) for ids in _prompt_ids(ctx)]
+    return engine.generate(requests, GREEDY, stop_token_ids=ctx.inputs.stop_token_ids, seed=0)
 
-    prompts = _prompt_ids(ctx)
-    answers = _sample_prompts(engine, ctx, ctx.spec.sampling.max_tokens, seed)
-    full = [np.concatenate([p, a.token_ids]).astype(np.int32) for p, a in zip(prompts, answers)]
-    scored = _prefill(engine, full, [len(p) for p in prompts])
-    decode = np.concatenate([a.logprobs for a in answers]) if answers else np.zeros(0)
-    return logprob_fidelity(decode, np.concatenate(scored) if scored else np.zeros(0))
+
+def _common_prefix_logprobs(stale: list, clean: list) -> tuple[np.ndarray, np.ndarray]:
+    """Each answer's log-probs over the tokens both sides chose alike (greedy answers part where the
+    stale cache changed the argmax; what follows is another context, not comparable)."""
+    a, b = [], []
+    for x, y in zip(stale, clean):
+        n = min(len(x.token_ids), len(y.token_ids))
+        same = np.flatnonzero(np.asarray(x.token_ids[:n]) != np.asarray(y.token_ids[:n]))
+        k = int(same[0]) + 1 if same.size else n  # the first differing token's own log-prob still compares
+        a.append(np.asarray(x.logprobs[:k]))
+        b.append(np.asarray(y.logprobs[:k]))
+    return (np.concatenate(a), np.concatenate(b)) if a else (np.zeros(0), np.zeros(0))
 
 
 def sample_synced(ctx: RunContext, missing: list[int], sample_shards) -> None:
@@ -147,13 +157,13 @@ def sample_synced(ctx: RunContext, missing: list[int], sample_shards) -> None:
             repeats.append({"repeat": r, "report": report})
             if r < sync.repeats:  # sampling between syncs, as a training step does
                 _sample_prompts(engine, ctx, spec.sampling.max_tokens, seed=spec.sampling.seed + r)
+        stale_answers = _greedy_prompts(engine, ctx) if sync.warm_cache and not sync.reset_prefix_cache else None
         sample_shards(ctx, engine, missing)
-        if sync.warm_cache and not sync.reset_prefix_cache:
-            # the run's rollouts were decoded with the old weights' cache entries; the clean side
-            # of the comparison: the same engine after a reset
-            stale_side = _stale_side(ctx, logprob_fidelity)
+        if stale_answers is not None:
+            # the run's rollouts were decoded with the old weights' entries in the cache: the same
+            # greedy requests before and after a reset tell what those entries changed
             engine.reset_prefix_cache()
-            stale = stale_cache(stale_side, _decode_vs_prefill(engine, ctx, seed=spec.sampling.seed))
+            stale = stale_cache(*_common_prefix_logprobs(stale_answers, _greedy_prompts(engine, ctx)))
     finally:
         with timed(ctx.timings, "engine_stop_s"):
             engine.close()
@@ -224,21 +234,6 @@ def sample_synced(ctx: RunContext, missing: list[int], sample_shards) -> None:
         }
     )
     ctx.save()
-
-
-def _stale_side(ctx: RunContext, fidelity) -> dict:
-    """Decode against the engine's own prefill over the first rollout shard's model tokens."""
-    rollouts = read_rollout_shard(ctx.out / ROLLOUTS_DIR / shard_name(0), None)
-    decode, prefill = [], []
-    for r in rollouts:
-        if r.logp_prefill is None:
-            continue
-        m = np.asarray(r.is_model_token, bool)
-        decode.append(np.asarray(r.logp_infer)[m])
-        prefill.append(np.asarray(r.logp_prefill)[m])
-    if not decode:
-        return {"tokens": 0, "bitwise_share": None, "max_abs_dlogp": None, "k3": None}
-    return fidelity(np.concatenate(decode), np.concatenate(prefill))
 
 
 def _write_fresh_prefill(ctx: RunContext, fresh) -> None:

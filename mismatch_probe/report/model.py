@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from mismatch_probe.analysis.metric_docs import CORRECTION_DOCS, METRIC_DOC, METRIC_DOCS, k3_context, rank
 from mismatch_probe.files import portable_path, resolve_from_dir
-from mismatch_probe.numbers import fmt, fold, pct, ratio, seconds, short, tick
+from mismatch_probe.numbers import fmt, pct, ratio, seconds, short, tick
 from mismatch_probe.record import RunRecord
 from mismatch_probe.report import labels
 from mismatch_probe.report.data import RunData
@@ -351,23 +351,17 @@ def sync_view(record: RunRecord) -> SyncView | None:
     stale_table = Table(
         "sync_stale_cache",
         "Stale prefix cache",
-        [Column("prefix cache", "text"), Column("tokens"), Column("K3 decode vs prefill"), Column("max |Δ log p|")],
+        [Column("tokens"), Column("bitwise share"), Column("max |Δ log p|"), Column("K3")],
         [
-            Row([label, fmt(side.get("tokens")), fmt(side.get("k3")), fmt(side.get("max_abs_dlogp"))])
-            for label, side in (
-                ("holding the old weights' entries", stale.get("stale") or {}),
-                ("after a reset", stale.get("clean") or {}),
+            Row(
+                [fmt(stale.get("tokens")), pct(stale.get("bitwise_share"))]
+                + [fmt(stale.get("max_abs_dlogp")), fmt(stale.get("k3"))]
             )
         ]
         if stale
         else [],
-        lead="The engine's decode against its own prefill with the prefix cache holding entries computed with "
-        "the weights it started from, and after a reset"
-        + (
-            f": K3 with the stale cache is {fold(stale['ratio'])} the K3 after the reset."
-            if stale.get("ratio") is not None
-            else "."
-        ),
+        lead="The same greedy requests decoded with the prefix cache holding entries computed with the weights "
+        "the engine started from, against after a reset, on the tokens both chose alike.",
     )
     fresh = sync.get("vs_fresh") or {}
     interval = fresh.get("interval")

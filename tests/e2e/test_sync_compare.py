@@ -27,7 +27,8 @@ def test_sync_probe_names_the_stale_cache_and_the_stale_head(tmp_path):
     # vLLM 0.32 CPU's stale tied-LM-head kernel (tests/engines/test_vllm_sync.py), and the cache
     assert "not_updated" in kinds and "stale_prefix_cache" in kinds, sync["findings"]
     assert "drift_over_repeats" not in kinds
-    assert float(sync["stale_cache"]["ratio"]) >= 10  # "inf" in run.json when the reset side is bitwise
+    # the shared system prompt's block held the old weights' keys and values: greedy answers move
+    assert sync["stale_cache"]["max_abs_dlogp"] > 1e-3 and sync["stale_cache"]["bitwise_share"] < 1
     assert sync["vs_fresh"]["within_noise"] is False
     assert "Weight sync" in (out / "report.md").read_text()
     thresholds = tmp_path / "gate.toml"

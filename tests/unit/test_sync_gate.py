@@ -38,7 +38,7 @@ SYNC = {
         {"repeat": 2, "fidelity": fidelity(0.5, 0.004)},
         {"repeat": 3, "fidelity": fidelity(0.125, 0.002)},
     ],
-    "stale_cache": {"stale": {"tokens": 900, "k3": 0.02}, "clean": {"tokens": 910, "k3": 1e-5}, "ratio": 2000.0},
+    "stale_cache": {"tokens": 900, "bitwise_share": 0.4, "max_abs_dlogp": 1.3, "k3": 0.02},
     "vs_fresh": {"tokens": 1000},
     "findings": [
         {"kind": "precision", "parameters": ["model.embed_tokens.weight"], "message": "rounded"},
@@ -104,7 +104,7 @@ def test_a_clean_sync_passes_zero_bounds(tmp_path, example):
     clean = copy.deepcopy(SYNC) | {"findings": []}
     for r in clean["repeats"]:
         r["fidelity"] = fidelity(0.0, 0.0)
-    clean["stale_cache"]["stale"]["k3"] = 0.0
+    clean["stale_cache"]["k3"] = 0.0
     results = statuses(tmp_path, with_sync(example, clean), dict.fromkeys(SYNC_VALUES, 0))
     assert {r.status for r in results.values()} == {"PASS"}
 

@@ -82,12 +82,7 @@ FOUND = copy.deepcopy(CLEAN) | {
         )
         for k, share, dmax, k3 in ((1, 0.25, 1.5, 0.031), (2, 0.5, 0.75, 0.0042))
     ],
-    "stale_cache": {
-        "reset": False,
-        "stale": {"tokens": 900, "k3": 0.02, "max_abs_dlogp": 1.3},
-        "clean": {"tokens": 910, "k3": 1e-05, "max_abs_dlogp": 0.01},
-        "ratio": 2000.0,
-    },
+    "stale_cache": {"tokens": 900, "bitwise_share": 0.4, "max_abs_dlogp": 1.3, "k3": 0.02},
     "vs_fresh": {"k3_synced": 0.031, "k3_fresh": 0.0011, "difference": 0.0299}
     | {"interval": [0.021, 0.038], "within_noise": False, "tokens": 1234},
     "findings": [
@@ -182,11 +177,11 @@ def md_section(text: str) -> str:
 
 
 def test_the_record_keeps_the_sync_section_as_run_json_holds_it(tmp_path):
-    run = synced_run(tmp_path, FOUND | {"stale_cache": FOUND["stale_cache"] | {"ratio": math.inf}})
+    run = synced_run(tmp_path, FOUND | {"stale_cache": FOUND["stale_cache"] | {"k3": math.inf}})
     stored = json.loads((run / "run.json").read_text())
-    assert stored["sync"]["stale_cache"]["ratio"] == "inf"  # strict JSON
+    assert stored["sync"]["stale_cache"]["k3"] == "inf"  # strict JSON
     again = read_record(run)
-    assert again.sync is not None and again.sync["stale_cache"]["ratio"] == math.inf
+    assert again.sync is not None and again.sync["stale_cache"]["k3"] == math.inf
     assert again.sync["findings"] == FOUND["findings"] and again.sync["a_later_key"] == {"kept": True}
     assert again.sync["repeats"] == FOUND["repeats"]
 
@@ -265,13 +260,8 @@ def test_findings_stale_cache_and_a_k3_beyond_noise_are_shown(tmp_path):
     assert syncs in parsed.tables
 
     stale = md_table(section, "### Stale prefix cache")
-    assert stale == [
-        ["prefix cache", "tokens", "K3 decode vs prefill", "max |Δ log p|"],
-        ["holding the old weights' entries", "900", "0.0200", "1.3000"],
-        ["after a reset", "910", "1.000e-05", "0.0100"],
-    ]
+    assert stale == [["tokens", "bitwise share", "max |Δ log p|", "K3"], ["900", "40%", "1.3000", "0.0200"]]
     assert stale in parsed.tables
-    assert "K3 with the stale cache is 2e+03x the K3 after the reset" in section
 
     fresh = md_table(section, "### Synced vs fresh engine, against the reference")
     assert fresh[1] == ["1,234", "0.0310", "0.0011", "0.0299", "[0.0210, 0.0380]", "no"]
