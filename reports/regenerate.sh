@@ -22,6 +22,8 @@ if [ "${1:-}" = "--render" ]; then
   $mp report reports/parallelism-tp2/learner-{tp2,sp2,tp1} --out reports/parallelism-tp2/compare.html
   for run in reports/sweep-demo/points/*/; do $mp report "$run"; done
   $mp report reports/sweep-demo  # sweep.md and sweep.html from sweep.json
+  for run in reports/sync-sweep/points/*/; do $mp report "$run"; done
+  $mp report reports/sync-sweep
   exit 0
 fi
 $mp compare probes/demo.toml --out reports/example --overwrite
@@ -29,10 +31,11 @@ $mp compare probes/demo.toml --engine-dtype float32 --out reports/example-fp32 -
 $mp report reports/example reports/example-fp32 --out reports/example-compare.html
 $mp compare probes/parallelism-tp2.toml --out reports/parallelism-tp2 --overwrite
 $mp sweep probes/sweep-demo.toml --gate probes/gate-strict.toml --no-resume
+$mp sweep probes/sync-sweep.toml --no-resume
 root="$PWD/"
-find reports/example reports/example-fp32 reports/parallelism-tp2 reports/sweep-demo \
+find reports/example reports/example-fp32 reports/parallelism-tp2 reports/sweep-demo reports/sync-sweep \
   \( -name engine.log -o -name reference.log -o -path "*/engines/*.log" \) -exec sed -i "s|$root||g" {} +
-if grep -rlF "$root" reports/example reports/example-fp32 reports/parallelism-tp2 reports/sweep-demo reports/example-compare.html; then
+if grep -rlF "$root" reports/example reports/example-fp32 reports/parallelism-tp2 reports/sweep-demo reports/sync-sweep reports/example-compare.html; then
   echo "absolute paths of this checkout are left in the files above" >&2
   exit 1
 fi
