@@ -218,6 +218,9 @@ def sample_synced(ctx: RunContext, missing: list[int], sample_shards) -> None:
             item["weight_findings"] = found
         else:
             item["weights"] = {"unavailable": f"the {entry.name} engine does not expose its parameters"}
+    # the digests and the prompts' log-probs served the findings above (in run.json); a resume redoes them
+    for path in [*sync_dir.glob("digest-*.npz"), *sync_dir.glob("prompts-synced-*.npz")]:
+        path.unlink()
     record.update_sections(
         {
             "sync": {
