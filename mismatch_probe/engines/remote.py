@@ -64,6 +64,10 @@ from mismatch_probe.engines.http_client import (
 from mismatch_probe.errors import ConfigError, EngineError, ProbeError
 from mismatch_probe.modeling.logprobs import LogprobSemantics, engine_semantics
 
+# how long SGLang's /flush_cache may wait for the server to be idle, seconds
+# (srt/managers/scheduler_components/flush_wrapper.py: SchedulerFlushWrapper.handle)
+FLUSH_WAIT_S = 60.0
+
 # the text whose token ids the server's tokenizer must give as the checkpoint's does
 TOKENIZER_PROBE = "mismatch-probe: The quick brown fox jumps over 13 lazy dogs. ünïcödé, 漢字, 🙂\n\tend"
 # settings the in-process engines record under these names (the report's engine label reads them)
@@ -963,7 +967,10 @@ class SGLangDialect(_Dialect):
         }
 
     def reset_prefix_cache(self, engine: RemoteEngine) -> dict:
-        ok, answer = engine._sync_try("/flush_cache", None, "the radix cache flush (/flush_cache)")
+        # with a timeout SGLang flushes once it is idle (a flush while requests run is refused)
+        ok, answer = engine._sync_try(
+            "/flush_cache", None, "the radix cache flush (/flush_cache)", params={"timeout": FLUSH_WAIT_S}
+        )
         return {
             "call": "POST /flush_cache (srt/entrypoints/http_server.py: flush_cache)",
             "result": ok,

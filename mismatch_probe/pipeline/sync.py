@@ -226,7 +226,8 @@ def sample_synced(ctx: RunContext, missing: list[int], sample_shards) -> None:
             "sync": {
                 "settings": sync.model_dump(),
                 "engine": entry.name,
-                "start_checkpoint": portable_path(start),
+                # the perturbed start is rebuilt from the model on demand (and not kept)
+                "start_checkpoint": PERTURBED if sync.start_from == PERTURBED else portable_path(start),
                 "fault_injected": fault,
                 "repeats": repeats,
                 "stale_cache": stale,
