@@ -174,10 +174,10 @@ def weight_findings(
             )
         else:
             found.append(finding("weights_differ", f"{name} holds other weights than a fresh load", [name]))
-    return differing, _merge_fused(found)
+    return differing, _distinct(found)
 
 
-def _merge_fused(found: list[dict]) -> list[dict]:
+def _distinct(found: list[dict]) -> list[dict]:
     """One finding per kind and parameter set, in a stable order."""
     seen: set[tuple[str, tuple[str, ...]]] = set()
     out = []
