@@ -109,7 +109,9 @@ def test_two_dimensional_layout_repeats_kv_heads():
     logp, info = scored(DENSE, "float32", 2, 2)
     assert info["parallel"]["mesh"] == {"dp": 1, "sp": 2, "tp": 2}
     assert info["parallel"]["ulysses"]["kv_head_repeats"] == 2
-    assert np.abs(logp - scored(DENSE, "float32", 1, 2)[0]).max() < 2e-6
+    # float32 sums in another order: 1e-6-level, and larger where the CPU's kernels reduce in wider
+    # vectors (2.9e-6 measured with AVX-512/AMX, under 2e-6 without)
+    assert np.abs(logp - scored(DENSE, "float32", 1, 2)[0]).max() < 5e-6
     assert np.abs(logp - scored(DENSE, "float32", 1, 1)[0]).max() < 2e-5
 
 
