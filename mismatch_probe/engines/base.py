@@ -15,8 +15,9 @@ from mismatch_probe.errors import ConfigError
 from mismatch_probe.modeling.logprobs import LogprobSemantics
 
 
-def batch_seed(seed: int, batch_key: int) -> int:
-    """A per-batch (or per-request) seed, so a resumed run draws the same samples as an uninterrupted one."""
+def batch_seed(seed: int, batch_key: int | str) -> int:
+    """A per-batch (or per-request, or per-tensor) seed, so a resumed run draws the same samples as an
+    uninterrupted one."""
     digest = hashlib.sha256(f"{seed}:{batch_key}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 

@@ -928,18 +928,15 @@ class SGLangDialect(_Dialect):
                 hint="if a sync was interrupted, its session is still open: POST /end_weight_update to the server "
                 "closes it",
             )
-        n_buckets = n_tensors = n_bytes = 0
+        sent = ws.SentBuckets(named, sync.bucket_mb)
         messages: set[str] = set()
         failed: _RouteFailed | None = None
         try:
-            for bucket in ws.buckets(named, int(sync.bucket_mb * 2**20)):
-                n_buckets += 1
-                n_tensors += len(bucket)
-                n_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+            for bucket in sent:
                 payload = _pickled_bucket(bucket)
                 body = {"serialized_named_tensors": [payload] * server["tp_size"], "flush_cache": False}
                 answer = engine._sync_call(
-                    "/update_weights_from_tensor", body, f"bucket {n_buckets} (/update_weights_from_tensor)"
+                    "/update_weights_from_tensor", body, f"bucket {sent.buckets} (/update_weights_from_tensor)"
                 )
                 messages.add(str(answer.get("message")) if isinstance(answer, dict) else str(answer))
         except _RouteFailed as exc:
@@ -954,9 +951,7 @@ class SGLangDialect(_Dialect):
             "between POST /begin_weight_update and POST /end_weight_update (srt/entrypoints/http_server.py; "
             "-> model.load_weights); each bucket a pickle of CPU tensors, their bytes inline (base64), one copy "
             "per tensor-parallel rank",
-            "buckets": n_buckets,
-            "tensors": n_tensors,
-            "bytes": n_bytes,
+            **sent.counts(),
             "engine_report": {
                 "success": True,
                 "messages": sorted(messages),

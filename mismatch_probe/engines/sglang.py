@@ -441,13 +441,10 @@ class SGLangEngine:
             self._untied = bool(report["untied"].get("untied"))
         named = ws.trainer_tensors(weights_dir, sync.dtype, fault)
         if sync.transfer == "tensor":
-            n_buckets = n_tensors = n_bytes = 0
+            sent = ws.SentBuckets(named, sync.bucket_mb)
             answers: list[tuple[bool, str]] = []
             with self._weight_update_session() as session:
-                for bucket in ws.buckets(named, int(sync.bucket_mb * 2**20)):
-                    n_buckets += 1
-                    n_tensors += len(bucket)
-                    n_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+                for bucket in sent:
                     success, message = self.engine.update_weights_from_tensor(bucket, flush_cache=False)
                     answers.append((bool(success), str(message)))
                     if not success:
@@ -456,9 +453,7 @@ class SGLangEngine:
             report.update(
                 call="Engine.update_weights_from_tensor(bucket, flush_cache=False) per bucket, between "
                 "Engine.begin_weight_update and Engine.end_weight_update (-> model.load_weights)",
-                buckets=n_buckets,
-                tensors=n_tensors,
-                bytes=n_bytes,
+                **sent.counts(),
                 engine_report={
                     "success": not failed and session["end"][0],
                     "messages": sorted({m for _, m in answers}),

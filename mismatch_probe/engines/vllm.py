@@ -532,20 +532,15 @@ class VLLMEngine:
         params = set(self.llm.collective_rpc("probe_parameter_names")[0])
         if sync.transfer == "tensor":
             loaded: set[str] = set()
-            n_buckets = n_tensors = n_bytes = 0
+            sent = ws.SentBuckets(named, sync.bucket_mb)
             self.llm.collective_rpc("probe_begin_update")
-            for bucket in ws.buckets(named, int(sync.bucket_mb * 2**20)):
-                n_buckets += 1
-                n_tensors += len(bucket)
-                n_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+            for bucket in sent:
                 loaded.update(self.llm.collective_rpc("probe_load_weights", args=(ws.pack_bucket(bucket),))[0])
             self.llm.collective_rpc("probe_finish_update")
             report.update(
                 call="LLM.collective_rpc (worker_extension_cls): initialize_layerwise_reload, model.load_weights "
                 "per bucket, finalize_layerwise_reload",
-                buckets=n_buckets,
-                tensors=n_tensors,
-                bytes=n_bytes,
+                **sent.counts(),
                 engine_report={"loaded": len(loaded), "not_loaded": sorted(params - loaded)},
             )
         else:  # disk

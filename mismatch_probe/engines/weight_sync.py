@@ -18,7 +18,6 @@ that the trainer's side then commits on purpose, so the tests can show each is c
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -27,6 +26,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
+
+from mismatch_probe.engines.base import batch_seed
+from mismatch_probe.files import atomic_path
 
 # the test-only hook: which fault the trainer's side commits (unset in every real run)
 FAULT_ENV = "MISMATCH_PROBE_SYNC_FAULT"
@@ -95,7 +97,7 @@ def trainer_tensors(model_dir: str | Path, dtype: str | None, fault: str | None 
     import torch
 
     send = None if dtype in (None, "auto") else getattr(torch, dtype)
-    names = [n for n, _ in _names(model_dir)]
+    names = checkpoint_names(model_dir)
     skip = _first(names, r"down_proj\.weight$") if fault == "skip" else None
     through_fp16 = _first(names, r"embed_tokens\.weight$") if fault == "float16" else None
     renamed = _swap_pairs(names, fault) if fault in ("swap_gate_up", "swap_kv", "permute_experts") else {}
@@ -109,13 +111,19 @@ def trainer_tensors(model_dir: str | Path, dtype: str | None, fault: str | None 
         yield renamed.get(name, name), tensor
 
 
-def _names(model_dir: str | Path) -> Iterator[tuple[str, tuple[int, ...]]]:
+def checkpoint_names(model_dir: str | Path) -> list[str]:
+    """The checkpoint's tensor names, in :func:`checkpoint_tensors`' order, no tensor read."""
     from safetensors import safe_open
 
+    names: list[str] = []
     for path in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open has keys(), no iteration)
-                yield name, tuple(f.get_slice(name).get_shape())
+            names.extend(f.keys())
+    return names
+
+
+def tensor_bytes(tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def buckets(named: Iterable[tuple[str, object]], bucket_bytes: int) -> Iterator[list[tuple[str, object]]]:
@@ -123,7 +131,7 @@ def buckets(named: Iterable[tuple[str, object]], bucket_bytes: int) -> Iterator[
     bucket: list[tuple[str, object]] = []
     size = 0
     for name, tensor in named:
-        nbytes = tensor.numel() * tensor.element_size()  # type: ignore[attr-defined]
+        nbytes = tensor_bytes(tensor)
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
             bucket, size = [], 0
@@ -131,6 +139,25 @@ def buckets(named: Iterable[tuple[str, object]], bucket_bytes: int) -> Iterator[
         size += nbytes
     if bucket:
         yield bucket
+
+
+class SentBuckets:
+    """The trainer's buckets (:func:`buckets` of ``bucket_mb`` MiB) as an adapter sends them, counted
+    for its report: ``counts()`` is the ``buckets``, ``tensors`` and ``bytes`` sent so far."""
+
+    def __init__(self, named: Iterable[tuple[str, object]], bucket_mb: float):
+        self._buckets = buckets(named, int(bucket_mb * 2**20))
+        self.buckets = self.tensors = self.bytes = 0
+
+    def __iter__(self) -> Iterator[list[tuple[str, object]]]:
+        for bucket in self._buckets:
+            self.buckets += 1
+            self.tensors += len(bucket)
+            self.bytes += sum(tensor_bytes(t) for _, t in bucket)
+            yield bucket
+
+    def counts(self) -> dict:
+        return {"buckets": self.buckets, "tensors": self.tensors, "bytes": self.bytes}
 
 
 def write_checkpoint(named: Iterable[tuple[str, object]], out_dir: str | Path, model_dir: str | Path) -> dict:
@@ -141,17 +168,12 @@ def write_checkpoint(named: Iterable[tuple[str, object]], out_dir: str | Path, m
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.contiguous() for name, t in named}  # type: ignore[attr-defined]
-    tmp = out / f".{TRAINER_CHECKPOINT}.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    tmp.replace(out / TRAINER_CHECKPOINT)
+    with atomic_path(out / TRAINER_CHECKPOINT) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
     for name in CONFIG_FILES:
         if (Path(model_dir) / name).is_file():
             shutil.copyfile(Path(model_dir) / name, out / name)
-    return {"tensors": len(tensors), "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
-
-
-def _seed_of(name: str, seed: int) -> int:
-    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & ((1 << 63) - 1)
+    return {"tensors": len(tensors), "bytes": sum(tensor_bytes(t) for t in tensors.values())}
 
 
 def perturbed_checkpoint(
@@ -174,7 +196,7 @@ def perturbed_checkpoint(
             if tensor.is_floating_point():
                 w = tensor.to(torch.float32)
                 rms = float(w.square().mean().sqrt()) or 1.0
-                g = torch.Generator().manual_seed(_seed_of(name, seed))
+                g = torch.Generator().manual_seed(batch_seed(seed, name))
                 w = w + scale * rms * torch.randn(w.shape, generator=g)
                 tensor = w.to(tensor.dtype)
             yield name, tensor

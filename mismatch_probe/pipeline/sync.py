@@ -23,7 +23,6 @@ synced engine's prefill and the reference) into run.json's ``sync`` section.
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ from mismatch_probe.engines.base import GenerationRequest, ScoreRequest
 from mismatch_probe.errors import ConfigError
 from mismatch_probe.files import portable_path
 from mismatch_probe.pipeline.runs import ENGINE_LOG, RunContext, timed
-from mismatch_probe.table.tokens import ROLLOUTS_DIR, read_rollout_shard, shard_name
+from mismatch_probe.table.tokens import ROLLOUTS_DIR, read_rollout_shard, shard_name, write_table_atomic
 
 SYNC_DIR = "sync"
 FRESH_PREFILL = "fresh-prefill.parquet"
@@ -94,8 +93,8 @@ def _common_prefix_logprobs(stale: list, clean: list) -> tuple[np.ndarray, np.nd
     a, b = [], []
     for x, y in zip(stale, clean):
         n = min(len(x.token_ids), len(y.token_ids))
-        same = np.flatnonzero(np.asarray(x.token_ids[:n]) != np.asarray(y.token_ids[:n]))
-        k = int(same[0]) + 1 if same.size else n  # the first differing token's own log-prob still compares
+        differ = np.flatnonzero(np.asarray(x.token_ids[:n]) != np.asarray(y.token_ids[:n]))
+        k = int(differ[0]) + 1 if differ.size else n  # the first differing token's own log-prob still compares
         a.append(np.asarray(x.logprobs[:k]))
         b.append(np.asarray(y.logprobs[:k]))
     return (np.concatenate(a), np.concatenate(b)) if a else (np.zeros(0), np.zeros(0))
@@ -243,7 +242,6 @@ def sample_synced(ctx: RunContext, missing: list[int], sample_shards) -> None:
 def _write_fresh_prefill(ctx: RunContext, fresh) -> None:
     """The fresh engine's prefill of every rollout (from its first position; NaN before), one row per sample."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     ids, logps = [], []
     for i in range(len(ctx.shards)):
@@ -253,18 +251,13 @@ def _write_fresh_prefill(ctx: RunContext, fresh) -> None:
             ids.append(r.sample_id)
             logps.append(np.concatenate([[np.nan], lp]).astype(np.float32))
     table = pa.table({"sample_id": pa.array(ids, pa.int64()), "logp_fresh": pa.array(logps, pa.list_(pa.float32()))})
-    path = ctx.out / SYNC_DIR / FRESH_PREFILL
-    pq.write_table(table, path.with_suffix(".tmp"))
-    path.with_suffix(".tmp").replace(path)
+    write_table_atomic(table, ctx.out / SYNC_DIR / FRESH_PREFILL)
 
 
 def _n_experts(ctx: RunContext) -> int | None:
-    try:
-        config = json.loads((Path(ctx.model_path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    c = config.get("text_config") or config
-    return c.get("num_local_experts") or c.get("num_experts") or c.get("n_routed_experts")
+    """The routed experts of a MoE checkpoint (the run's ``architecture``: modeling/architecture.py), else None."""
+    moe = (ctx.record.architecture or {}).get("moe") or {}
+    return moe.get("routed_experts")
 
 
 def sync_incomplete(ctx: RunContext) -> bool:
@@ -306,7 +299,6 @@ def analyze_sync(ctx: RunContext) -> dict | None:
         section["complete"] = True
         return section
     fresh = pq.read_table(ctx.out / SYNC_DIR / FRESH_PREFILL)
-    fresh_by_id = dict(zip(fresh.column("sample_id").to_pylist(), fresh.column("logp_fresh").to_pylist()))
     table = ds.dataset(ctx.out / TOKENS_DIR, format="parquet").to_table(
         columns=["sample_id", "position", "is_model_token", "logp_prefill", "logp_train"]
     )
@@ -315,13 +307,7 @@ def analyze_sync(ctx: RunContext) -> dict | None:
     model = table.column("is_model_token").to_numpy(zero_copy_only=False)
     synced = table.column("logp_prefill").to_numpy(zero_copy_only=False).astype(np.float64)
     reference = table.column("logp_train").to_numpy(zero_copy_only=False).astype(np.float64)
-    fresh_values = np.full(len(sample), np.nan)
-    for sid in np.unique(sample):
-        rows = np.flatnonzero(sample == sid)
-        values = np.asarray(fresh_by_id.get(int(sid), []), np.float64)
-        pos = position[rows]
-        ok = pos < len(values)
-        fresh_values[rows[ok]] = values[pos[ok]]
+    fresh_values = _by_position(fresh, sample, position)
     m = model.astype(bool)
     section["fidelity"] = logprob_fidelity(synced[m], fresh_values[m])
     section["vs_fresh"] = vs_fresh_k3(synced[m], fresh_values[m], reference[m], sample[m])
@@ -331,6 +317,24 @@ def analyze_sync(ctx: RunContext) -> dict | None:
     section["clean"] = not section["findings"]
     section["complete"] = True
     return section
+
+
+def _by_position(fresh, sample: np.ndarray, position: np.ndarray) -> np.ndarray:
+    """The fresh engine's log-prob of each token-table row (``sample``, ``position``), from its rows
+    of one list per sample; NaN where it has none."""
+    out = np.full(len(sample), np.nan)
+    if fresh.num_rows == 0:
+        return out
+    lists = fresh.column("logp_fresh").combine_chunks()
+    values = lists.flatten().to_numpy(zero_copy_only=False).astype(np.float64)
+    offsets = lists.offsets.to_numpy()
+    ids = fresh.column("sample_id").to_numpy()
+    order = np.argsort(ids, kind="stable")
+    row = order[np.minimum(np.searchsorted(ids[order], sample), len(ids) - 1)]
+    start, length = offsets[row], offsets[row + 1] - offsets[row]
+    ok = (ids[row] == sample) & (position >= 0) & (position < length)
+    out[ok] = values[(start + position)[ok]]
+    return out
 
 
 def _routing_note(ctx: RunContext) -> dict | None:
