@@ -9,11 +9,11 @@ import dataclasses
 import io
 import math
 import re
-from html.parser import HTMLParser
 from pathlib import Path
 
 import numpy as np
 import pytest
+from html_tables import SectionTables
 from report_runs import synthetic_run, synthetic_tokens
 from rich.console import Console
 
@@ -28,44 +28,8 @@ COMMITTED = [
 ]
 
 
-class TableParser(HTMLParser):
-    """The rows of every <table> in a section of a page: each cell's text, its parts joined by a space."""
-
-    def __init__(self, section: str):
-        super().__init__()
-        self.section, self.inside, self.depth = section, False, 0
-        self.tables: list[list[list[str]]] = []
-        self.cell: list[str] | None = None
-
-    def handle_starttag(self, tag, attrs):
-        if tag == "section":
-            self.depth += 1
-            if dict(attrs).get("id") == self.section:
-                self.inside, self.depth = True, 1
-        if not self.inside:
-            return
-        if tag == "table":
-            self.tables.append([])
-        elif tag == "tr":
-            self.tables[-1].append([])
-        elif tag in ("td", "th"):
-            self.cell = []
-
-    def handle_endtag(self, tag):
-        if tag == "section" and self.inside:
-            self.depth -= 1
-            self.inside = self.depth > 0
-        if self.inside and tag in ("td", "th") and self.cell is not None:
-            self.tables[-1][-1].append(" ".join(part.strip() for part in self.cell if part.strip()))
-            self.cell = None
-
-    def handle_data(self, data):
-        if self.cell is not None:
-            self.cell.append(data)
-
-
 def html_table(page: str, section: str) -> list[list[str]]:
-    parser = TableParser(section)
+    parser = SectionTables(section)
     parser.feed(page)
     return parser.tables[0]
 
