@@ -110,12 +110,16 @@ def test_vllm_server_probe_agrees_with_the_in_process_engine(vllm_server, vllm_e
     checked = assert_within_noise(in_process, served)
     assert {"k3_kl", "prob_diff_mean", "log_ppl_infer", "chi2_seq"} <= set(checked)
 
-    # decode vs the server's own prefill (T = 1: processed log-probs are raw ones), equal as in process
+    # decode vs the server's own prefill (T = 1: processed log-probs are raw ones). Prefill is batch
+    # invariant, but on an AMX CPU a decode step's log-probs depend on how many sequences decode
+    # together (README, engine findings), and a server's decode batches follow the requests' arrival:
+    # most tokens are bitwise equal, the rest differ in the last bits (max 0.003 seen; in process,
+    # where every request arrives at once, all are equal)
     at_t1 = SamplingSpec(**{**vars(sampling), "temperature": 1.0, "top_p": 1.0})
     rec = compare(probe(tmp_path / "t1", remote_spec, at_t1, prompts=8, n=2)).record
     dvp = rec["decode_vs_prefill"]
     assert dvp["n_model_tokens"] == rec["metrics"]["n_model_tokens"] > 0
-    assert dvp["abs_delta_max"] == 0.0 and dvp["k3_kl"] == 0.0
+    assert dvp["abs_delta_p50"] == 0.0 and dvp["abs_delta_max"] < 0.02 and dvp["k3_kl"] < 1e-5
 
     # multi-turn tool use through the server: each turn's context goes out as ids and comes back the same
     multi = probe(tmp_path / "multi-turn", remote_spec, sampling, prompts=8, n=2)

@@ -8,9 +8,13 @@ is ~40-80 s on 2 cores); the CLI tests start their own, as a user's run does.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
+import torch
 from conftest import DENSE, MOE, SINGLE_TURN, cli
 from engine_fixtures import CONFIGS
 
@@ -164,3 +168,42 @@ def test_parallelism_probe_scores_vllm_tp2_rollouts_in_three_training_layouts(tm
     sp_gap = np.abs(logp["learner-sp2"] - logp["learner-tp1"])
     assert tp_gap.mean() > 1e-4 and sp_gap.max() <= tp_gap.max() / 10
     assert "All runs score the same rollouts" in (out / "compare.html").read_text()
+
+
+# ---- the CPU build's AMX attention and the tile permission (engines/vllm_plugin.py) ---------------
+HAS_AMX = torch.cpu._is_amx_tile_supported()
+TILE_PERMISSION = """
+import ctypes, sys
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+granted = ctypes.c_uint64(0)
+ctypes.CDLL(None).syscall(158, 0x1022, ctypes.byref(granted))  # arch_prctl(ARCH_GET_XCOMP_PERM)
+print(bool(granted.value & (1 << 18)))  # XFEATURE_XTILEDATA
+"""
+FIRST_STEP_ALONE = """
+if __name__ == "__main__":
+    import sys
+    from vllm import LLM, SamplingParams
+    llm = LLM(model=sys.argv[1], dtype="bfloat16", enforce_eager=True, kv_cache_memory_bytes=64 * 2**20, seed=0)
+    out = llm.generate([{"prompt_token_ids": [1, 7, 85, 90]}], SamplingParams(max_tokens=8), use_tqdm=False)
+    print(len(out[0].outputs[0].token_ids))
+"""
+
+
+@pytest.mark.skipif(not HAS_AMX, reason="this CPU has no AMX tiles, the only case the plugin acts on")
+def test_the_plugin_asks_for_amx_tiles_in_every_vllm_process_so_a_lone_short_first_step_runs(tmp_path):
+    """vLLM's CPU attention runs AMX tile instructions without asking Linux for them; with the
+    fixture's small weights no oneDNN GEMM asks first, so an eager engine whose first step is one
+    4-token request died of SIGILL (exit -4). vLLM loads mismatch-probe's general plugin in each
+    process, and the plugin asks; without it (VLLM_PLUGINS=none) nothing has asked yet."""
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"}
+    loaded = subprocess.run([sys.executable, "-c", TILE_PERMISSION], capture_output=True, text=True, env=env)
+    assert loaded.stdout.split()[-1:] == ["True"], loaded.stderr[-2000:]
+    none = subprocess.run(
+        [sys.executable, "-c", TILE_PERMISSION], capture_output=True, text=True, env={**env, "VLLM_PLUGINS": "none"}
+    )
+    assert none.stdout.split()[-1:] == ["False"], none.stderr[-2000:]
+    script = tmp_path / "first_step_alone.py"
+    script.write_text(FIRST_STEP_ALONE)
+    run = subprocess.run([sys.executable, str(script), str(DENSE)], capture_output=True, text=True, env=env)
+    assert run.returncode == 0 and run.stdout.split()[-1:] == ["8"], run.stderr[-3000:]
