@@ -89,9 +89,43 @@ def gpus() -> list[dict]:
     return out
 
 
+def cuda_numerics(device: str) -> dict:
+    """The process-wide switches that change a CUDA forward's arithmetic, as this process has them:
+    ``{"numerics": {...}}`` on a CUDA device, ``{}`` elsewhere (a record's engine or reference
+    settings splice it in). TF32 turns float32 matmuls into 10-bit-mantissa ones, reduced-precision
+    reductions let bf16/fp16 GEMMs accumulate partly in 16 bits, and the SDPA backends enabled
+    decide which attention kernel a bf16 forward runs: each one moves log-probs."""
+    if not str(device).startswith("cuda"):
+        return {}
+    import torch
+
+    matmul = torch.backends.cuda.matmul
+    backends = {
+        "flash": torch.backends.cuda.flash_sdp_enabled(),
+        "mem_efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
+        "cudnn": torch.backends.cuda.cudnn_sdp_enabled(),
+        "math": torch.backends.cuda.math_sdp_enabled(),
+    }
+    return {
+        "numerics": {
+            "float32_matmul_precision": torch.get_float32_matmul_precision(),
+            "tf32_matmul": bool(matmul.allow_tf32),
+            "tf32_cudnn": bool(torch.backends.cudnn.allow_tf32),
+            "bf16_reduced_precision_reduction": bool(matmul.allow_bf16_reduced_precision_reduction),
+            "fp16_reduced_precision_reduction": bool(matmul.allow_fp16_reduced_precision_reduction),
+            "sdpa_backends": [name for name, on in backends.items() if on],
+            "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        }
+    }
+
+
 def git_commit() -> str | None:
     """Commit of the mismatch-probe checkout this code runs from, if it is one (``-dirty`` if its
-    package code or pyproject.toml differ from it)."""
+    package code or pyproject.toml differ from it). A copy of a checkout without its .git (a GPU
+    machine's working-tree copy, benchmarks/gpu_check.sh) names its commit in
+    $MISMATCH_PROBE_GIT_COMMIT."""
+    if given := os.environ.get("MISMATCH_PROBE_GIT_COMMIT"):
+        return given
     root = Path(__file__).resolve().parent.parent
     if not (root / ".git").exists() or not shutil.which("git"):
         return None

@@ -19,6 +19,7 @@ import torch
 
 from mismatch_probe.config.spec import EngineSpec, SamplingSpec
 from mismatch_probe.engines.base import Completion, GenerationRequest, ScoreRequest, batch_seed
+from mismatch_probe.environment import cuda_numerics
 from mismatch_probe.modeling.loading import (
     choose_attention,
     free_accelerator_memory,
@@ -73,6 +74,7 @@ class HFEngine:
             "logprobs_mode": self.spec.logprobs_mode,
             "kv_cache": "transformers.DynamicCache",
             "routing": self.routing.describe(self.model) if self.routing is not None else None,
+            **cuda_numerics(self.device),
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         }
 

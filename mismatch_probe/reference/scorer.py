@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from mismatch_probe.config.spec import ReferenceSpec
+from mismatch_probe.environment import cuda_numerics
 from mismatch_probe.errors import ConfigError, DataError
 from mismatch_probe.modeling.loading import (
     choose_attention,
@@ -201,6 +202,7 @@ class ReferenceScorer:
             "sequence_parallel_size": self.parallel.sp if self.parallel else 1,
             "tensor_parallel_size": self.parallel.tp if self.parallel else 1,
             **({"parallel": self._parallel_info()} if self.parallel else {}),
+            **cuda_numerics(self.device),
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         }
 

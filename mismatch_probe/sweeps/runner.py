@@ -369,8 +369,7 @@ class _Sweep:
         """Re-score the baseline's sequences in other batch compositions, and sample twice with one
         seed: how far the engine is from giving the same log-probs for the same tokens. Reads only
         the baseline's rollouts and record, so it also runs for a baseline finished earlier."""
-        from mismatch_probe.analysis.sweep import compare_logprobs
-        from mismatch_probe.engines import GenerationRequest, ScoreRequest
+        from mismatch_probe.pipeline.determinism import engine_determinism
 
         t = time.perf_counter()
         k = self.plan.sweep.determinism_sequences
@@ -382,56 +381,9 @@ class _Sweep:
             rollouts.extend(read_rollout_shard(path))
             if len(rollouts) >= 2 * k:
                 break
-        chosen, others = rollouts[:k], rollouts[k : 2 * k]
-
-        def first_scored(r) -> int:
-            scored = np.flatnonzero(np.asarray(r.turn) >= 0)
-            return int(scored[0]) if len(scored) else len(r.token_ids) - 1
-
-        result: dict[str, Any] = {"n_sequences": len(chosen)}
-        if not getattr(engine, "supports_prefill", hasattr(engine, "prefill_logprobs")):
-            result["prefill"] = None
-            result["prefill_skipped"] = f"the {spec.engine.name} engine cannot re-score sequences with its own prefill"
-        elif chosen:
-            requests = [ScoreRequest(r.token_ids, first_scored(r)) for r in chosen]
-            neighbours = [ScoreRequest(r.token_ids, first_scored(r)) for r in others]
-            batched = engine.prefill_logprobs(requests)
-            again = engine.prefill_logprobs(requests)
-            alone = [engine.prefill_logprobs([q])[0] for q in requests]
-            # other neighbours: the batch reversed, interleaved with sequences that were not in it
-            mixed_requests: list[ScoreRequest] = []
-            for i, q in enumerate(reversed(requests)):
-                mixed_requests.append(q)
-                if i < len(neighbours):
-                    mixed_requests.append(neighbours[i])
-            mixed = engine.prefill_logprobs(mixed_requests)
-            position = {id(q): i for i, q in enumerate(mixed_requests)}
-            result["prefill"] = {
-                "same_batch_twice": compare_logprobs(batched, again),
-                "alone_vs_batched": compare_logprobs(batched, alone),
-                "other_neighbours_vs_batched": compare_logprobs(batched, [mixed[position[id(q)]] for q in requests]),
-            }
-            result["batch_sizes"] = {"batched": len(requests), "alone": 1, "other_neighbours": len(mixed_requests)}
-        # sampling twice with the same seed: the same tokens? their log-probs bitwise equal?
-        s = spec.sampling
-        prompts = [np.asarray(r.token_ids[: first_scored(r)], np.int32) for r in chosen]
-        if prompts:
-            gen = [GenerationRequest(p, s.max_tokens) for p in prompts]
-            first = engine.generate(gen, s, stop_token_ids=stops, seed=s.seed)
-            second = engine.generate(gen, s, stop_token_ids=stops, seed=s.seed)
-            pairs = [(a, b) for a, b in zip(first, second) if np.array_equal(a.token_ids, b.token_ids)]
-            info = engine.info()
-            if info.get("per_request_seeds") is False:  # vLLM's CPU build: one engine-wide generator
-                why = info.get("per_request_seeds_off_because") or "the engine does not seed requests"
-                result["same_seed_note"] = (
-                    "this engine draws every sample from one engine-wide generator, so a seed does not "
-                    f"repeat a sample ({why})"
-                )
-            result["same_seed"] = {
-                "n_samples": len(first),
-                "identical_tokens_share": len(pairs) / len(first),
-                **compare_logprobs([a.logprobs for a, _ in pairs], [b.logprobs for _, b in pairs]),
-            }
+        result = engine_determinism(
+            engine, rollouts[:k], rollouts[k : 2 * k], spec.sampling, stop_token_ids=stops, engine_name=spec.engine.name
+        )
         elapsed = time.perf_counter() - t
         self.timings["determinism_s"] += elapsed
         self.compute_s += elapsed
