@@ -32,6 +32,12 @@ step() { # step NAME SECONDS COMMAND...: its log in $work/NAME.log, its tail her
   local rc=$?
   echo "== $name: exit $rc after $((SECONDS - start)) s"
   tail -n "${TAIL:-12}" "$work/$name.log"
+  pack # after every step, so a call cut short still brings back what it finished
+}
+pack() {
+  echo "$PWD" >"$work/root.txt" # the runs' logs name this checkout's path; cut it when committing them
+  rm -rf "$work/runs" && { [ -d "reports/gpu-$kind" ] && cp -r "reports/gpu-$kind" "$work/runs"; }
+  tar -czf "$out/gpu-$kind.tar.gz" -C "$(dirname "$work")" "gpu-$kind"
 }
 
 step env 60 bash -c 'nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c "
@@ -49,7 +55,4 @@ if [ "$full" = full ]; then
   TAIL=9 step reference-0.5b 300 python3 benchmarks/bench_reference.py --device cuda --dtype bfloat16 \
     --model /tmp/qwen2.5-0.5b-shaped --json "$work/reference-0.5b-bf16.json"
 fi
-echo "$PWD" >"$work/root.txt" # the runs' logs name this checkout's path; cut it when committing them
-cp -r "reports/gpu-$kind" "$work/runs" 2>/dev/null
-tar -czf "$out/gpu-$kind.tar.gz" -C "$(dirname "$work")" "gpu-$kind"
 ls -la "$out"
