@@ -7,7 +7,7 @@
 #
 # Wheels the image lacks (pydantic and its needs) travel in .whl/ (the device tool's README says
 # how to fetch them); the project is installed without dependencies, against the image's packages.
-# A copy without .git names its commit in .gpu-commit. Writes reports/gpu-<kind>/{bf16,fp16} and,
+# .gpu-commit names the commit that travelled. Writes reports/gpu-<kind>/{bf16,fp16} and,
 # under $OUT (default /tmp/gpu-check), gpu-<kind>.tar.gz with those runs, every step's log and the
 # benchmarks' JSON. A failed step is reported and the next one runs.
 set -uo pipefail
@@ -23,7 +23,9 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$work/install.log" 2>&1 ||
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-[ -d .git ] || { [ -f .gpu-commit ] && export MISMATCH_PROBE_GIT_COMMIT=$(cat .gpu-commit); }
+# the device copy's .git need not be this checkout's (one held an older HEAD): .gpu-commit, written
+# just before the call (git rev-parse HEAD > .gpu-commit), names the commit that travelled
+[ -f .gpu-commit ] && export MISMATCH_PROBE_GIT_COMMIT=$(cat .gpu-commit)
 
 step() { # step NAME SECONDS COMMAND...: its log in $work/NAME.log, its tail here
   local name=$1 limit=$2 start=$SECONDS
