@@ -188,7 +188,14 @@ def setup_rows(record: RunRecord) -> list[tuple[str, str]]:
     probe = env.mismatch_probe
     rows = [
         ("hardware", gpu_type(record)),
-        ("GPUs", ", ".join(f"{g.get('name')} ({g.get('memory_gib', '?')} GiB)" for g in env.gpus) or "none"),
+        (
+            "GPUs",
+            ", ".join(
+                f"{g.get('name')} ({g.get('memory_gib', '?')} GiB, compute capability {g.get('compute_capability', '?')})"
+                for g in env.gpus
+            )
+            or "none",
+        ),
         ("CPU", f"{env.cpu_model or '-'} ({env.cpu_count or '?'} cores, {env.memory_gib or '?'} GiB)"),
         ("driver / CUDA", f"{env.nvidia_driver or '-'} / {env.cuda or '-'}"),
         ("libraries", ", ".join(f"{k} {v}" for k, v in versions.items())),
