@@ -24,8 +24,11 @@ if [ "${1:-}" = "--render" ]; then
   $mp report reports/sweep-demo  # sweep.md and sweep.html from sweep.json
   for run in reports/sync-sweep/points/*/; do $mp report "$run"; done
   $mp report reports/sync-sweep
+  for run in reports/gpu-h100/{bf16,fp16} reports/gpu-h200/{bf16,fp16}; do $mp report "$run"; done
+  $mp report reports/gpu-h{100,200}/bf16 reports/gpu-h{100,200}/fp16 --out reports/gpu-compare.html
   exit 0
 fi
+# reports/gpu-h100 and reports/gpu-h200 need a GPU machine: bash benchmarks/gpu_check.sh there
 $mp compare probes/demo.toml --out reports/example --overwrite
 $mp compare probes/demo.toml --engine-dtype float32 --out reports/example-fp32 --overwrite
 $mp report reports/example reports/example-fp32 --out reports/example-compare.html

@@ -11,7 +11,7 @@ import pytest
 from conftest import ROOT, cli
 
 # the committed ones (reports/ also holds a user's own runs, e.g. reports/demo from the README demo)
-COMMITTED = ("example", "example-fp32", "parallelism-tp2", "sweep-demo")
+COMMITTED = ("example", "example-fp32", "parallelism-tp2", "sweep-demo", "gpu-h100", "gpu-h200")
 RUNS = sorted(p.parent for name in COMMITTED for p in (ROOT / "reports" / name).rglob("run.json"))
 # an absolute path of a developer's machine: /home/..., /root/..., /work/..., /Users/..., C:\...
 ABSOLUTE = re.compile(r"""(?<![\w.:/])(/(home|root|work|Users|opt|srv|mnt|data|tmp)/[\w.-]+|[A-Z]:\\\\)""")
@@ -24,10 +24,16 @@ def test_there_are_committed_examples():
 
 @pytest.mark.parametrize("run", RUNS, ids=lambda p: p.relative_to(ROOT / "reports").as_posix())
 def test_a_committed_run_is_portable_and_consistent(run):
-    for name in ("run.json", "report.md", "report.html"):
-        text = (run / name).read_text()
-        assert not ABSOLUTE.search(text), f"{name}: {ABSOLUTE.search(text).group(0)}"
     rec = json.loads((run / "run.json").read_text())
+    # the interpreter the engine ran under is a fact of the run, not a path of a checkout (the GPU
+    # machine's image keeps its Python in /opt/torch/.venv; inside a checkout it is relative)
+    interpreter = {**rec, "engine_process": {**(rec.get("engine_process") or {}), "python": None}}
+    for name, text in (
+        ("run.json", json.dumps(interpreter)),
+        ("report.md", (run / "report.md").read_text()),
+        ("report.html", (run / "report.html").read_text()),
+    ):
+        assert not ABSOLUTE.search(text), f"{name}: {ABSOLUTE.search(text).group(0)}"
     assert rec["status"] == "complete"
     assert not rec["environment"]["mismatch_probe"]["git_commit"].endswith("-dirty")
     groups = [rec["metrics"], *rec["metrics_by_turn"].values(), *rec["metrics_by_turn_index"].values()]
@@ -45,6 +51,7 @@ def test_a_committed_run_is_portable_and_consistent(run):
         "sweep-demo/sweep.json",
         "sweep-demo/sweep.md",
         "sweep-demo/sweep.html",
+        "gpu-compare.html",
     ],
 )
 def test_committed_comparisons_are_portable(page):
@@ -82,3 +89,29 @@ def test_the_committed_sweep_shows_what_its_spec_asks():
         if p["status"] == "ok":
             assert (d / p["run"] / "report.html").is_file()
     assert rec["recommendation"]["gate"] == "probes/gate-strict.toml"
+
+
+def test_the_committed_gpu_runs_name_their_gpus_and_agree_bit_for_bit():
+    """reports/gpu-h100 and gpu-h200 (benchmarks/gpu_check.sh on the lent GPU machines): the card
+    says which GPU, driver and CUDA ran them; the H100 and the H200 sampled the same tokens and
+    both sides gave the same log-probs, bit for bit (README, "On GPUs"); float16 rollouts sit far
+    below bfloat16's K3."""
+    from conftest import token_rows
+
+    from mismatch_probe.record import read_record
+    from mismatch_probe.report.labels import gpu_type, setup_rows
+
+    reports = ROOT / "reports"
+    for kind, name in (("h100", "NVIDIA H100 80GB HBM3"), ("h200", "NVIDIA H200")):
+        rows = dict(setup_rows(read_record(reports / f"gpu-{kind}" / "bf16")))
+        assert rows["GPUs"].startswith(f"{name} (") and "compute capability 9.0" in rows["GPUs"]
+        assert rows["driver / CUDA"] == "580.159.04 / 13.0" and "numerics=" in rows["engine settings"]
+        assert gpu_type(read_record(reports / f"gpu-{kind}" / "fp16")) == name
+    for point in ("bf16", "fp16"):
+        h100, h200 = (token_rows(reports / f"gpu-{kind}" / point) for kind in ("h100", "h200"))
+        for column in ("token_id", "logp_infer", "logp_train", "logp_prefill"):
+            assert h100.column(column).equals(h200.column(column)), (point, column)
+    k3 = {
+        p: json.loads((reports / "gpu-h200" / p / "run.json").read_text())["metrics"]["k3_kl"] for p in ("bf16", "fp16")
+    }
+    assert 0 < k3["fp16"] < k3["bf16"] / 10
