@@ -253,7 +253,20 @@ def load_causal_lm(model_path: Path, *, dtype: str, attn_implementation: str, de
             f"cannot load {model_path} with attn_implementation={attn_implementation!r}: {exc}",
             hint="attn_implementation = 'auto' picks one the architecture supports",
         ) from None
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    # transformers' flex_attention cannot return the log-sum-exp on CPU, which attention sinks
+    # (gpt-oss's per-head `sinks`) need: it would fail at the first forward with a traceback
+    if (
+        attn_implementation == "flex_attention"
+        and str(device) == "cpu"
+        and any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules())
+    ):
+        raise ConfigError(
+            f"attn_implementation='flex_attention' cannot run {model_path.name}'s attention sinks on CPU "
+            "(transformers' flex_attention refuses them there)",
+            hint="use 'auto' or 'eager' on CPU; flex_attention runs them on a CUDA device",
+        )
+    return model
 
 
 def stop_token_ids(model_path: Path, tokenizer) -> list[int]:

@@ -27,6 +27,7 @@ from tiny_models import FAMILIES
 from mismatch_probe.analysis.metrics import RoutingAccumulator, compare_routing, token_terms
 from mismatch_probe.config.spec import EngineSpec, ReferenceSpec, SamplingSpec
 from mismatch_probe.engines import GenerationRequest, ScoreRequest, load_engine
+from mismatch_probe.engines.hf import HFEngine
 from mismatch_probe.errors import ConfigError
 from mismatch_probe.modeling.loading import load_tokenizer, stop_token_ids
 from mismatch_probe.modeling.logprobs import LogprobSemantics
@@ -219,3 +220,19 @@ def test_reference_layout(family, column, zoo, layouts):
         np.testing.assert_allclose(lp, one, rtol=1e-6, atol=1e-5)
 
     model_support.run(family, column, probe)
+
+
+def test_flex_attention_refuses_attention_sinks_on_cpu_by_name(zoo):
+    """transformers' flex_attention cannot run gpt-oss's attention sinks on CPU; the reference and
+    the hf engine say so when they load, instead of a traceback at the first forward (on a CUDA
+    device it runs them: tests/gpu)."""
+    for load in (
+        lambda: ReferenceScorer(
+            zoo["gpt_oss"], ReferenceSpec(dtype="float32", device="cpu", attn_implementation="flex_attention")
+        ),
+        lambda: HFEngine(zoo["gpt_oss"], EngineSpec(name="hf", device="cpu", attn_implementation="flex_attention")),
+    ):
+        with pytest.raises(ConfigError, match="cannot run tiny-gpt_oss's attention sinks on CPU"):
+            load()
+    # a model without sinks loads with flex_attention on CPU
+    ReferenceScorer(zoo["llama"], ReferenceSpec(dtype="float32", device="cpu", attn_implementation="flex_attention"))
