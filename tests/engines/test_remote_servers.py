@@ -186,7 +186,10 @@ def hf_logprobs(model_dir: Path, *, lm_head_of: Path | None = None) -> np.ndarra
 
 
 def scores(engine) -> np.ndarray:
-    return np.concatenate(engine.prefill_logprobs([ScoreRequest(ids, 1) for ids in SEQUENCES]))
+    """The server's prompt log-probs of SEQUENCES, one request at a time: requests sent together are
+    batched as they arrive, and on this CPU (AMX) a bf16 GEMM's result depends on the batch's size,
+    so only a batch of one is the same batch every time (the comparisons below are bitwise)."""
+    return np.concatenate([engine.prefill_logprobs([ScoreRequest(ids, 1)])[0] for ids in SEQUENCES])
 
 
 @pytest.fixture(scope="module")
