@@ -179,6 +179,10 @@ class Inputs(Section):
     n_samples: int | None = None
     n_shards: int | None = None
     stop_token_ids: list[int] = Field(default_factory=list)
+    # engine.checkpoint: what the engine loaded instead of the model, and the quantization its
+    # config.json declares (modeling/loading.py: checkpoint_quantization)
+    engine_checkpoint: str | None = None
+    engine_checkpoint_quantization: dict[str, Any] | None = None
 
 
 class RoutingLayout(Section):

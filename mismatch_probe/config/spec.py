@@ -185,6 +185,19 @@ class EngineSpec(_Settings):
         path=True,
         not_an_axis="it is where the engine runs from, not what it computes",
     )
+    # the engine may load another export of the model than the reference scores: a quantized one
+    # (compressed-tensors, fp8, AWQ/GPTQ), as a run whose rollouts are quantized and whose trainer
+    # keeps bf16 weights. Its tokenizer must be the model's (checked before the engine starts).
+    checkpoint: str | None = setting(
+        None,
+        "The checkpoint the engine loads instead of --model, e.g. a quantized export of it (the reference scores --model).",
+        flag="--engine-checkpoint",
+        affects="rollouts",
+        engines=("hf", "vllm", "sglang"),
+        group=ENGINE,
+        path=True,
+        since=5,
+    )
     dtype: EngineDtype = setting(
         "auto",
         "Engine dtype (auto: the checkpoint's own).",

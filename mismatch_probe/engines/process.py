@@ -84,7 +84,8 @@ class EngineProcess:
         self._replies = os.fdopen(replies_r, "rb")
 
         try:
-            self._start(entry, model_path, spec, trust_remote_code, state_dir)
+            # engine.checkpoint: the engine loads another export of the model (a quantized one)
+            self._start(entry, spec.checkpoint or model_path, spec, trust_remote_code, state_dir)
         except BaseException:
             self._kill()  # a worker whose engine did not start must not linger
             raise

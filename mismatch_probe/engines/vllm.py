@@ -249,6 +249,43 @@ def check_sync(sync: SyncSpec, *, on_cpu: bool, version: str) -> None:
         raise ConfigError(f"vLLM {version}: {CPU_SLEEP_REFUSAL}", hint="drop --sync-sleep-level on CPU")
 
 
+def quantization_layers(report: dict) -> dict:
+    """A worker's per-layer report (``vllm_sync.probe_quantization``) grouped: layers that run the
+    same method, scheme and kernel with the same parameter dtypes are one group, named by their
+    pattern (layer indices as ``*``); ``quantized`` is False for vLLM's unquantized methods."""
+    import re
+
+    groups: dict[tuple, dict] = {}
+    for name, layer in report["layers"].items():
+        if layer["method"].endswith("KVCacheMethod"):
+            continue  # an attention layer's KV-cache method holds no weights: kv_cache_dtype says it
+        dtypes = {param: dtype for param, (dtype, _) in sorted(layer["params"].items())}
+        key = (layer["method"], layer["scheme"], layer["kernel"], tuple(dtypes.items()))
+        group = groups.setdefault(
+            key,
+            {
+                "quantized": not layer["method"].startswith("Unquantized"),
+                "method": layer["method"],
+                **({"scheme": layer["scheme"]} if layer["scheme"] else {}),
+                **({"kernel": layer["kernel"]} if layer["kernel"] else {}),
+                "params": dtypes,
+                # one layer's parameters with their shapes: the scales' granularity (per channel: [N, 1])
+                "example": {name: {p: f"{d} {shape}" for p, (d, shape) in sorted(layer["params"].items())}},
+                "n_layers": 0,
+                "layers": [],
+            },
+        )
+        group["n_layers"] += 1
+        pattern = re.sub(r"\.\d+(?=\.|$)", ".*", name)
+        if pattern not in group["layers"]:
+            group["layers"].append(pattern)
+    return {
+        "quant_config": report["quant_config"],
+        "kv_cache_dtype": report["kv_cache_dtype"],
+        "groups": sorted(groups.values(), key=lambda g: (not g["quantized"], g["method"])),
+    }
+
+
 class VLLMEngine:
     name = "vllm"
     weight_sync = True  # the worker passes a [sync] table to the constructor
@@ -296,24 +333,33 @@ class VLLMEngine:
         self.sync = sync if sync is not None and sync.enabled else None
         if self.sync is not None:
             check_sync(self.sync, on_cpu=on_cpu, version=self.version)
+        from mismatch_probe.modeling.loading import read_config
+
+        # a quantized engine reports what each layer really runs (vllm_sync.probe_quantization)
+        self.quantized = bool(spec.quantization or read_config(self.model_path).get("quantization_config"))
         self.kv_cache_sizing = self._default_kv_cache(spec) if on_cpu else None
         self.requested = self._engine_args(spec, trust_remote_code)
-        if self.sync is not None:
+        if self.sync is not None or self.quantized:
             from mismatch_probe.engines.vllm_sync import TARGET
 
             if spec.extra_args.get("worker_extension_cls"):
+                why = "a [sync] probe" if self.sync is not None else "a quantized engine's probe"
                 raise ConfigError(
-                    "engine.extra_args sets worker_extension_cls, which a [sync] probe sets to its own",
+                    f"engine.extra_args sets worker_extension_cls, which {why} sets to its own",
                     hint="drop worker_extension_cls from [engine.extra_args]",
                 )
             self.requested["worker_extension_cls"] = TARGET
-            if self.sync.sleep_level:
-                self.requested["enable_sleep_mode"] = True
+        if self.sync is not None and self.sync.sleep_level:
+            self.requested["enable_sleep_mode"] = True
         if self.kv_cache_sizing is not None:
             self.requested["kv_cache_memory_bytes"] = self.kv_cache_sizing["kv_cache_memory_bytes"]
         self.llm = vllm.LLM(**self.requested)  # a memory refusal is named in our terms by EngineProcess
         self.config = self.llm.llm_engine.vllm_config
         self.effective = self._effective()
+        if self.quantized:
+            self.effective["quantization_layers"] = quantization_layers(
+                self.llm.collective_rpc("probe_quantization")[0]
+            )
         self._check_effective(spec)
         if on_cpu and spec.pipeline_parallel_size > 1 and self.effective.get("compilation_mode") == "NONE":
             # enforce_eager is refused before the start; a compilation mode set in extra_args lands here

@@ -1,6 +1,6 @@
-"""The worker extension vLLM mixes into its workers when a probe syncs weights
-(``worker_extension_cls``, as verl, OpenRLHF and TRL do); its methods are reached through
-``LLM.collective_rpc`` and run in every worker process, next to the model.
+"""The worker extension vLLM mixes into its workers when a probe syncs weights or runs a
+quantized engine (``worker_extension_cls``, as verl, OpenRLHF and TRL do); its methods are reached
+through ``LLM.collective_rpc`` and run in every worker process, next to the model.
 
 Imported by vLLM's worker processes only: keep it light (no vLLM import at module level).
 """
@@ -76,6 +76,35 @@ class ProbeWorkerExtension:
             if applied is not None:
                 digest.update({f"{module_name}.weight[kernel]": tensor_digest(applied)})
         return {k: (v.shape[0], v.tobytes()) for k, v in digest.items()}
+
+    def probe_quantization(self) -> dict:
+        """What each layer with a quantization method runs, as this worker holds it after loading:
+        the method, the compressed-tensors scheme and the kernel chosen for this platform, and every
+        parameter's dtype and shape (the CPU build repacks weights: these are the packed ones)."""
+        model = self._probe_model()
+        layers = {}
+        for name, module in model.named_modules():
+            method = getattr(module, "quant_method", None)
+            if method is None:
+                continue
+            scheme = getattr(module, "scheme", None)
+            kernel = getattr(scheme, "kernel", None) or getattr(method, "kernel", None)
+            layers[name] = {
+                "method": type(method).__name__,
+                "scheme": type(scheme).__name__ if scheme is not None else None,
+                "kernel": type(kernel).__name__ if kernel is not None else None,
+                "params": {
+                    p: [str(t.dtype).removeprefix("torch."), list(t.shape)]
+                    for p, t in module.named_parameters(recurse=False)
+                    if t is not None
+                },
+            }
+        quant_config = self.vllm_config.quant_config
+        return {
+            "quant_config": type(quant_config).__name__ if quant_config is not None else None,
+            "kv_cache_dtype": str(self.vllm_config.cache_config.cache_dtype),
+            "layers": layers,
+        }
 
     def probe_untie_lm_head(self) -> bool:
         """Test-only fault: the LM head becomes a tensor of its own (a copy of the embedding as it

@@ -27,6 +27,59 @@ def check_model_dir(path: str | Path) -> Path:
     return p
 
 
+def check_engine_checkpoint(checkpoint: str | Path, model_path: Path, tokenizer, *, trust_remote_code: bool) -> Path:
+    """engine.checkpoint: a checkpoint directory whose tokenizer maps every token as the model's
+    does (the engine gets the model's token ids; a different vocabulary would score other tokens)."""
+    path = check_model_dir(checkpoint)
+    theirs = load_tokenizer(path, trust_remote_code=trust_remote_code)
+    if theirs.get_vocab() != tokenizer.get_vocab():
+        raise ConfigError(
+            f"engine.checkpoint {str(path)!r} has another vocabulary than the model {str(model_path)!r}",
+            hint="give an export of the model itself (the same tokenizer), e.g. a quantized one",
+        )
+    return path
+
+
+def checkpoint_quantization(path: Path) -> dict | None:
+    """What a checkpoint's config.json declares about its quantization (``quantization_config``):
+    the method, its format and, per group of layers, the weights' and activations' number format
+    and scale granularity, and the layers left unquantized. None for a checkpoint that declares none."""
+    declared = read_config(path).get("quantization_config")
+    if not isinstance(declared, dict):
+        return None
+
+    def number(args: dict | None) -> str | None:
+        if not args:
+            return None
+        kind = {"int": "int", "float": "fp"}.get(str(args.get("type")), str(args.get("type")))
+        how = "dynamic" if args.get("dynamic") else "static"
+        group = f", groups of {args['group_size']}" if args.get("group_size") else ""
+        symmetric = "symmetric" if args.get("symmetric", True) else "asymmetric"
+        return f"{kind}{args.get('num_bits')} per {args.get('strategy')}{group}, {symmetric}, {how} scales"
+
+    out: dict = {"method": declared.get("quant_method")}
+    for key in ("format", "fmt", "weight_block_size", "bits", "group_size", "activation_scheme"):
+        if declared.get(key) is not None:
+            out[key] = declared[key]
+    groups = declared.get("config_groups")
+    if isinstance(groups, dict):
+        out["groups"] = {
+            name: {
+                "targets": g.get("targets"),
+                "weights": number(g.get("weights")),
+                "activations": number(g.get("input_activations")) or "not quantized",
+            }
+            for name, g in groups.items()
+            if isinstance(g, dict)
+        }
+    ignored = declared.get("ignore") or declared.get("modules_to_not_convert")
+    if ignored:
+        out["not_quantized"] = list(ignored)
+    if declared.get("kv_cache_scheme"):
+        out["kv_cache"] = number(declared["kv_cache_scheme"])
+    return out
+
+
 def check_weight_files(path: Path) -> None:
     """Every safetensors file's header parses and its data covers what the header declares, and
     every shard the index names is there: a damaged checkpoint is bad input, found here in

@@ -75,7 +75,14 @@ def prepare(
     """Check every input before anything is written, then create (or resume) the run directory."""
     from mismatch_probe.engines import get_entry
     from mismatch_probe.modeling.architecture import describe_checkpoint
-    from mismatch_probe.modeling.loading import check_model_dir, load_tokenizer, max_model_len, stop_token_ids
+    from mismatch_probe.modeling.loading import (
+        check_engine_checkpoint,
+        check_model_dir,
+        checkpoint_quantization,
+        load_tokenizer,
+        max_model_len,
+        stop_token_ids,
+    )
     from mismatch_probe.reference.launch import torchrun_launch
     from mismatch_probe.rollout.prompts import tokenize_prompts
 
@@ -110,6 +117,11 @@ def prepare(
 
         check_reference_layout(model_path, spec.reference, trust_remote_code=spec.trust_remote_code)
     tokenizer = load_tokenizer(model_path, trust_remote_code=spec.trust_remote_code)
+    engine_checkpoint = (
+        check_engine_checkpoint(spec.engine.checkpoint, model_path, tokenizer, trust_remote_code=spec.trust_remote_code)
+        if spec.engine.checkpoint
+        else None
+    )
     model_len = max_model_len(model_path, tokenizer)
     prompts = tokenize_prompts(
         str(spec.prompts),
@@ -138,6 +150,14 @@ def prepare(
             "n_samples": n_samples,
             "n_shards": len(shards),
             "stop_token_ids": stops,
+            **(
+                {
+                    "engine_checkpoint": portable_path(engine_checkpoint),
+                    "engine_checkpoint_quantization": checkpoint_quantization(engine_checkpoint),
+                }
+                if engine_checkpoint is not None
+                else {}
+            ),
         },
         architecture=describe_checkpoint(model_path, trust_remote_code=spec.trust_remote_code),
         # setup: checks, library imports, tokenizer, prompts, fingerprint

@@ -154,6 +154,33 @@ def kv_cache_line(sizing: Mapping[str, Any]) -> str:
     return f"{line}, chosen by mismatch-probe: {sizing.get('rule', '')}"
 
 
+def quantization_rows(record: RunRecord) -> list[tuple[str, str]]:
+    """What the engine loaded instead of the model (engine.checkpoint) and the quantization it
+    declares, then what the engine reports each group of layers runs (``quantization_layers``)."""
+    rows = []
+    inputs = record.inputs or Inputs()
+    if inputs.engine_checkpoint:
+        declared = inputs.engine_checkpoint_quantization or {}
+        declared_groups = "; ".join(
+            f"{', '.join(g.get('targets') or [])}: weights {g.get('weights')}, activations {g.get('activations')}"
+            for g in (declared.get("groups") or {}).values()
+        )
+        parts = [declared.get("method"), declared.get("format"), declared_groups]
+        if declared.get("not_quantized"):
+            parts.append(f"not quantized: {', '.join(declared['not_quantized'])}")
+        line = " · ".join(str(p) for p in parts if p) or "no quantization declared"
+        rows.append(("engine checkpoint", f"{inputs.engine_checkpoint} ({line})"))
+    layers = record.engine.settings().get("quantization_layers") if record.engine else None
+    if layers:
+        ran = []
+        for g in layers.get("groups", []):
+            kernel = f" via {g['kernel']}" if g.get("kernel") else ""
+            params = ", ".join(f"{p} {d}" for p, d in g.get("params", {}).items())
+            ran.append(f"{g.get('scheme') or g.get('method')}{kernel}: {g.get('n_layers')} layers ({params})")
+        rows.append(("quantization (engine)", f"{layers.get('quant_config')}; " + "; ".join(ran)))
+    return rows
+
+
 def architecture_rows(record: RunRecord) -> list[tuple[str, str]]:
     """The setup's rows for the checkpoint's architecture and its quirks (what the model does
     beyond a plain decoder, and how the reference runs it)."""
@@ -175,6 +202,7 @@ ENGINE_BOOKKEEPING = {
     "routing_unavailable",
     "per_request_seeds_off_because",
     "kv_cache_sizing",
+    "quantization_layers",  # a row of its own (quantization_rows)
 }
 
 
@@ -210,6 +238,7 @@ def setup_rows(record: RunRecord) -> list[tuple[str, str]]:
             ", ".join(f"{k}={v}" for k, v in eng.items() if k not in ENGINE_BOOKKEEPING | {"engine", "env"}),
         ),
         *([("KV cache", kv_cache_line(kv_cache))] if kv_cache else []),
+        *quantization_rows(record),
         ("reference", reference_label(record)),
         ("reference settings", ", ".join(f"{k}={v}" for k, v in ref.items() if k != "versions")),
         ("sampling", ", ".join(f"{k}={v}" for k, v in record.spec.sampling.to_dict().items())),
