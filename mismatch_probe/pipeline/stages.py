@@ -117,6 +117,14 @@ def prepare(
 
         check_reference_layout(model_path, spec.reference, trust_remote_code=spec.trust_remote_code)
     tokenizer = load_tokenizer(model_path, trust_remote_code=spec.trust_remote_code)
+    if spec.engine.checkpoint and spec.sync.enabled:
+        # the engine starts from sync.start_from; syncing bf16 weights into a quantized engine
+        # (which re-quantizes them) is not probed yet
+        raise ConfigError(
+            "engine.checkpoint and [sync] together: the synced engine starts from sync.start_from, and "
+            "syncing into a quantized engine is not probed yet",
+            hint="drop engine.checkpoint or [sync]",
+        )
     engine_checkpoint = (
         check_engine_checkpoint(spec.engine.checkpoint, model_path, tokenizer, trust_remote_code=spec.trust_remote_code)
         if spec.engine.checkpoint
