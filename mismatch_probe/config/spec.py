@@ -188,6 +188,8 @@ class EngineSpec(_Settings):
     # the engine may load another export of the model than the reference scores: a quantized one
     # (compressed-tensors, fp8, AWQ/GPTQ), as a run whose rollouts are quantized and whose trainer
     # keeps bf16 weights. Its tokenizer must be the model's (checked before the engine starts).
+    # since=5, after FINGERPRINT_SCHEMA: unset, it is in no record or fingerprint, so every run
+    # recorded before it existed still resumes.
     checkpoint: str | None = setting(
         None,
         "The checkpoint the engine loads instead of --model, e.g. a quantized export of it (the reference scores --model).",
