@@ -200,12 +200,36 @@ def check_platform(spec: EngineSpec, *, on_cpu: bool, version: str, ray_installe
         return
     if spec.pipeline_parallel_size > 1 and spec.enforce_eager:
         raise cpu_eager_pipeline_refusal(version)
+    if spec.quantization in ONLINE_FP8 and not _has_cpu_kernel("static_scaled_fp8_quant"):
+        # online fp8 quantizes each weight after loading (layers/quantization/online/fp8.py:
+        # process_weights_after_loading -> _custom_ops.scaled_fp8_quant); the CPU build declares
+        # that op as a stub, and the engine died at start with "expected at most 0 argument(s)"
+        raise ConfigError(
+            f"vLLM {version}'s CPU build has no kernel for _C::static_scaled_fp8_quant (declared without "
+            f"arguments), which quantization={spec.quantization!r} needs to quantize the weights at load",
+            hint="give a checkpoint quantized ahead of time (--engine-checkpoint; fixtures/quantize.py makes W8A8, "
+            "W4A16 and FP8_DYNAMIC ones), or run fp8 on a GPU",
+        )
     if spec.distributed_executor_backend == "uni" and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "1":
         raise ConfigError(
             f"vLLM {version}'s CPU build runs the model in worker processes ('mp') so that it can bind their "
             "OpenMP threads; it replaces distributed_executor_backend 'uni' with 'mp'",
             hint="drop engine.distributed_executor_backend on CPU",
         )
+
+
+# quantization methods that quantize a bf16 checkpoint's weights to fp8 as the engine loads it
+ONLINE_FP8 = ("fp8", "fp8_per_tensor")
+
+
+def _has_cpu_kernel(op: str) -> bool:
+    """Whether vLLM's compiled ``_C`` op has a CPU implementation: the CPU build declares some CUDA
+    ops as stubs with no arguments, which fail only when called."""
+    import torch
+    import vllm._custom_ops  # noqa: F401  (registers torch.ops._C)
+
+    packet = getattr(torch.ops._C, op, None)
+    return packet is not None and len(packet.default._schema.arguments) > 0
 
 
 def _backend_name(backend) -> str | None:

@@ -88,7 +88,10 @@ class ProbeWorkerExtension:
             if method is None:
                 continue
             scheme = getattr(module, "scheme", None)
-            kernel = getattr(scheme, "kernel", None) or getattr(method, "kernel", None)
+            kernel = next(
+                (k for owner in (scheme, method) for a in ("kernel", "fp8_linear") if (k := getattr(owner, a, None))),
+                None,
+            )
             layers[name] = {
                 "method": type(method).__name__,
                 "scheme": type(scheme).__name__ if scheme is not None else None,
