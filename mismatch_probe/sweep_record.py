@@ -30,11 +30,13 @@ class SweepPointRecord(_Section):
     name: str
     status: Literal["ok", "refused", "failed"]
     settings: dict[str, Any] = Field(default_factory=dict)  # what differs from the baseline
+    levels: dict[str, str | None] = Field(default_factory=dict)  # its level on each axis, by axis label
     run: str | None = None  # its run directory, relative to the sweep directory
     reason: str | None = None  # refused or failed: the engine's (or the spec's) own message
     engine_config: str | None = None  # points with the same one shared an engine start
     rollouts_from: str | None = None  # the point whose tokens it re-scored (paired with it)
     metrics: dict[str, Any] = Field(default_factory=dict)
+    corrections: dict[str, Any] = Field(default_factory=dict)  # run.json's: what each correction clips or drops
     intervals: dict[str, list[float | None]] = Field(default_factory=dict)  # [estimate, low, high]
     delta_vs_baseline: dict[str, dict[str, Any]] = Field(default_factory=dict)
     cost: dict[str, Any] = Field(default_factory=dict)

@@ -9,6 +9,8 @@ written once. Sources of the reference points:
 - NeMo-RL's ``token_mult_prob_error`` (mean exp|delta|) and its 1.05 threshold.
 - verl's rollout correction defaults: ``rollout_is_threshold`` 2.0, geometric bounds "typically
   1.0002 - 1.001", token veto "typically 1e-4 to 1e-6".
+- K3 under FP8 rollouts (``PUBLISHED_K3``): NeMo-RL's Qwen3.5 guide (PR #2744) and xtuner's FP8
+  alignment fix (PR #2044); docs/metrics.md lists them with verl PR #7519's K1 and Pearson figures.
 """
 
 from __future__ import annotations
@@ -209,6 +211,10 @@ CORRECTION_DOCS = {
     "geo_rejected_share": ("geometric rejection", "sequences whose geometric-mean ratio leaves [1 − ε, 1 + ε]"),
     "worst_token_rejected_share": ("worst-token rejection", "sequences holding a token with ratio below τ"),
 }
+KEPT_K3_MEANING = (
+    "is it back near a bf16 run's K3, and at what share of the data? A token correction keeps the tokens it "
+    "does not clip or mask; a sequence correction keeps every token of the sequences it does not drop"
+)
 
 
 def negative_chi2_note(record: dict) -> str | None:
@@ -234,19 +240,75 @@ def negative_chi2_note(record: dict) -> str | None:
     )
 
 
-def k3_context(value) -> str:
-    """One line placing a mismatch-KL among the published per-GPU ranges."""
+class PublishedK3(NamedTuple):
+    """A K3 a team published for rollouts of one precision (K3 as this tool computes it: the mean
+    of r − 1 − log r over the policy's tokens), with where it was measured and its source."""
+
+    precision: str  # what rollout_precision() calls the run's precision
+    low: float
+    high: float
+    where: str
+    source: str
+
+
+# Only figures whose metric is K3 by the source's own code (docs/metrics.md, Published figures).
+# verl PR #7519's FP8 figures (0.0100 -> 0.0313) are its rollout_corr/kl, which is K1 (signed), so
+# they are cited in the docs and not placed on a K3 card.
+PUBLISHED_K3 = (
+    PublishedK3(
+        "fp8",
+        0.0024,
+        0.0031,
+        "NeMo-RL, Qwen3.5-35B-A3B, blockwise FP8 vLLM rollouts and FP8 Megatron training, over 126 steps",
+        "NVIDIA-NeMo/RL PR #2744, docs/guides/models/qwen/qwen3-5.md (train/gen_kl_error)",
+    ),
+    PublishedK3(
+        "fp8",
+        3.7e-4,
+        8.7e-3,
+        "xtuner, Qwen3.5-35B-A3B FP8 rollouts at step 2: 8.7e-3 with train and rollout quantizing "
+        "differently, 3.7e-4 once aligned",
+        "InternLM/xtuner PR #2044 (mismatch/mismatch_k3_kl)",
+    ),
+)
+# What a rollout precision with no verified K3 figure says instead.
+UNPUBLISHED = {
+    "fp16": "arXiv 2510.26788 shows FP16 on both sides shrinking the mismatch (its Figure 5) but "
+    "publishes no K3: compare with a bf16 run of this model (probes/precision.toml)",
+}
+
+
+def k3_context(value, precision: str | None = None) -> str:
+    """One line placing a mismatch-KL among the published per-GPU ranges, and for a quantized or
+    fp16 rollout (``precision``, see ``report.labels.rollout_precision``) among the figures
+    published for that precision."""
     if value is None:
         return ""
     if isinstance(value, str) or math.isinf(value):
         return "infinite: the reference gives some sampled token probability 0 (see n_zero_prob_train)"
     if value < 5e-4:
-        return "below the published H20 range (5e-4–1e-3)"
-    if value < 1e-3:
-        return "inside the published H20 range (5e-4–1e-3)"
-    if value < 1e-2:
-        return "inside the published L20 range (1e-3–1e-2), where runs without correction collapsed"
-    return "at the level published for A100 with cascade attention on (up to 1e-1), where runs collapsed"
+        line = "below the published H20 range (5e-4–1e-3)"
+    elif value < 1e-3:
+        line = "inside the published H20 range (5e-4–1e-3)"
+    elif value < 1e-2:
+        line = "inside the published L20 range (1e-3–1e-2), where runs without correction collapsed"
+    else:
+        line = "at the level published for A100 with cascade attention on (up to 1e-1), where runs collapsed"
+    if precision is None or precision == "bf16":
+        return line
+    published = [f for f in PUBLISHED_K3 if f.precision == precision]
+    if not published:
+        return f"{line}; {UNPUBLISHED.get(precision, f'no published K3 for {precision} rollouts was found')}"
+
+    def where(f: PublishedK3) -> str:
+        place = "below" if value < f.low else "above" if value > f.high else "inside"
+        return f"{place} {fmt_range(f.low, f.high)} ({f.where})"
+
+    return f"{line}; for {precision} rollouts: " + "; ".join(where(f) for f in published)
+
+
+def fmt_range(low: float, high: float) -> str:
+    return f"{low:.2g}–{high:.2g}"
 
 
 def rank(values: list, better: str | None) -> tuple[set[int], set[int]]:

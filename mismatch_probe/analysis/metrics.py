@@ -72,6 +72,17 @@ CORRECTION_KEYS = (
     "geo_rejected_share",
     "worst_token_rejected_share",
 )
+# the K3 of what each correction keeps: the tokens a token correction leaves unclipped or unmasked,
+# the tokens of the sequences a sequence correction leaves whole. "Does the correction rescue this
+# precision?": is that K3 back near a bf16 run's, at what share of the data?
+KEPT_K3 = {
+    "token_tis_clipped_share": "token_tis_kept_k3",
+    "token_mask_share": "token_mask_kept_k3",
+    "seq_tis_clipped_share": "seq_tis_kept_k3",
+    "seq_mis_masked_share": "seq_mis_kept_k3",
+    "geo_rejected_share": "geo_kept_k3",
+    "worst_token_rejected_share": "worst_token_kept_k3",
+}
 
 
 class TokenTerms(NamedTuple):
@@ -286,7 +297,25 @@ def _share(count: int, total: int) -> float | None:
     return count / total if total else None
 
 
-SUM_KEYS = ("k1", "k2", "k3", "abs_delta", "prob_diff", "mult_error", "ratio", "ratio2")
+def _mean_k3(total: float, n: int) -> float | None:
+    """Mean K3 of ``n`` kept tokens; None when a correction keeps nothing."""
+    return total / n if n else None
+
+
+# k3_kept_*: K3 summed over the tokens token TIS leaves unclipped / token MIS leaves unmasked (what
+# each keeps as it came), so the K3 of what a correction keeps merges across shards like any sum
+SUM_KEYS = (
+    "k1",
+    "k2",
+    "k3",
+    "abs_delta",
+    "prob_diff",
+    "mult_error",
+    "ratio",
+    "ratio2",
+    "k3_kept_token_tis",
+    "k3_kept_token_mask",
+)
 COUNT_KEYS = ("token_tis", "token_mask", "zero_prob_train")
 BUCKET_KEYS = ("count", "abs_delta", "prob_diff", "k3")  # rows of the p_infer and position tables
 N_P_BUCKETS = len(P_INFER_BUCKET_EDGES) - 1
@@ -363,8 +392,10 @@ def cell_stats(
     tok_cell = np.repeat(seg_cell, seg_len) if n_cells > 1 else None
     stats = [TokenStats() for _ in range(n_cells)]
     with np.errstate(invalid="ignore", over="ignore"):
-        tokens = (t.k1, t.k2, t.k3, t.abs_delta, t.prob_diff, t.mult_error, t.ratio, t.ratio * t.ratio)
         masks = _token_masks(t, logp_train, thresholds)
+        # np.where, not k3 * ~mask: a p_train = 0 token has K3 = inf, and inf * 0 is NaN
+        kept = [np.where(m, 0.0, t.k3) for m in masks[:2]]
+        tokens = (t.k1, t.k2, t.k3, t.abs_delta, t.prob_diff, t.mult_error, t.ratio, t.ratio * t.ratio, *kept)
         if tok_cell is None:
             s = stats[0]
             s.n = n
@@ -704,23 +735,27 @@ class MetricsAccumulator:
         seq = self.sequences(group)
         n_seq = len(seq.n_tokens)
         th = self.thresholds
-        out: dict[str, Any] = {
-            "token_tis_clipped_share": _share(st.count("token_tis"), n),
-            "token_mask_share": _share(st.count("token_mask"), n),
-        }
+        out: dict[str, Any] = {}
+        for key, count in (("token_tis_clipped_share", "token_tis"), ("token_mask_share", "token_mask")):
+            hit = st.count(count)
+            out[key] = _share(hit, n)
+            out[KEPT_K3[key]] = _mean_k3(st.sum(f"k3_kept_{count}"), n - hit)
         if n_seq:
             with np.errstate(invalid="ignore"):
                 geo_log = seq.log_ratio / seq.n_tokens
-            out.update(
-                seq_tis_clipped_share=float((seq.log_ratio > math.log(th.seq_tis)).mean()),
-                seq_mis_masked_share=float((seq.log_ratio > math.log(th.seq_mis)).mean()),
-                geo_rejected_share=float(
-                    ((geo_log < math.log1p(-th.geo_eps)) | (geo_log > math.log1p(th.geo_eps))).mean()
-                ),
-                worst_token_rejected_share=float((seq.min_token_log_ratio < math.log(th.worst_token_tau)).mean()),
-            )
+            dropped = {
+                "seq_tis_clipped_share": seq.log_ratio > math.log(th.seq_tis),
+                "seq_mis_masked_share": seq.log_ratio > math.log(th.seq_mis),
+                "geo_rejected_share": (geo_log < math.log1p(-th.geo_eps)) | (geo_log > math.log1p(th.geo_eps)),
+                "worst_token_rejected_share": seq.min_token_log_ratio < math.log(th.worst_token_tau),
+            }
+            for key, hit in dropped.items():
+                out[key] = float(hit.mean())
+                keep = ~hit
+                out[KEPT_K3[key]] = _mean_k3(float(seq.k3_sum[keep].sum()), int(seq.n_tokens[keep].sum()))
         else:
             out.update({k: None for k in CORRECTION_KEYS[2:]})
+            out.update({KEPT_K3[k]: None for k in CORRECTION_KEYS[2:]})
         out["thresholds"] = th.as_record()
         return out
 
@@ -968,6 +1003,7 @@ __all__ = [
     "CANONICAL_KEYS",
     "CORRECTION_KEYS",
     "GROUP_TURNS",
+    "KEPT_K3",
     "CorrectionThresholds",
     "MetricsAccumulator",
     "Moments",

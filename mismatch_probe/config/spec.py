@@ -1088,18 +1088,18 @@ class ProbeSpec(_Settings):
                 hint="a sweep varies reference settings too: give them as [[sweep.axes]]",
             )
         for i, axis in enumerate(self.sweep.axes if self.sweep is not None else ()):
-            section = axis.key.partition(".")[0]
-            if section not in SECTIONS:
-                raise rule_error(
-                    f"sweep axis key {axis.key!r} must name a setting as section.setting",
-                    key=("sweep", "axes", i, "key"),
-                    hint=f"section one of {', '.join(SECTIONS)}, e.g. engine.dtype",
-                )
-            setting = spec_settings().get(axis.key)
-            if setting is not None and setting.info.not_an_axis:
-                raise rule_error(
-                    f"{axis.key} cannot be a sweep axis: {setting.info.not_an_axis}", key=("sweep", "axes", i, "key")
-                )
+            where = ("sweep", "axes", i, "key" if axis.key is not None else "levels")
+            for key in axis.keys:
+                section = key.partition(".")[0]
+                if section not in SECTIONS:
+                    raise rule_error(
+                        f"sweep axis key {key!r} must name a setting as section.setting",
+                        key=where,
+                        hint=f"section one of {', '.join(SECTIONS)}, e.g. engine.dtype",
+                    )
+                setting = spec_settings().get(key)
+                if setting is not None and setting.info.not_an_axis:
+                    raise rule_error(f"{key} cannot be a sweep axis: {setting.info.not_an_axis}", key=where)
         for i, v in enumerate(self.variants):  # every variant is a valid spec, or the file is refused
             for section in VARIANT_SECTIONS:
                 patch = getattr(v, section)
@@ -1487,10 +1487,13 @@ def apply_overrides(
     overrides: dict[str, Any],
     *,
     named_by: Literal["flag", "set", "key"] | Callable[[str], str] = "flag",
+    base_dir: Path | None = None,
 ) -> ProbeSpec:
     """A new spec: ``spec`` with ``{"field": v}`` / ``{"section.field": v}`` overrides (flags, ``--set``,
     a sweep axis) applied; ``None`` means unset. The result is validated as a whole, so two settings
-    that only hold together can be given together; an error names the setting ``named_by`` says."""
+    that only hold together can be given together; an error names the setting ``named_by`` says.
+    A relative path is relative to ``base_dir`` (a sweep axis: its spec file's directory), else to
+    the working directory."""
     given = {k: v for k, v in overrides.items() if v is not None}
     if not given:
         return spec
@@ -1510,9 +1513,10 @@ def apply_overrides(
             and value not in s.info.choices
             and (key != "engine.python" or "/" in value)
         ):
-            paths[key] = value  # as typed, relative to the working directory
+            paths[key] = value  # as typed, relative to base_dir or the working directory
+            at = Path(base_dir or ".") / value
             # not resolve() for the python: a venv's bin/python is a symlink whose target is not the venv
-            value = os.path.abspath(value) if key == "engine.python" else str(Path(value).resolve())
+            value = os.path.abspath(at) if key == "engine.python" else str(at.resolve())
         target = data[s.section] if s.section else data
         if isinstance(value, dict) and isinstance(target.get(s.name), dict):
             value = {**target[s.name], **value}  # a table's keys given as flags add to the file's

@@ -1,8 +1,8 @@
 """The points of a sweep: one probe spec per combination of settings a ``[sweep]`` table asks for.
 
-``one-at-a-time``: the baseline (the spec as written), then each axis value that differs from the
-baseline's own value, alone. ``grid``: every combination of the axes' values (the combination equal to
-the baseline is the baseline). Each point is a complete, validated :class:`ProbeSpec` without
+``one-at-a-time``: the baseline (the spec as written), then each axis level (a value, or a named
+level's settings) that differs from the baseline's own, alone. ``grid``: every combination of the
+axes' levels (the combination equal to the baseline is the baseline). Each point is a complete, validated :class:`ProbeSpec` without
 ``[sweep]``; what decides how it runs is read from it:
 
 * :func:`engine_key`: points with the same key share one engine start;
@@ -16,13 +16,13 @@ import hashlib
 import itertools
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mismatch_probe.config.keys import unknown_key
 from mismatch_probe.config.spec import FINGERPRINT_SCHEMA, ProbeSpec, apply_overrides
-from mismatch_probe.config.sweep_spec import AxisValue, SweepSpec
+from mismatch_probe.config.sweep_spec import AxisValue, SweepAxis, SweepSpec, value_name
 from mismatch_probe.errors import ConfigError
 
 BASELINE = "baseline"
@@ -36,6 +36,8 @@ class SweepPoint:
     run_dir: Path  # DIR/points/<name>: the spec's out
     repeat: int = 0  # the baseline's repeats: 1, 2, ... (seed + repeat)
     refusal: str | None = None
+    # its level on each axis, by axis label (None: the baseline's setting is none of the axis' levels)
+    levels: dict[str, str | None] = field(default_factory=dict)
 
     @property
     def is_baseline(self) -> bool:
@@ -63,14 +65,10 @@ class SweepPlan:
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _value_name(value: AxisValue) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
-
-
-def point_name(settings: dict[str, AxisValue]) -> str:
-    """``engine.dtype=float32``; a grid point joins its settings with ``+``. Only characters a
-    directory name can hold safely everywhere."""
-    raw = "+".join(f"{k}={_value_name(v)}" for k, v in settings.items())
+def point_name(settings: dict[str, AxisValue] | dict[str, str]) -> str:
+    """``engine.dtype=float32`` (or ``rollout=W8A8``, a named level); a grid point joins its
+    coordinates with ``+``. Only characters a directory name can hold safely everywhere."""
+    raw = "+".join(f"{k}={value_name(v)}" for k, v in settings.items())
     return re.sub(r"[^A-Za-z0-9._=+-]", "-", raw)
 
 
@@ -85,6 +83,12 @@ def _current(spec: ProbeSpec, key: str) -> Any:
     return getattr(getattr(spec, section), leaf)
 
 
+def spec_dir(spec: ProbeSpec) -> Path | None:
+    """The directory of the spec file (a sweep axis' paths are relative to it, as the file's own are)."""
+    given = spec.given_paths.get("spec_file")
+    return Path(given).resolve().parent if given else None
+
+
 def _point(
     base: ProbeSpec, settings: dict[str, AxisValue], out: Path, *, strict: bool, name: str | None = None
 ) -> SweepPoint:
@@ -92,9 +96,9 @@ def _point(
     spec = base.model_copy(deep=True, update={"sweep": None, "out": str(out / name), "name": name})
     spec._given_paths = {k: p for k, p in base.given_paths.items() if k != "out"}
     try:
-        spec = apply_overrides(spec, dict(settings), named_by="key").normalized()
+        spec = apply_overrides(spec, dict(settings), named_by="key", base_dir=spec_dir(base)).normalized()
     except ConfigError as exc:
-        where = ", ".join(f"{k} = {_value_name(v)}" for k, v in settings.items())
+        where = ", ".join(f"{k} = {value_name(v)}" for k, v in settings.items())
         if strict:
             raise ConfigError(f"[sweep] {where}: {exc.message}", hint=exc.hint) from None
         return SweepPoint(name, settings, None, out / name, refusal=f"not a valid setting: {exc}")
@@ -118,30 +122,46 @@ def sweep_points(spec: ProbeSpec, out: str | Path) -> SweepPlan:
     base.check_runnable()
     base = base.normalized()
     for axis in sweep.axes:
-        section, _, leaf = axis.key.partition(".")
-        if leaf not in type(getattr(base, section)).model_fields:
-            raise unknown_key(leaf, list(type(getattr(base, section)).model_fields), f"[sweep] axis [{section}]")
+        for key in axis.keys:
+            section, _, leaf = key.partition(".")
+            if leaf not in type(getattr(base, section)).model_fields:
+                raise unknown_key(leaf, list(type(getattr(base, section)).model_fields), f"[sweep] axis [{section}]")
     baseline = _point(base, {}, points_dir, strict=True, name=BASELINE)
     assert baseline.spec is not None  # strict: a ConfigError otherwise
+    # each axis' level that is the baseline's own setting (None when none is)
+    base_levels = {a.label: _baseline_level(a, baseline.spec) for a in sweep.axes}
+    baseline.levels = dict(base_levels)
     repeats = []
     for r in range(1, sweep.repeats):
         p = _point(
             base, {"sampling.seed": base.sampling.seed + r}, points_dir, strict=True, name=f"{BASELINE}-repeat{r}"
         )
-        p.repeat, p.settings = r, {}  # the seed is what a repeat is, not a setting it changes
+        p.repeat, p.settings, p.levels = r, {}, dict(base_levels)  # the seed is what a repeat is, not a setting
         repeats.append(p)
+
+    def changed(settings: dict[str, AxisValue]) -> dict[str, AxisValue]:
+        return {k: v for k, v in settings.items() if not _same(_current(baseline.spec, k), v, baseline.spec, k)}
+
     points: list[SweepPoint] = []
     if sweep.mode == "grid":
-        keys = [a.key for a in sweep.axes]
-        for combo in itertools.product(*(a.values for a in sweep.axes)):
-            settings = {k: v for k, v in zip(keys, combo) if not _same(_current(baseline.spec, k), v, baseline.spec, k)}
+        for combo in itertools.product(*(a.options() for a in sweep.axes)):
+            settings = changed({k: v for _, level in combo for k, v in level.items()})
             if settings:
-                points.append(_point(base, settings, points_dir, strict=False))
+                levels = {a.label: label for a, (label, _) in zip(sweep.axes, combo)}
+                moved = {a.label: label for a, (label, level) in zip(sweep.axes, combo) if changed(level)}
+                point = _point(base, settings, points_dir, strict=False, name=_name(sweep.axes, moved, settings))
+                point.levels = levels
+                points.append(point)
     else:
         for axis in sweep.axes:
-            for value in axis.values:
-                if not _same(_current(baseline.spec, axis.key), value, baseline.spec, axis.key):
-                    points.append(_point(base, {axis.key: value}, points_dir, strict=True))
+            for label, level in axis.options():
+                settings = changed(level)
+                if settings:
+                    point = _point(
+                        base, settings, points_dir, strict=True, name=_name([axis], {axis.label: label}, settings)
+                    )
+                    point.levels = {**base_levels, axis.label: label}
+                    points.append(point)
     seen: dict[str, str] = {}
     unique = []
     for p in points:  # two spellings of one setting (bf16, bfloat16) are one point
@@ -153,6 +173,22 @@ def sweep_points(spec: ProbeSpec, out: str | Path) -> SweepPlan:
     return SweepPlan(baseline, repeats, unique, sweep, spec)
 
 
+def _name(axes: list[SweepAxis], moved: dict[str, str], settings: dict[str, AxisValue]) -> str:
+    """A point's name: its settings (``engine.dtype=float32``) on value axes, its level names
+    (``rollout=W8A8``) on named-level axes."""
+    named = {a.label for a in axes if a.name is not None}
+    if not named & set(moved):
+        return point_name(settings)
+    return point_name({label: level for label, level in moved.items()})
+
+
+def _baseline_level(axis: SweepAxis, baseline: ProbeSpec) -> str | None:
+    for label, level in axis.options():
+        if all(_same(_current(baseline, k), v, baseline, k) for k, v in level.items()):
+            return label
+    return None
+
+
 def _same(current: Any, value: AxisValue, baseline: ProbeSpec, key: str) -> bool:
     """Is ``value`` the baseline's own setting (after the spec's normalization: bf16 is bfloat16)?"""
     if isinstance(current, bool) != isinstance(value, bool):  # true is not 1
@@ -160,7 +196,7 @@ def _same(current: Any, value: AxisValue, baseline: ProbeSpec, key: str) -> bool
     if current == value:
         return True
     try:
-        probe = apply_overrides(baseline, {key: value}, named_by="key").normalized()
+        probe = apply_overrides(baseline, {key: value}, named_by="key", base_dir=spec_dir(baseline)).normalized()
     except ConfigError:
         return False
     return _current(probe, key) == current

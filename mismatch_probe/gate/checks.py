@@ -30,14 +30,15 @@ STATUS_ORDER = ("PASS", "WARN", "FAIL", "ERROR")
 
 def metric_paths() -> set[str]:
     """Every dotted path into run.json that a check may name (a typo is an error, not a FAIL)."""
-    from mismatch_probe.analysis.metrics import CORRECTION_KEYS, MetricsAccumulator
+    from mismatch_probe.analysis.metrics import CORRECTION_KEYS, KEPT_K3, MetricsAccumulator
 
     keys = set(MetricsAccumulator().metrics())
     paths = {f"metrics.{k}" for k in keys}
     paths |= {f"metrics_by_turn.{g}.{k}" for g in ("first", "later") for k in keys}
     paths |= {f"decode_vs_prefill.{k}" for k in keys | {"n_unscored_tokens"}}
-    paths |= {f"corrections.{k}" for k in CORRECTION_KEYS}
-    paths |= {f"corrections_by_turn.{g}.{k}" for g in ("first", "later") for k in CORRECTION_KEYS}
+    corrections = {*CORRECTION_KEYS, *KEPT_K3.values()}
+    paths |= {f"corrections.{k}" for k in corrections}
+    paths |= {f"corrections_by_turn.{g}.{k}" for g in ("first", "later") for k in corrections}
     paths |= {"routing.tokens_with_flip_share", "tokenization_check.n_differing"}
     return paths
 

@@ -181,6 +181,28 @@ def quantization_rows(record: RunRecord) -> list[tuple[str, str]]:
     return rows
 
 
+def rollout_precision(record: RunRecord) -> str:
+    """The rollout's number format, as the published figures are grouped (``metric_docs.PUBLISHED_K3``):
+    the weights' format of a quantized engine checkpoint or of the engine's own quantization (fp8,
+    int8, int4), else an fp8 KV cache, else the engine's dtype (fp16, bf16, fp32)."""
+    declared = (record.inputs or Inputs()).engine_checkpoint_quantization or {}
+    for group in (declared.get("groups") or {}).values():
+        weights = str(group.get("weights") or "")
+        for kind in ("fp8", "int8", "int4"):
+            if weights.startswith(kind):
+                return kind
+    engine = record.lookup("spec.engine") or {}
+    method = str(engine.get("quantization") or declared.get("method") or "").lower()
+    if "fp8" in method:
+        return "fp8"
+    if method in ("awq", "gptq", "awq_marlin", "gptq_marlin"):
+        return "int4"
+    if str(engine.get("kv_cache_dtype") or "").startswith("fp8"):
+        return "fp8 KV cache"
+    dtype = str(engine.get("dtype") or "")
+    return {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}.get(dtype, dtype or "bf16")
+
+
 def architecture_rows(record: RunRecord) -> list[tuple[str, str]]:
     """The setup's rows for the checkpoint's architecture and its quirks (what the model does
     beyond a plain decoder, and how the reference runs it)."""

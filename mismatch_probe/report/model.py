@@ -16,7 +16,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from mismatch_probe.analysis.metric_docs import CORRECTION_DOCS, METRIC_DOC, METRIC_DOCS, k3_context, rank
+from mismatch_probe.analysis.metric_docs import (
+    CORRECTION_DOCS,
+    KEPT_K3_MEANING,
+    METRIC_DOC,
+    METRIC_DOCS,
+    k3_context,
+    rank,
+)
+from mismatch_probe.analysis.metrics import KEPT_K3
 from mismatch_probe.files import portable_path, resolve_from_dir
 from mismatch_probe.numbers import fmt, pct, ratio, seconds, short, tick
 from mismatch_probe.record import RunRecord
@@ -172,7 +180,7 @@ def corrections_table(record: RunRecord) -> Table:
     rows = [
         Row(
             [name, what, ", ".join(f"{a.replace('_', ' ')} {tick(b)}" for a, b in (thresholds.get(key) or {}).items())]
-            + [pct(values.get(key)) for _, values in groups],
+            + [cell for _, values in groups for cell in (pct(values.get(key)), fmt(values.get(KEPT_K3[key])))],
             key=key,
         )
         for key, (name, what) in CORRECTION_DOCS.items()
@@ -181,10 +189,11 @@ def corrections_table(record: RunRecord) -> Table:
         "corrections",
         "Correction what-ifs",
         [Column("correction", "text"), Column("what it does", "long"), Column("threshold", "text")]
-        + [Column(name) for name, _ in groups],
+        + [c for name, _ in groups for c in (Column(name), Column(f"{name}: K3 of what it keeps"))],
         rows,
         lead="How much of this data each published correction would clip or drop at these thresholds, "
-        "before you train with it.",
+        "before you train with it, and the K3 of the tokens it keeps as they came (unclipped, unmasked, in "
+        f"sequences it keeps): {KEPT_K3_MEANING}.",
     )
 
 
@@ -413,7 +422,7 @@ def headline(record: RunRecord) -> list[Card]:
     m = record.metric
     mult = m("mult_prob_error")
     cards = [
-        Card("K3 KL (mismatch-KL)", fmt(m("k3_kl")), k3_context(m("k3_kl"))),
+        Card("K3 KL (mismatch-KL)", fmt(m("k3_kl")), k3_context(m("k3_kl"), labels.rollout_precision(record))),
         Card(
             "max token |Δp|",
             fmt(m("prob_diff_max")),

@@ -5,6 +5,7 @@ computes a number."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -23,6 +24,8 @@ DETERMINISM_LABELS = {
     "other_neighbours_vs_batched": "prefill, other neighbours and batch size vs the batch",
 }
 NOISE_METRICS = ("k1_kl", "seq_max_mismatch_mean", "log_ppl_infer")  # shown beside the headline ones
+# each point's own numbers in the points table (a precision grid reads them across its cells)
+POINT_METRICS = ("prob_diff_max", "mult_prob_error", "pearson_prob")
 
 
 @dataclass
@@ -39,6 +42,7 @@ class SweepView(View):
     determinism: Table
     determinism_notes: list[str]
     points: Table
+    corrections: Table
     figures: list[FigureInfo]
     version: str = __version__
 
@@ -166,6 +170,84 @@ def determinism_table(record: SweepRecord) -> Table:
     )
 
 
+def axis_labels(record: SweepRecord) -> list[str]:
+    """The sweep's axes, as its points name their levels (none in a sweep recorded before levels)."""
+    return list(record.points[0].levels) if record.points else []
+
+
+def _level(p: SweepPointRecord, axis: str) -> str:
+    level = p.levels.get(axis)
+    return level if level is not None else "as written"
+
+
+def points_table(record: SweepRecord) -> Table:
+    """Every point with its level on each axis, K3 with its interval and its own numbers."""
+    axes = axis_labels(record)
+    k3 = METRIC_DOC["k3_kl"].label
+    rows = []
+    for p in record.points:
+        cells = [p.name.replace("+", " + "), *(_level(p, a) for a in axes), p.status]
+        if p.status != "ok":
+            rows.append(Row(cells, note=str(p.reason)))
+            continue
+        cells += [interval(p.intervals.get("k3_kl"), fmt), *(fmt(p.metrics.get(m)) for m in POINT_METRICS)]
+        rows.append(Row([*cells, _report(p)]))
+    return Table(
+        "points",
+        "Points",
+        [Column("point", "text"), *(Column(a, "text") for a in axes), Column("status", "text")]
+        + [Column(f"{k3} [{pct(record.level)} interval]"), *(Column(METRIC_DOC[m].label) for m in POINT_METRICS)]
+        + [Column("report", "link")],
+        rows,
+    )
+
+
+def baseline_k3_range(record: SweepRecord) -> tuple[float, float] | None:
+    """The smallest and largest K3 of the baseline's repeats (the noise floor's span)."""
+    values = [v for v in ((record.noise_floor.get("metrics") or {}).get("k3_kl") or {}).get("values", [])]
+    finite = [float(v) for v in values if isinstance(v, int | float) and math.isfinite(v)]
+    return (min(finite), max(finite)) if finite else None
+
+
+def corrections_table(record: SweepRecord) -> Table:
+    """Does a correction rescue the point? Per point and correction: the share it clips or drops and
+    the K3 of what it keeps, marked when that K3 is back within the baseline's repeats."""
+    from mismatch_probe.analysis.metric_docs import CORRECTION_DOCS, KEPT_K3_MEANING
+    from mismatch_probe.analysis.metrics import KEPT_K3
+
+    floor = baseline_k3_range(record)
+    axes = axis_labels(record)
+
+    def cell(corr: dict, key: str) -> str:
+        kept = corr.get(KEPT_K3[key])
+        if corr.get(key) is None and kept is None:
+            return "-"  # a run analysed before the kept K3 was recorded, or one without sequences
+        rescued = floor is not None and isinstance(kept, int | float) and kept <= floor[1]
+        return f"{pct(corr.get(key))} → {fmt(kept)}" + (" ✓" if rescued else "")
+
+    rows = []
+    for p in record.points:
+        first = [p.name.replace("+", " + "), *(_level(p, a) for a in axes)]
+        if p.status != "ok":
+            rows.append(Row(first, note=f"{p.status}: {p.reason}"))
+            continue
+        rows.append(Row([*first, fmt(p.metrics.get("k3_kl")), *(cell(p.corrections, k) for k in CORRECTION_DOCS)]))
+    within = (
+        f"✓: within the baseline's repeats ({fmt(floor[0])} to {fmt(floor[1])}) or below"
+        if floor
+        else "the baseline has no repeats to mark against"
+    )
+    return Table(
+        "corrections",
+        "Does a correction rescue it? Share clipped or dropped → K3 of what it keeps",
+        [Column("point", "text"), *(Column(a, "text") for a in axes), Column(METRIC_DOC["k3_kl"].label)]
+        + [Column(name) for name, _ in CORRECTION_DOCS.values()],
+        rows,
+        lead=f"Each correction at the spec's thresholds: the share of tokens (token corrections) or sequences "
+        f"(sequence corrections) it clips or drops, and the K3 of what it keeps: {KEPT_K3_MEANING}. {within}.",
+    )
+
+
 def sweep_view(record: SweepRecord) -> SweepView:
     from mismatch_probe.report.figures import sweep_figure_list
 
@@ -193,12 +275,8 @@ def sweep_view(record: SweepRecord) -> SweepView:
         determinism_notes=[
             f"{n}." for n in ((record.determinism or {}).get(k) for k in ("prefill_skipped", "same_seed_note")) if n
         ],
-        points=Table(
-            "points",
-            "Points",
-            [Column("point", "text"), Column("status", "text"), Column("report", "link")],
-            [Row([p.name, p.status, _report(p)]) for p in record.points],
-        ),
+        points=points_table(record),
+        corrections=corrections_table(record),
         figures=[info for info, _ in sweep_figure_list()],
     )
 

@@ -151,6 +151,7 @@ def summarize(sweep: SweepRun) -> SweepRecord:
         entry: dict[str, Any] = {
             "name": p.name,
             "settings": p.settings,
+            "levels": p.levels,
             "run": relative_to_dir(p.run_dir, out),
             "engine_config": engine_key(p.spec) if p.spec is not None else None,
             "rollouts_from": sweep.source[p.name].name if p.name in sweep.source else None,
@@ -171,6 +172,7 @@ def summarize(sweep: SweepRun) -> SweepRecord:
         entry["metrics"] = {
             k: v for k, v in (rec.metrics or {}).items() if isinstance(v, int | float | str) or v is None
         }
+        entry["corrections"] = rec.corrections or {}
         source = sweep.source.get(p.name)
         if not p.is_baseline and base_cols is not None:
             entry["delta_vs_baseline"] = effects(

@@ -30,7 +30,7 @@ def exports(tmp_path_factory):
     from quantize import quantize
 
     root = tmp_path_factory.mktemp("quantized")
-    return {scheme: quantize(DENSE, root / scheme, scheme) for scheme in ("W8A8", "W4A16")}
+    return {scheme: quantize(DENSE, root / scheme, scheme) for scheme in ("W8A8", "W4A16", "FP8_DYNAMIC")}
 
 
 @needs_ct
@@ -96,3 +96,19 @@ def test_engine_checkpoint_with_a_sync_is_refused_by_name(tmp_path):
     )
     assert proc.returncode == 2, proc.stderr
     assert "engine.checkpoint and [sync] together" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@needs_ct
+@pytest.mark.parametrize("scheme", ["W8A8", "W4A16", "FP8_DYNAMIC"])
+def test_the_committed_exports_are_what_the_script_makes(exports, scheme):
+    """probes/precision.toml sweeps over fixtures/models/tiny-qwen2-*, committed so a fresh clone runs
+    it; `python fixtures/quantize.py --all` rebuilt them, and they must equal a build made now."""
+    from quantize import FIXTURE, export_dir
+
+    committed, built = export_dir(FIXTURE, scheme), exports[scheme]
+    want, got = load_file(built / "model.safetensors"), load_file(committed / "model.safetensors")
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+    config = lambda d: json.loads((d / "config.json").read_text())["quantization_config"]
+    assert config(committed) == config(built)

@@ -95,7 +95,7 @@ def test_sweep_figures_are_inert_svg():
     from mismatch_probe.sweep_record import read_sweep
 
     figures = sweep_figures(read_sweep(SWEEP))
-    assert [f.info.id for f in figures] == ["effects", "cost"]
+    assert [f.info.id for f in figures] == ["effects", "rescue", "cost"]
     for f in figures:
         assert_inert_svg(f.svg)
 

@@ -13,6 +13,7 @@ import pytest
 from mismatch_probe.analysis.metrics import (
     CANONICAL_KEYS,
     CORRECTION_KEYS,
+    KEPT_K3,
     P_INFER_BUCKET_EDGES,
     CorrectionThresholds,
     MetricsAccumulator,
@@ -85,6 +86,22 @@ def reference_metrics(seqs: list[tuple[list[float], list[float]]], th: Correctio
         "geo_rejected_share": sum(g < 1 - th.geo_eps or g > 1 + th.geo_eps for g in geo) / len(seqs),
         "worst_token_rejected_share": sum(math.exp(m) < th.worst_token_tau for m in seq_min) / len(seqs),
     }
+    # the K3 of what each correction keeps, by its definition: the tokens it does not clip or mask,
+    # the tokens of the sequences it does not drop (math.expm1: ratio - delta - 1 loses tiny deltas)
+    k3 = lambda x: math.expm1(x) - x
+    kept_tokens = {
+        "token_tis_kept_k3": [k3(x) for x in d if not math.exp(x) > th.token_tis],
+        "token_mask_kept_k3": [k3(x) for x in d if th.token_mask_low <= math.exp(x) <= th.token_mask_high],
+    }
+    drop = {
+        "seq_tis_kept_k3": lambda i: math.exp(seq_lr[i]) > th.seq_tis,
+        "seq_mis_kept_k3": lambda i: math.exp(seq_lr[i]) > th.seq_mis,
+        "geo_kept_k3": lambda i: geo[i] < 1 - th.geo_eps or geo[i] > 1 + th.geo_eps,
+        "worst_token_kept_k3": lambda i: math.exp(seq_min[i]) < th.worst_token_tau,
+    }
+    for key, dropped in drop.items():
+        kept_tokens[key] = [k3(a - b) for i, (lts, lis) in enumerate(seqs) if not dropped(i) for a, b in zip(lts, lis)]
+    corrections.update({k: mean(v) if v else None for k, v in kept_tokens.items()})
     return metrics, corrections
 
 
@@ -121,6 +138,11 @@ def test_all_metrics_match_float64_reference(scale):
         assert got[key] == pytest.approx(want[key], rel=rel, abs=abs_tol), key
     for key in CORRECTION_KEYS:
         assert corr[key] == pytest.approx(want_corr[key], abs=1e-12), key
+    for key in KEPT_K3.values():
+        if want_corr[key] is None:  # the correction keeps nothing
+            assert corr[key] is None, key
+        else:
+            assert corr[key] == pytest.approx(want_corr[key], rel=1e-9, abs=1e-15), key
 
 
 def test_k3_is_accurate_for_tiny_deltas():
@@ -219,7 +241,9 @@ def test_streaming_equals_one_shot():
     got, got_c = acc.metrics(), acc.corrections()
     for key in whole:
         assert got[key] == pytest.approx(whole[key], rel=1e-12), key
-    assert got_c == whole_c
+    assert got_c.keys() == whole_c.keys()
+    for key, value in whole_c.items():  # sums: equal up to the order of summation
+        assert got_c[key] == (pytest.approx(value, rel=1e-12) if isinstance(value, float) else value), key
 
 
 def test_self_normalized_chi2_is_never_negative_where_the_verl_form_is():
@@ -314,3 +338,26 @@ def test_pearson_of_sequence_log_ppl_matches_numpy():
     np.testing.assert_allclose(m["pearson_log_ppl"], np.corrcoef(ppl_i, ppl_t)[0, 1], rtol=1e-12)
     assert pearson(np.array([1.0]), np.array([2.0])) is None  # one point
     assert pearson(np.array([1.0, 1.0]), np.array([2.0, 3.0])) is None  # a constant side
+
+
+def test_the_k3_a_correction_keeps_by_hand():
+    # two sequences: [ratio 1.5, p_train = 0] and [ratio e^0.01]; default thresholds (verl's)
+    lt = np.array([math.log(0.3) + math.log(1.5), -np.inf, -1.0 + 0.01])
+    li = np.array([math.log(0.3), math.log(0.2), -1.0])
+    _, corr = compute_metrics(lt, li, np.array([0, 2]))
+    k3 = lambda x: math.expm1(x) - x
+    # the p_train = 0 token (K3 = inf) is masked by IcePop (ratio 0 < 0.5) and dropped with its
+    # sequence by the worst-token rule; what they keep is finite
+    assert corr["token_mask_kept_k3"] == pytest.approx((k3(math.log(1.5)) + k3(0.01)) / 2, rel=1e-12)
+    assert corr["worst_token_kept_k3"] == pytest.approx(k3(0.01), rel=1e-12)
+    # token TIS clips nothing here (no ratio above 2): it keeps the inf
+    assert corr["token_tis_clipped_share"] == 0 and math.isinf(corr["token_tis_kept_k3"])
+    # sequence TIS/MIS drop nothing (the sequence ratios are 0 and e^0.01)
+    assert math.isinf(corr["seq_mis_kept_k3"])
+
+
+def test_a_correction_that_keeps_nothing_has_no_k3():
+    lt, li = np.array([-1.0 + 2.0]), np.array([-1.0])  # one token with ratio e^2: everything is clipped
+    _, corr = compute_metrics(np.minimum(lt, 0.0), li, np.array([0]))
+    assert corr["token_tis_clipped_share"] == 1.0 and corr["token_tis_kept_k3"] is None
+    assert corr["seq_mis_masked_share"] == 1.0 and corr["seq_mis_kept_k3"] is None

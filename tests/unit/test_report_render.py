@@ -38,6 +38,33 @@ def test_k3_is_placed_among_the_published_gpu_ranges():
     assert "infinite" in k3_context("inf") and "infinite" in k3_context(math.inf)
 
 
+def test_a_quantized_or_fp16_rollout_is_placed_among_the_figures_published_for_it():
+    assert k3_context(1e-5, "bf16") == k3_context(1e-5)  # bf16: the per-GPU ranges alone
+    fp8 = k3_context(1e-3, "fp8")
+    # NeMo-RL's 0.0024-0.0031 over 126 steps, xtuner's 3.7e-4 aligned / 8.7e-3 misaligned
+    assert "below 0.0024–0.0031 (NeMo-RL" in fp8 and "inside 0.00037–0.0087 (xtuner" in fp8
+    assert "above 0.0024–0.0031" in k3_context(0.02, "fp8") and "below 0.00037" in k3_context(1e-4, "fp8")
+    assert "2510.26788" in k3_context(1e-6, "fp16")
+    assert "no published K3 for int8 rollouts" in k3_context(1e-4, "int8")
+
+
+def test_the_rollout_precision_is_read_from_the_run():
+    from mismatch_probe.report.labels import rollout_precision
+
+    def record(engine: dict, quantization: dict | None = None):
+        inputs = {"engine_checkpoint": "w", "engine_checkpoint_quantization": quantization} if quantization else {}
+        return parse_record({"spec": {"engine": {"name": "vllm", **engine}}, "inputs": inputs})
+
+    w8a8 = {"method": "compressed-tensors", "groups": {"g": {"weights": "int8 per channel, symmetric, static scales"}}}
+    assert rollout_precision(record({"dtype": "bfloat16"}, w8a8)) == "int8"
+    w4 = {"method": "compressed-tensors", "groups": {"g": {"weights": "int4 per group, groups of 128"}}}
+    assert rollout_precision(record({"dtype": "bfloat16"}, w4)) == "int4"
+    assert rollout_precision(record({"dtype": "bfloat16", "quantization": "fp8"})) == "fp8"
+    assert rollout_precision(record({"dtype": "bfloat16", "kv_cache_dtype": "fp8_e4m3"})) == "fp8 KV cache"
+    assert rollout_precision(record({"dtype": "float16"})) == "fp16"
+    assert rollout_precision(record({"dtype": "bfloat16"})) == "bf16"
+
+
 def test_gpu_type_names_the_hardware_that_ran_the_probe():
     from mismatch_probe.report.labels import gpu_type
 

@@ -113,8 +113,22 @@ def test_one_at_a_time_refuses_no_point_quietly_a_bad_value_is_bad_input(tmp_pat
         ({"axes": [{"key": "engine.dtype", "values": ["a", "a"]}]}, "listed twice"),
         (
             {"axes": [{"key": "engine.dtype", "values": ["a"]}, {"key": "engine.dtype", "values": ["b"]}]},
-            "listed twice",
+            "on two sweep axes",
         ),
+        (
+            {"axes": [{"key": "engine.dtype", "values": ["a"]}, {"name": "r", "levels": {"x": {"engine.dtype": "b"}}}]},
+            "engine.dtype is on two sweep axes",
+        ),
+        (
+            {"axes": [{"name": "r", "levels": {"x": {k: "b"}}} for k in ("engine.dtype", "reference.dtype")]},
+            "two sweep axes are called r",
+        ),
+        ({"axes": [{"name": "r", "key": "engine.dtype", "values": ["a"]}]}, "key = ... with values"),
+        ({"axes": [{"key": "engine.dtype"}]}, "key = ... with values"),
+        ({"axes": [{"name": "r"}]}, "needs \\[levels\\]"),
+        ({"axes": [{"name": "r", "levels": {"x": {"dtype": "b"}}}]}, "section.setting"),
+        ({"axes": [{"name": "r", "levels": {"x": {"sampling.seed": 1}}}]}, "the repeats vary the seed"),
+        ({"axes": [{"name": "r", "levels": {"x": {"engine.python": "p"}}}]}, "where the engine runs from"),
         ({"mode": "random", "axes": [{"key": "engine.dtype", "values": ["a"]}]}, "one-at-a-time or grid"),
         ({"repeats": 0, "axes": [{"key": "engine.dtype", "values": ["a"]}]}, "repeats must be >= 1"),
         ({"colour": 1, "axes": [{"key": "engine.dtype", "values": ["a"]}]}, "unknown key 'colour'"),
@@ -169,3 +183,86 @@ def test_the_demo_spec_makes_the_points_its_comment_promises():
         "engine.cascade_attn",
     }
     assert len(plan.repeats) == 2
+
+
+LEVELS_SPEC = """
+model = "../models/tiny-qwen2"
+prompts = "../prompts/single_turn.jsonl"
+[engine]
+name = "vllm"
+dtype = "bfloat16"
+[reference]
+dtype = "float32"
+[sweep]
+mode = "grid"
+repeats = 2
+[[sweep.axes]]
+name = "rollout"
+[sweep.axes.levels]
+bf16 = {}
+fp16 = { "engine.dtype" = "float16" }
+"bf16 copy" = { "engine.checkpoint" = "../models/tiny-qwen2" }
+"fp8 KV" = { "engine.kv_cache_dtype" = "fp8", "engine.dtype" = "bfloat16" }
+[[sweep.axes]]
+name = "trainer"
+[sweep.axes.levels]
+fp32 = { "reference.dtype" = "float32" }
+bf16 = { "reference.dtype" = "bfloat16" }
+"""
+
+
+def test_named_levels_set_several_settings_and_a_grid_crosses_the_axes(tmp_path):
+    # a level's path is relative to the spec file, as the file's own paths are
+    fixtures = ROOT / "fixtures"
+    file = tmp_path / "levels.toml"
+    text = LEVELS_SPEC.replace("../prompts", str(fixtures / "prompts")).replace('"../models', f'"{fixtures}/models')
+    file.write_text(text.replace(f'"{fixtures}/models/tiny-qwen2" }}', '"models-here/tiny-qwen2" }'))
+    (tmp_path / "models-here").symlink_to(fixtures / "models")
+    plan = sweep_points(load_spec_file(file), tmp_path / "out")
+    # the baseline is bf16 x fp32 (its own settings), named by its levels
+    assert plan.baseline.levels == {"rollout": "bf16", "trainer": "fp32"}
+    assert [p.levels for p in plan.repeats] == [{"rollout": "bf16", "trainer": "fp32"}]
+    names = [p.name for p in plan.points]
+    assert names == [
+        "trainer=bf16",
+        "rollout=fp16",
+        "rollout=fp16+trainer=bf16",
+        "rollout=bf16-copy",
+        "rollout=bf16-copy+trainer=bf16",
+        "rollout=fp8-KV",
+        "rollout=fp8-KV+trainer=bf16",
+    ]
+    by_name = {p.name: p for p in plan.points}
+    # a level's settings are those that differ from the baseline (fp8 KV's bfloat16 is the baseline's)
+    assert by_name["rollout=fp8-KV"].settings == {"engine.kv_cache_dtype": "fp8"}
+    assert by_name["rollout=fp16+trainer=bf16"].settings == {"engine.dtype": "float16", "reference.dtype": "bfloat16"}
+    assert by_name["rollout=fp16+trainer=bf16"].levels == {"rollout": "fp16", "trainer": "bf16"}
+    copy = by_name["rollout=bf16-copy"].spec
+    assert copy.engine.checkpoint == str((ROOT / "fixtures" / "models" / "tiny-qwen2").resolve())
+    # run.json records the path as the spec file gives it
+    assert copy.to_dict()["engine"]["checkpoint"] == "models-here/tiny-qwen2"
+    # reference-only levels share the baseline's engine; each rollout level has its own
+    keys = {engine_key(p.spec) for p in plan.points}
+    assert len(keys) == 4 and engine_key(by_name["trainer=bf16"].spec) == engine_key(plan.baseline.spec)
+
+
+def test_one_at_a_time_over_named_levels(tmp_path):
+    plan = sweep_points(
+        spec(
+            [
+                {"name": "rollout", "levels": {"bf16": {}, "fp16": {"engine.dtype": "float16"}}},
+                {"key": "reference.dtype", "values": ["float32", "bfloat16"]},
+            ]
+        ),
+        tmp_path,
+    )
+    assert [(p.name, p.levels) for p in plan.points] == [
+        ("rollout=fp16", {"rollout": "fp16", "reference.dtype": "float32"}),
+        ("reference.dtype=bfloat16", {"rollout": "bf16", "reference.dtype": "bfloat16"}),
+    ]
+
+
+def test_a_baseline_that_is_none_of_the_levels_has_no_level(tmp_path):
+    plan = sweep_points(spec([{"name": "rollout", "levels": {"fp16": {"engine.dtype": "float16"}}}]), tmp_path)
+    assert plan.baseline.levels == {"rollout": None}
+    assert [p.name for p in plan.points] == ["rollout=fp16"]

@@ -149,7 +149,8 @@ SweepDraw = Callable[[SweepRecord], "Figure"]
 
 
 def sweep_figure_list() -> list[tuple[FigureInfo, SweepDraw]]:
-    """A sweep page's figures: the points' effects on the headline metrics, then cost against K3."""
+    """A sweep page's figures: the points' effects on the headline metrics, the K3 the corrections
+    leave, then cost against K3."""
     from mismatch_probe.analysis.sweep import HEADLINE_METRICS  # (its bootstrap code is not needed to draw)
 
     labels = {metric: METRIC_DOC[metric].label for metric in HEADLINE_METRICS}
@@ -160,12 +161,24 @@ def sweep_figure_list() -> list[tuple[FigureInfo, SweepDraw]]:
         "a panel per metric; the band is the spread of the baseline's repeats, grey points are within noise.",
         wide=True,
     )
+    rescue = FigureInfo(
+        "rescue",
+        "Does a correction rescue it?",
+        "Each point's K3 over every token (black) and the K3 of what each correction keeps (a marker "
+        "each); the band is the baseline repeats' K3. The shares each correction drops are in the "
+        "corrections table.",
+        wide=True,
+    )
     cost = FigureInfo(
         "cost",
         "Cost vs K3",
         "Each point's throughput cost against its K3 KL, coloured by its gate status; dashed: the gate's K3 bound.",
     )
-    return [(effects, lambda record: sweep.forest_plot(record, labels)), (cost, sweep.cost_plot)]
+    return [
+        (effects, lambda record: sweep.forest_plot(record, labels)),
+        (rescue, sweep.rescue_plot),
+        (cost, sweep.cost_plot),
+    ]
 
 
 def check_figure_id(figure_id: str) -> None:

@@ -1,5 +1,6 @@
 """A sweep's figures, from its record (sweep.json): the effects of every point on the headline
-metrics (a forest plot, a panel per metric) and cost against K3."""
+metrics (a forest plot, a panel per metric), the K3 each correction leaves per point, and cost
+against K3."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 from typing import TYPE_CHECKING
 
 from mismatch_probe.numbers import pct, tick
-from mismatch_probe.report.figures.drawing import BLUE, GREEN, RED, legend, new_figure
+from mismatch_probe.report.figures.drawing import BLUE, GREEN, RED, RUN_COLORS, legend, new_figure
 from mismatch_probe.sweep_record import SweepRecord
 
 if TYPE_CHECKING:
@@ -93,4 +94,41 @@ def cost_plot(record: SweepRecord) -> Figure:
     span = max(max(costs) - min(costs), 10.0)
     ax.set_xlim(min(-2.0, min(costs) - 0.05 * span), max(costs) + 0.4 * span)  # room for the names on the right
     legend(ax, loc="best")
+    return fig
+
+
+CORRECTION_MARKERS = ("v", "^", "s", "D", "P", "X")
+
+
+def rescue_plot(record: SweepRecord) -> Figure:
+    """Per point (a row), its K3 over every token (black) and the K3 of what each correction keeps
+    (a marker each), on one log axis; the band is the baseline repeats' K3 span. A correction that
+    brings a point into the band rescues it, at the share it drops (the corrections table)."""
+    from mismatch_probe.analysis.metric_docs import CORRECTION_DOCS
+    from mismatch_probe.analysis.metrics import KEPT_K3
+
+    def positive(v: object) -> bool:
+        return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+    rows = [p for p in record.points if p.status == "ok" and positive(p.metrics.get("k3_kl"))]
+    if not rows:
+        return _nothing("no finished point has a K3")
+    names = [p.name.replace("+", "\n+ ") for p in rows]
+    widest = max(len(line) for n in names for line in n.split("\n"))
+    fig, (ax,) = new_figure(7.0 + 0.065 * widest, 0.42 * len(rows) + 1.6, left=0.3 + 0.065 * widest, top=0.3)
+    values = (record.noise_floor.get("metrics") or {}).get("k3_kl", {}).get("values") or []
+    floor = [float(v) for v in values if positive(v)]
+    if floor:
+        ax.axvspan(min(floor), max(floor), color="#dde2ea", alpha=0.7, label="baseline repeats' K3")
+    ax.scatter([p.metrics["k3_kl"] for p in rows], range(len(rows)), color="black", s=36, zorder=3, label="every token")
+    for (key, (name, _)), color, marker in zip(CORRECTION_DOCS.items(), RUN_COLORS[1:], CORRECTION_MARKERS):
+        kept = [(i, p.corrections.get(KEPT_K3[key])) for i, p in enumerate(rows)]
+        kept = [(i, v) for i, v in kept if positive(v)]
+        if kept:
+            ax.scatter([v for _, v in kept], [i for i, _ in kept], color=color, marker=marker, s=22, label=name)
+    ax.set_xscale("log")
+    ax.set_yticks(range(len(rows)), names)
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_xlabel("K3 KL: of every token, and of what each correction keeps", loc="left")
+    legend(ax, loc="best", fontsize=7)
     return fig
