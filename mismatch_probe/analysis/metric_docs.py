@@ -9,8 +9,10 @@ written once. Sources of the reference points:
 - NeMo-RL's ``token_mult_prob_error`` (mean exp|delta|) and its 1.05 threshold.
 - verl's rollout correction defaults: ``rollout_is_threshold`` 2.0, geometric bounds "typically
   1.0002 - 1.001", token veto "typically 1e-4 to 1e-6".
+- verl's FAQ (docs/faq/faq.rst): ``training/rollout_probs_diff_mean`` (mean |Δp|) "should be below
+  0.005"; above 0.01 "indicates a precision issue".
 - K3 under FP8 rollouts (``PUBLISHED_K3``): NeMo-RL's Qwen3.5 guide (PR #2744) and xtuner's FP8
-  alignment fix (PR #2044); docs/metrics.md lists them with verl PR #7519's K1 and Pearson figures.
+  alignment fix (PR #2044); README's Precision section lists them with verl PR #7519's K1 and Pearson figures.
 """
 
 from __future__ import annotations
@@ -251,7 +253,7 @@ class PublishedK3(NamedTuple):
     source: str
 
 
-# Only figures whose metric is K3 by the source's own code (docs/metrics.md, Published figures).
+# Only figures whose metric is K3 by the source's own code (README, Precision: published figures).
 # verl PR #7519's FP8 figures (0.0100 -> 0.0313) are its rollout_corr/kl, which is K1 (signed), so
 # they are cited in the docs and not placed on a K3 card.
 PUBLISHED_K3 = (
@@ -305,6 +307,18 @@ def k3_context(value, precision: str | None = None) -> str:
         return f"{place} {fmt_range(f.low, f.high)} ({f.where})"
 
     return f"{line}; for {precision} rollouts: " + "; ".join(where(f) for f in published)
+
+
+def prob_diff_context(mean) -> str:
+    """Where a mean |Δp| sits against verl's FAQ (docs/faq/faq.rst): training/rollout_probs_diff_mean
+    "should be below 0.005", and above 0.01 "indicates a precision issue"."""
+    if mean is None or isinstance(mean, str):
+        return ""
+    if mean < 0.005:
+        return "below verl's expected 0.005"
+    if mean <= 0.01:
+        return "above verl's expected 0.005"
+    return "above 0.01, which verl's FAQ reads as a precision issue"
 
 
 def fmt_range(low: float, high: float) -> str:

@@ -1108,9 +1108,9 @@ class ProbeSpec(_Settings):
                         _merged(getattr(self, section), patch)
                     except ValidationError as exc:
                         err = first_error(exc)
-                        key = ("variants", i, section, *err["loc"])
+                        at = ("variants", i, section, *err["loc"])
                         what = rule_parts(err)[0] if is_rule(err) else f"{section}.{_dotted(err['loc'])} {phrase(err)}"
-                        raise rule_error(f"variant {v.name!r}: {what}", key=key) from None
+                        raise rule_error(f"variant {v.name!r}: {what}", key=at) from None
         return self
 
     @model_serializer(mode="wrap")

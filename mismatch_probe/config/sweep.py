@@ -139,15 +139,17 @@ def sweep_points(spec: ProbeSpec, out: str | Path) -> SweepPlan:
         p.repeat, p.settings, p.levels = r, {}, dict(base_levels)  # the seed is what a repeat is, not a setting
         repeats.append(p)
 
+    base_spec = baseline.spec
+
     def changed(settings: dict[str, AxisValue]) -> dict[str, AxisValue]:
-        return {k: v for k, v in settings.items() if not _same(_current(baseline.spec, k), v, baseline.spec, k)}
+        return {k: v for k, v in settings.items() if not _same(_current(base_spec, k), v, base_spec, k)}
 
     points: list[SweepPoint] = []
     if sweep.mode == "grid":
         for combo in itertools.product(*(a.options() for a in sweep.axes)):
             settings = changed({k: v for _, level in combo for k, v in level.items()})
             if settings:
-                levels = {a.label: label for a, (label, _) in zip(sweep.axes, combo)}
+                levels: dict[str, str | None] = {a.label: label for a, (label, _) in zip(sweep.axes, combo)}
                 moved = {a.label: label for a, (label, level) in zip(sweep.axes, combo) if changed(level)}
                 point = _point(base, settings, points_dir, strict=False, name=_name(sweep.axes, moved, settings))
                 point.levels = levels

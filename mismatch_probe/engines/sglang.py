@@ -216,6 +216,8 @@ class SGLangEngine:
         import sglang
 
         self.version = sglang.__version__
+        if self.device == "cpu":
+            check_cpu_quantization(spec, self.model_path, self.version)
         if self.sync is not None:
             check_sync(
                 self.sync,
@@ -643,6 +645,46 @@ def check_spec(spec: EngineSpec) -> None:
             f"MODEL --nnodes {spec.nnodes} --node-rank R --dist-init-addr {spec.dist_init_addr or 'HOST:PORT'} "
             f"--tp-size {spec.tensor_parallel_size} --pp-size {spec.pipeline_parallel_size} "
             f"--dp-size {spec.data_parallel_size}",
+        )
+
+
+# the CPU ops SGLang's own CPU quantization calls (srt/layers/quantization/w8a8_int8.py and fp8.py,
+# on CPUs with AMX); sgl-kernel's CPU build registers them, and PyPI has no CPU build of it
+CPU_QUANT_OPS = {"w8a8_int8": "int8_scaled_mm_with_quant", "fp8": "fp8_scaled_mm_cpu"}
+
+
+def check_cpu_quantization(spec: EngineSpec, model_path: Path, version: str) -> None:
+    """What quantization SGLang's CPU engine cannot run; raises :class:`ConfigError` before the engine
+    starts. On CPU SGLang quantizes only with its own w8a8_int8 and (block) fp8 methods, through
+    sgl-kernel's CPU ops; the compressed-tensors schemes (fixtures/quantize.py's exports) have no CPU
+    path at all."""
+    from mismatch_probe.modeling.loading import read_config
+
+    declared = read_config(model_path).get("quantization_config") or {}
+    method = spec.quantization or (declared.get("quant_method") if isinstance(declared, dict) else None)
+    if not method:
+        return
+    if method == "compressed-tensors":
+        raise ConfigError(
+            f"SGLang {version} runs compressed-tensors checkpoints on CUDA only: its schemes "
+            "(srt/layers/quantization/compressed_tensors/schemes) call CUDA kernels, e.g. W8A8 int8 calls "
+            "sgl_kernel.int8_scaled_mm, imported only when is_cuda(), and WNA16 runs Marlin kernels",
+            hint="run this checkpoint with vLLM (its CPU build runs W8A8, W4A16 and FP8_DYNAMIC), or SGLang on a GPU",
+        )
+    import torch
+
+    op = CPU_QUANT_OPS.get(str(method))
+    if op is None or not hasattr(torch.ops.sgl_kernel, op):
+        need = (
+            f"sgl-kernel's CPU op torch.ops.sgl_kernel.{op}, which this installation lacks (PyPI has no CPU "
+            "build of sgl-kernel)"
+            if op
+            else f"a CPU path, which {method!r} does not have (SGLang quantizes on CPU only with "
+            f"{' and '.join(CPU_QUANT_OPS)})"
+        )
+        raise ConfigError(
+            f"SGLang {version}'s CPU engine cannot run quantization {method!r}: it needs {need}",
+            hint="run the quantized rollout with vLLM's CPU build, or SGLang on a GPU",
         )
 
 

@@ -117,13 +117,15 @@ def prepare(
 
         check_reference_layout(model_path, spec.reference, trust_remote_code=spec.trust_remote_code)
     tokenizer = load_tokenizer(model_path, trust_remote_code=spec.trust_remote_code)
-    if spec.engine.checkpoint and spec.sync.enabled:
-        # the engine starts from sync.start_from; syncing bf16 weights into a quantized engine
-        # (which re-quantizes them) is not probed yet
+    if (spec.engine.checkpoint or spec.engine.quantization) and spec.sync.enabled:
+        # the engine starts from sync.start_from; a quantized engine takes synced weights either
+        # quantized by the trainer (a compressed-tensors export's int8/fp8 tensors and scales) or
+        # as bf16 that it re-quantizes (online fp8): neither path is probed yet (issue 38, item 5)
+        which = "engine.checkpoint" if spec.engine.checkpoint else f"engine.quantization = {spec.engine.quantization!r}"
         raise ConfigError(
-            "engine.checkpoint and [sync] together: the synced engine starts from sync.start_from, and "
-            "syncing into a quantized engine is not probed yet",
-            hint="drop engine.checkpoint or [sync]",
+            f"{which} and [sync] together: syncing into a quantized engine is not probed yet (the synced "
+            "engine starts from sync.start_from, and its re-quantization and scales are not checked)",
+            hint=f"drop {which.split(' ')[0]} or [sync]",
         )
     engine_checkpoint = (
         check_engine_checkpoint(spec.engine.checkpoint, model_path, tokenizer, trust_remote_code=spec.trust_remote_code)

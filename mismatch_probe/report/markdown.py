@@ -90,7 +90,13 @@ def render_sweep(view: SweepView) -> str:
         + ["", md_cell(view.subtitle) + ".", ""]
     )
     out += [f"- **{md_cell(c.label)}**: {md_cell(c.value)} {md_cell(c.note)}" for c in view.baseline] + [""]
-    out += table(view.attribution) + table(view.corrections) + table(view.noise) + table(view.determinism)
+    out += table(view.attribution)
+    out += (
+        table(view.corrections)
+        if view.corrections.rows
+        else [f"## {view.corrections.title}", "", view.corrections.lead, ""]
+    )
+    out += table(view.noise) + table(view.determinism)
     out += [f"Note: {md_cell(n)}" for n in view.determinism_notes] + ([""] if view.determinism_notes else [])
     out += table(view.points)
     return "\n".join(out).rstrip("\n") + "\n"

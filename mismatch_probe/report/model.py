@@ -22,6 +22,7 @@ from mismatch_probe.analysis.metric_docs import (
     METRIC_DOC,
     METRIC_DOCS,
     k3_context,
+    prob_diff_context,
     rank,
 )
 from mismatch_probe.analysis.metrics import KEPT_K3
@@ -177,23 +178,37 @@ def corrections_table(record: RunRecord) -> Table:
     groups = [(labels.main_column(record), corr)]
     if labels.has_later_turns(record):
         groups += [(labels.FIRST_TURN, by_turn.get("first") or {}), (labels.LATER_TURNS, by_turn.get("later") or {})]
+    # a run analysed before the kept K3 was recorded shows the shares alone, as it did then
+    kept = any(k in corr for k in KEPT_K3.values())
+
+    def cells(values: dict, key: str) -> list[str]:
+        return [pct(values.get(key)), fmt(values.get(KEPT_K3[key]))] if kept else [pct(values.get(key))]
+
     rows = [
         Row(
             [name, what, ", ".join(f"{a.replace('_', ' ')} {tick(b)}" for a, b in (thresholds.get(key) or {}).items())]
-            + [cell for _, values in groups for cell in (pct(values.get(key)), fmt(values.get(KEPT_K3[key])))],
+            + [cell for _, values in groups for cell in cells(values, key)],
             key=key,
         )
         for key, (name, what) in CORRECTION_DOCS.items()
     ]
+    lead = "How much of this data each published correction would clip or drop at these thresholds, before you train with it"
+    if kept:
+        lead += (
+            ", and the K3 of the tokens it keeps as they came (unclipped, unmasked, in sequences it keeps): "
+            + KEPT_K3_MEANING
+        )
     return Table(
         "corrections",
         "Correction what-ifs",
         [Column("correction", "text"), Column("what it does", "long"), Column("threshold", "text")]
-        + [c for name, _ in groups for c in (Column(name), Column(f"{name}: K3 of what it keeps"))],
+        + [
+            c
+            for name, _ in groups
+            for c in ([Column(name), Column(f"{name}: K3 of what it keeps")] if kept else [Column(name)])
+        ],
         rows,
-        lead="How much of this data each published correction would clip or drop at these thresholds, "
-        "before you train with it, and the K3 of the tokens it keeps as they came (unclipped, unmasked, in "
-        f"sequences it keeps): {KEPT_K3_MEANING}.",
+        lead=lead + ".",
     )
 
 
@@ -426,7 +441,8 @@ def headline(record: RunRecord) -> list[Card]:
         Card(
             "max token |Δp|",
             fmt(m("prob_diff_max")),
-            f"mean {fmt(m('prob_diff_mean'))}; per-sequence max averages {fmt(m('seq_max_mismatch_mean'))}",
+            f"mean {fmt(m('prob_diff_mean'))} ({prob_diff_context(m('prob_diff_mean'))}); per-sequence max "
+            f"averages {fmt(m('seq_max_mismatch_mean'))}",
         ),
         Card(
             "sequences with max |Δp| > 0.5",

@@ -226,7 +226,8 @@ def corrections_table(record: SweepRecord) -> Table:
         return f"{pct(corr.get(key))} → {fmt(kept)}" + (" ✓" if rescued else "")
 
     rows = []
-    for p in record.points:
+    recorded = any(p.corrections for p in record.points)
+    for p in record.points if recorded else ():
         first = [p.name.replace("+", " + "), *(_level(p, a) for a in axes)]
         if p.status != "ok":
             rows.append(Row(first, note=f"{p.status}: {p.reason}"))
@@ -244,7 +245,10 @@ def corrections_table(record: SweepRecord) -> Table:
         + [Column(name) for name, _ in CORRECTION_DOCS.values()],
         rows,
         lead=f"Each correction at the spec's thresholds: the share of tokens (token corrections) or sequences "
-        f"(sequence corrections) it clips or drops, and the K3 of what it keeps: {KEPT_K3_MEANING}. {within}.",
+        f"(sequence corrections) it clips or drops, and the K3 of what it keeps: {KEPT_K3_MEANING}. {within}."
+        if recorded
+        else "This sweep was summarized before its record held the correction what-ifs; each point's own "
+        "report has them.",
     )
 
 

@@ -137,3 +137,22 @@ def test_settings_sglang_cannot_honor_fail_before_sampling(tmp_path):
                 "mismatch-probe itself set .*attention_backend='torch_native'",
             ):
                 EngineProcess(get_entry("sglang"), DENSE, engine_spec(**kw), log_path=log)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusals of SGLang's CPU engine")
+def test_quantized_rollouts_sglang_cannot_run_on_cpu_are_refused_by_name(tmp_path):
+    """The exports vLLM's CPU build runs (compressed-tensors) have no CPU path in SGLang; its own
+    w8a8_int8 / fp8 methods need sgl-kernel's CPU ops, absent here. Each is refused before the engine
+    starts, with what it needs; on a GPU they run (the GPU tests)."""
+    log = tmp_path / "engine.log"
+    with pytest.raises(ConfigError, match="compressed-tensors checkpoints on CUDA only.*int8_scaled_mm"):
+        EngineProcess(
+            get_entry("sglang"),
+            DENSE,
+            engine_spec(checkpoint=str(ROOT / "fixtures/models/tiny-qwen2-w8a8")),
+            log_path=log,
+        )
+    with pytest.raises(
+        ConfigError, match="cannot run quantization 'w8a8_int8'.*torch.ops.sgl_kernel.int8_scaled_mm_with_quant"
+    ):
+        EngineProcess(get_entry("sglang"), DENSE, engine_spec(quantization="w8a8_int8"), log_path=log)

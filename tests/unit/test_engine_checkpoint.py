@@ -89,13 +89,20 @@ def test_engine_checkpoint_is_refused_where_the_server_chose_its_own(tmp_path):
     assert "engine.checkpoint" in proc.stderr and "remote" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_engine_checkpoint_with_a_sync_is_refused_by_name(tmp_path):
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (("--engine-checkpoint", str(DENSE)), "engine.checkpoint and [sync] together"),
+        (("--quantization", "fp8"), "engine.quantization = 'fp8' and [sync] together"),
+    ],
+)
+def test_a_quantized_engine_with_a_sync_is_refused_by_name(tmp_path, flags, says):
     proc = cli(
         *("compare", "--model", str(DENSE), "--prompts", str(SINGLE_TURN), "--out", str(tmp_path / "run")),
-        *("--engine", "vllm", "--engine-checkpoint", str(DENSE), "--sync-from", "perturbed"),
+        *("--engine", "vllm", *flags, "--sync-from", "perturbed"),
     )
     assert proc.returncode == 2, proc.stderr
-    assert "engine.checkpoint and [sync] together" in proc.stderr and "Traceback" not in proc.stderr
+    assert says in proc.stderr and "not probed yet" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @needs_ct

@@ -48,6 +48,15 @@ def test_a_quantized_or_fp16_rollout_is_placed_among_the_figures_published_for_i
     assert "no published K3 for int8 rollouts" in k3_context(1e-4, "int8")
 
 
+def test_mean_prob_diff_is_read_against_verls_faq():
+    from mismatch_probe.analysis.metric_docs import prob_diff_context
+
+    assert prob_diff_context(None) == ""
+    assert "below verl's expected 0.005" == prob_diff_context(0.0049)
+    assert "above verl's expected 0.005" == prob_diff_context(0.01)
+    assert "precision issue" in prob_diff_context(0.0101)
+
+
 def test_the_rollout_precision_is_read_from_the_run():
     from mismatch_probe.report.labels import rollout_precision
 

@@ -5,7 +5,7 @@ against K3."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from mismatch_probe.numbers import pct, tick
 from mismatch_probe.report.figures.drawing import BLUE, GREEN, RED, RUN_COLORS, legend, new_figure
@@ -107,12 +107,14 @@ def rescue_plot(record: SweepRecord) -> Figure:
     from mismatch_probe.analysis.metric_docs import CORRECTION_DOCS
     from mismatch_probe.analysis.metrics import KEPT_K3
 
-    def positive(v: object) -> bool:
+    def positive(v: Any) -> TypeGuard[float]:
         return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0
 
     rows = [p for p in record.points if p.status == "ok" and positive(p.metrics.get("k3_kl"))]
     if not rows:
         return _nothing("no finished point has a K3")
+    if not any(p.corrections for p in rows):
+        return _nothing("this sweep's record holds no correction what-ifs (summarized before they were recorded)")
     names = [p.name.replace("+", "\n+ ") for p in rows]
     widest = max(len(line) for n in names for line in n.split("\n"))
     fig, (ax,) = new_figure(7.0 + 0.065 * widest, 0.42 * len(rows) + 1.6, left=0.3 + 0.065 * widest, top=0.3)
@@ -122,8 +124,7 @@ def rescue_plot(record: SweepRecord) -> Figure:
         ax.axvspan(min(floor), max(floor), color="#dde2ea", alpha=0.7, label="baseline repeats' K3")
     ax.scatter([p.metrics["k3_kl"] for p in rows], range(len(rows)), color="black", s=36, zorder=3, label="every token")
     for (key, (name, _)), color, marker in zip(CORRECTION_DOCS.items(), RUN_COLORS[1:], CORRECTION_MARKERS):
-        kept = [(i, p.corrections.get(KEPT_K3[key])) for i, p in enumerate(rows)]
-        kept = [(i, v) for i, v in kept if positive(v)]
+        kept = [(i, float(v)) for i, p in enumerate(rows) if positive(v := p.corrections.get(KEPT_K3[key]))]
         if kept:
             ax.scatter([v for _, v in kept], [i for i, _ in kept], color=color, marker=marker, s=22, label=name)
     ax.set_xscale("log")
