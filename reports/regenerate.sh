@@ -24,6 +24,8 @@ if [ "${1:-}" = "--render" ]; then
   $mp report reports/sweep-demo  # sweep.md and sweep.html from sweep.json
   for run in reports/sync-sweep/points/*/; do $mp report "$run"; done
   $mp report reports/sync-sweep
+  for run in reports/precision/points/*/; do $mp report "$run"; done
+  $mp report reports/precision
   for run in reports/gpu-h100/{bf16,fp16} reports/gpu-h200/{bf16,fp16}; do $mp report "$run"; done
   $mp report reports/gpu-h{100,200}/bf16 reports/gpu-h{100,200}/fp16 --out reports/gpu-compare.html
   exit 0
@@ -35,10 +37,11 @@ $mp report reports/example reports/example-fp32 --out reports/example-compare.ht
 $mp compare probes/parallelism-tp2.toml --out reports/parallelism-tp2 --overwrite
 $mp sweep probes/sweep-demo.toml --gate probes/gate-strict.toml --no-resume
 $mp sweep probes/sync-sweep.toml --no-resume
+$mp sweep probes/precision.toml --no-resume
 root="$PWD/"
-find reports/example reports/example-fp32 reports/parallelism-tp2 reports/sweep-demo reports/sync-sweep \
+find reports/example reports/example-fp32 reports/parallelism-tp2 reports/sweep-demo reports/sync-sweep reports/precision \
   \( -name engine.log -o -name reference.log -o -path "*/engines/*.log" \) -exec sed -i "s|$root||g" {} +
-if grep -rlF "$root" reports/example reports/example-fp32 reports/parallelism-tp2 reports/sweep-demo reports/sync-sweep reports/example-compare.html; then
+if grep -rlF "$root" reports/example reports/example-fp32 reports/parallelism-tp2 reports/sweep-demo reports/sync-sweep reports/precision reports/example-compare.html; then
   echo "absolute paths of this checkout are left in the files above" >&2
   exit 1
 fi

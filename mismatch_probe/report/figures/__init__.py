@@ -163,10 +163,10 @@ def sweep_figure_list() -> list[tuple[FigureInfo, SweepDraw]]:
     )
     rescue = FigureInfo(
         "rescue",
-        "Does a correction rescue it?",
+        "What each correction leaves",
         "Each point's K3 over every token (black) and the K3 of what each correction keeps (a marker "
-        "each); the band is the baseline repeats' K3. The shares each correction drops are in the "
-        "corrections table.",
+        "each; one that drops nothing sits under the black dot); the band is the baseline repeats' K3. "
+        "The shares each correction drops are in the corrections table.",
         wide=True,
     )
     cost = FigureInfo(
