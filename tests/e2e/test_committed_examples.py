@@ -51,6 +51,9 @@ def test_a_committed_run_is_portable_and_consistent(run):
         "sweep-demo/sweep.json",
         "sweep-demo/sweep.md",
         "sweep-demo/sweep.html",
+        "precision/sweep.json",
+        "precision/sweep.md",
+        "precision/sweep.html",
         "gpu-compare.html",
     ],
 )
@@ -89,6 +92,37 @@ def test_the_committed_sweep_shows_what_its_spec_asks():
         if p["status"] == "ok":
             assert (d / p["run"] / "report.html").is_file()
     assert rec["recommendation"]["gate"] == "probes/gate-strict.toml"
+
+
+def test_the_committed_precision_grid_ran_each_rollout_precision_as_it_says():
+    """probes/precision.toml's result (README, Precision): every rollout x trainer point finished;
+    the quantized points ran quantized by vLLM's own record of its layers (a silently ignored
+    export cannot pass), the fp8 KV point with an fp8 cache; fp16 on both sides is far below the
+    bf16 baseline, int4 far above; each point records what each correction keeps."""
+    from mismatch_probe.record import read_record
+    from mismatch_probe.report.labels import rollout_precision, setup_rows
+
+    d = ROOT / "reports" / "precision"
+    rec = json.loads((d / "sweep.json").read_text())
+    points = {(p["levels"]["rollout"], p["levels"]["trainer"]): p for p in rec["points"]}
+    rollouts, trainers = ("bf16", "fp16", "W8A8", "W4A16", "fp8 KV"), ("bf16", "fp16", "fp32")
+    assert set(points) == {(r, t) for r in rollouts for t in trainers}
+    assert all(p["status"] == "ok" for p in points.values())
+    assert rec["engine_starts"] == len(rollouts) and rec["noise_floor"]["metrics"]["k3_kl"]["n_repeats"] == 3
+    for level, weight, precision in (("W8A8", "int8", "int8"), ("W4A16", "uint8", "int4")):
+        run = read_record(d / points[(level, "bf16")]["run"])
+        layers = run.engine.settings()["quantization_layers"]
+        quantized = [g for g in layers["groups"] if g["quantized"]]
+        assert sum(g["n_layers"] for g in quantized) == 16, level  # every linear layer of the 2-layer model
+        assert all(weight in g["params"].values() for g in quantized), level
+        assert rollout_precision(run) == precision
+        assert "quantization (engine)" in dict(setup_rows(run))
+    kv = read_record(d / points[("fp8 KV", "bf16")]["run"])
+    assert kv.engine.settings()["kv_cache_dtype"] == "fp8" and rollout_precision(kv) == "fp8 KV cache"
+    k3 = {key: p["metrics"]["k3_kl"] for key, p in points.items()}
+    assert k3[("fp16", "fp16")] < k3[("bf16", "bf16")] / 20 < k3[("W4A16", "bf16")] / 200
+    for p in points.values():
+        assert set(p["corrections"]) >= {"token_tis_kept_k3", "geo_kept_k3"}
 
 
 def test_the_committed_gpu_runs_name_their_gpus_and_agree_bit_for_bit():
