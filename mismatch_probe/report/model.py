@@ -449,7 +449,7 @@ def headline(record: RunRecord) -> list[Card]:
             pct(m("seq_max_mismatch_gt_0_5_share")),
             f"{fmt(m('seq_max_mismatch_gt_0_5_count'))} of {fmt(m('n_sequences'))} sequences",
         ),
-        Card("token mult. prob error", fmt(mult), _mult_note(mult)),
+        Card("token mult. prob error", fmt(mult), _mult_note(mult, labels.rollout_precision(record))),
     ]
     prefill = record.decode_vs_prefill or {}
     if prefill.get("n_model_tokens"):
@@ -468,12 +468,18 @@ def headline(record: RunRecord) -> list[Card]:
     return cards
 
 
-def _mult_note(v) -> str:
+def _mult_note(v, precision: str | None = None) -> str:
     if v is None:
         return ""
-    if isinstance(v, str) or v > 1.05:
-        return "above NeMo-RL's 1.05 threshold"
-    return "below NeMo-RL's 1.05 threshold (1.0 is perfect)"
+    line = (
+        "above NeMo-RL's 1.05 threshold"
+        if isinstance(v, str) or v > 1.05
+        else "below NeMo-RL's 1.05 threshold (1.0 is perfect)"
+    )
+    if precision not in (None, "bf16", "fp32"):
+        # the published per-precision figures are K3, K1 and Pearson (metric_docs.PUBLISHED_K3)
+        line += f"; no multiplicative error has been published for {precision} rollouts"
+    return line
 
 
 TIMING_LABELS = {

@@ -113,7 +113,7 @@ def test_the_committed_precision_grid_ran_each_rollout_precision_as_it_says():
         run = read_record(d / points[(level, "bf16")]["run"])
         layers = run.engine.settings()["quantization_layers"]
         quantized = [g for g in layers["groups"] if g["quantized"]]
-        assert sum(g["n_layers"] for g in quantized) == 16, level  # every linear layer of the 2-layer model
+        assert sum(g["n_layers"] for g in quantized) == 16, level  # the 4 blocks x 4 linear layers
         assert all(weight in g["params"].values() for g in quantized), level
         assert rollout_precision(run) == precision
         assert "quantization (engine)" in dict(setup_rows(run))

@@ -156,3 +156,11 @@ def test_quantized_rollouts_sglang_cannot_run_on_cpu_are_refused_by_name(tmp_pat
         ConfigError, match="cannot run quantization 'w8a8_int8'.*torch.ops.sgl_kernel.int8_scaled_mm_with_quant"
     ):
         EngineProcess(get_entry("sglang"), DENSE, engine_spec(quantization="w8a8_int8"), log_path=log)
+
+
+def test_fp16_on_both_sides(tmp_path):
+    """probes/precision.toml's fp16 level with SGLang: the engine runs float16 (read back from its
+    server info), the reference too, and the mismatch sits well below bf16's."""
+    rec = compare_cli(tmp_path, "--engine-dtype", "float16", "--train-dtype", "float16")
+    assert rec["engine"]["dtype"] == "float16" and rec["spec"]["reference"]["dtype"] == "float16"
+    assert 0 < rec["metrics"]["k3_kl"] < 1e-5

@@ -89,3 +89,32 @@ def test_online_fp8_is_refused_on_the_cpu_build_with_the_engines_reason(tmp_path
     )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "no kernel for _C::static_scaled_fp8_quant" in proc.stderr and "--engine-checkpoint" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "flags, kv_cache_dtype",
+    [
+        (("--engine-dtype", "float16", "--train-dtype", "float16"), "auto"),  # fp16 on both sides
+        (("--kv-cache-dtype", "fp8"), "fp8"),  # bf16 weights, an fp8 KV cache
+    ],
+    ids=["fp16-both-sides", "fp8-kv-cache"],
+)
+def test_the_other_rollout_precisions_run_as_recorded(tmp_path, flags, kv_cache_dtype):
+    """probes/precision.toml's other levels on vLLM's CPU build, small: what the engine ran is read
+    back from it (dtype, KV-cache dtype), not taken from the request."""
+    out = tmp_path / "run"
+    proc = cli(
+        *("compare", "--model", str(DENSE), "--prompts", str(SINGLE_TURN), "--out", str(out)),
+        *("--engine", "vllm", "--enforce-eager", "--max-prompts", "8", "--n", "2", "--max-tokens", "32"),
+        *("--temperature", "1.0", "--seed", "3", "--logits-fp32", *flags),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rec = json.loads((out / "run.json").read_text())
+    settings = rec["engine"]
+    assert settings["kv_cache_dtype"] == kv_cache_dtype
+    if "float16" in flags:
+        assert settings["dtype"] == "float16" and rec["spec"]["reference"]["dtype"] == "float16"
+        # fp16's 10 mantissa bits against bf16's 7: the bf16 runs of these prompts sit near 5e-5
+        assert 0 < rec["metrics"]["k3_kl"] < 1e-5
+    else:
+        assert 0 < rec["metrics"]["k3_kl"] < 0.05
