@@ -13,7 +13,7 @@
     [sweep.axes.levels]
     bf16 = {}                                        # the spec as written
     fp16 = { "engine.dtype" = "float16" }
-    W8A8 = { "engine.checkpoint" = "../fixtures/models/tiny-qwen2-W8A8" }
+    W8A8 = { "engine.checkpoint" = "../fixtures/models/tiny-qwen2-w8a8" }
 
 Only the table's shape is checked here; what each value means is checked by applying it to the
 spec (``config.sweep.sweep_points``), with the same rules as the spec's own keys.

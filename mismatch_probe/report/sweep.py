@@ -204,7 +204,7 @@ def points_table(record: SweepRecord) -> Table:
 
 def baseline_k3_range(record: SweepRecord) -> tuple[float, float] | None:
     """The smallest and largest K3 of the baseline's repeats (the noise floor's span)."""
-    values = [v for v in ((record.noise_floor.get("metrics") or {}).get("k3_kl") or {}).get("values", [])]
+    values = ((record.noise_floor.get("metrics") or {}).get("k3_kl") or {}).get("values", [])
     finite = [float(v) for v in values if isinstance(v, int | float) and math.isfinite(v)]
     return (min(finite), max(finite)) if finite else None
 

@@ -145,10 +145,13 @@ def test_determinism_panel_and_reports(swept):
             assert (out / p["run"] / "report.html").is_file()
             assert f'href="{p["run"]}/report.html"' in html
     assert "Determinism and batch invariance" in html and "Noise floor" in html
-    assert html.count("data:image/svg+xml;base64,") == 2  # the effects on the headline metrics, cost vs K3
+    # the effects on the headline metrics, what each correction leaves, cost vs K3
+    assert html.count("data:image/svg+xml;base64,") == 3
+    # each point's correction what-ifs: the share it drops -> the K3 of what it keeps
+    assert "Does a correction rescue it?" in html and "% → " in html
     (out / "sweep.html").unlink()
     result = cli("report", str(out))  # the pages again, from sweep.json alone
-    assert result.returncode == 0 and (out / "sweep.html").read_text().count("data:image/svg+xml;base64,") == 2
+    assert result.returncode == 0 and (out / "sweep.html").read_text().count("data:image/svg+xml;base64,") == 3
 
 
 def thresholds(directory: Path, k3_max: float) -> Path:
