@@ -31,7 +31,8 @@ EXPECTED = {
         "fp8 per channel",
     ),
 }
-# fp8 runs through torch._scaled_mm, which the CPU emulates: ~6x slower here, so a smaller run
+# fp8 runs through torch._scaled_mm, which the CPU emulates: ~6x slower at this size and ~1000x at
+# probes/precision.toml's (README, Precision), so a smaller run
 SIZE = {"FP8_DYNAMIC": ("4", "1", "16")}
 
 
