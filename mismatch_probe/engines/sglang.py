@@ -666,9 +666,11 @@ def check_cpu_quantization(spec: EngineSpec, model_path: Path, version: str) -> 
         return
     if method == "compressed-tensors":
         raise ConfigError(
-            f"SGLang {version} runs compressed-tensors checkpoints on CUDA only: its schemes "
-            "(srt/layers/quantization/compressed_tensors/schemes) call CUDA kernels, e.g. W8A8 int8 calls "
-            "sgl_kernel.int8_scaled_mm, imported only when is_cuda(), and WNA16 runs Marlin kernels",
+            f"SGLang {version} runs compressed-tensors checkpoints on CUDA only: picking each layer's scheme "
+            "asks the CUDA device for its capability (compressed_tensors.py: _check_scheme_supported -> "
+            "torch.cuda.get_device_capability; without this check the engine dies at start with 'Torch not "
+            "compiled with CUDA enabled'), and the schemes call CUDA kernels (W8A8 int8: sgl_kernel.int8_scaled_mm, "
+            "imported only when is_cuda(); WNA16: Marlin)",
             hint="run this checkpoint with vLLM (its CPU build runs W8A8, W4A16 and FP8_DYNAMIC), or SGLang on a GPU",
         )
     import torch
