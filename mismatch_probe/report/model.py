@@ -441,7 +441,7 @@ def headline(record: RunRecord) -> list[Card]:
         Card(
             "max token |Δp|",
             fmt(m("prob_diff_max")),
-            f"mean {fmt(m('prob_diff_mean'))} ({prob_diff_context(m('prob_diff_mean'))}); per-sequence max "
+            f"mean {fmt(m('prob_diff_mean'))}{_paren(prob_diff_context(m('prob_diff_mean')))}; per-sequence max "
             f"averages {fmt(m('seq_max_mismatch_mean'))}",
         ),
         Card(
@@ -466,6 +466,10 @@ def headline(record: RunRecord) -> list[Card]:
             Card("later / first turn K3", ratio(later_k3, first_k3), f"first {fmt(first_k3)}, later {fmt(later_k3)}")
         )
     return cards
+
+
+def _paren(note: str) -> str:
+    return f" ({note})" if note else ""
 
 
 def _mult_note(v, precision: str | None = None) -> str:
