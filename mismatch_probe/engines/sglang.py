@@ -667,7 +667,8 @@ def check_cpu_quantization(spec: EngineSpec, model_path: Path, version: str) -> 
     if method == "compressed-tensors":
         raise ConfigError(
             f"SGLang {version} runs compressed-tensors checkpoints on CUDA only: picking each layer's scheme "
-            "asks the CUDA device for its capability (compressed_tensors.py: _check_scheme_supported -> "
+            "asks the CUDA device for its capability (srt/layers/quantization/compressed_tensors/compressed_tensors.py: "
+            "_check_scheme_supported -> "
             "torch.cuda.get_device_capability; without this check the engine dies at start with 'Torch not "
             "compiled with CUDA enabled'), and the schemes call CUDA kernels (W8A8 int8: sgl_kernel.int8_scaled_mm, "
             "imported only when is_cuda(); WNA16: Marlin)",
