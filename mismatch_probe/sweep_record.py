@@ -8,6 +8,7 @@ their intervals, the noise floor, the determinism checks, cost and the recommend
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -64,6 +65,11 @@ class SweepRecord(_Section):
     timings: dict[str, float] = Field(default_factory=dict)  # of the last invocation
     # each invocation that reached the summary: finished_at, engine_starts, timings
     invocations: list[dict[str, Any]] = Field(default_factory=list)
+
+    def repeat_values(self, metric: str) -> list[float]:
+        """The finite values of ``metric`` over the baseline's repeats (the noise floor's runs)."""
+        values = ((self.noise_floor.get("metrics") or {}).get(metric) or {}).get("values") or []
+        return [float(v) for v in values if isinstance(v, int | float) and math.isfinite(v)]
 
     def point(self, name: str) -> SweepPointRecord:
         for p in self.points:

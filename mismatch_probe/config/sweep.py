@@ -128,8 +128,20 @@ def sweep_points(spec: ProbeSpec, out: str | Path) -> SweepPlan:
                 raise unknown_key(leaf, list(type(getattr(base, section)).model_fields), f"[sweep] axis [{section}]")
     baseline = _point(base, {}, points_dir, strict=True, name=BASELINE)
     assert baseline.spec is not None  # strict: a ConfigError otherwise
-    # each axis' level that is the baseline's own setting (None when none is)
-    base_levels = {a.label: _baseline_level(a, baseline.spec) for a in sweep.axes}
+    base_spec = baseline.spec
+    # each axis' levels with the settings that differ from the baseline's own (computed once: a
+    # setting's sameness can take a validation of the spec); a level with none is the baseline's
+    options = [
+        [
+            (label, {k: v for k, v in level.items() if not _same(_current(base_spec, k), v, base_spec, k)})
+            for label, level in axis.options()
+        ]
+        for axis in sweep.axes
+    ]
+    base_levels = {
+        a.label: next((label for label, changed in levels if not changed), None)
+        for a, levels in zip(sweep.axes, options)
+    }
     baseline.levels = dict(base_levels)
     repeats = []
     for r in range(1, sweep.repeats):
@@ -139,25 +151,19 @@ def sweep_points(spec: ProbeSpec, out: str | Path) -> SweepPlan:
         p.repeat, p.settings, p.levels = r, {}, dict(base_levels)  # the seed is what a repeat is, not a setting
         repeats.append(p)
 
-    base_spec = baseline.spec
-
-    def changed(settings: dict[str, AxisValue]) -> dict[str, AxisValue]:
-        return {k: v for k, v in settings.items() if not _same(_current(base_spec, k), v, base_spec, k)}
-
     points: list[SweepPoint] = []
     if sweep.mode == "grid":
-        for combo in itertools.product(*(a.options() for a in sweep.axes)):
-            settings = changed({k: v for _, level in combo for k, v in level.items()})
+        for combo in itertools.product(*options):
+            settings = {k: v for _, changed in combo for k, v in changed.items()}
             if settings:
                 levels: dict[str, str | None] = {a.label: label for a, (label, _) in zip(sweep.axes, combo)}
-                moved = {a.label: label for a, (label, level) in zip(sweep.axes, combo) if changed(level)}
+                moved = {a.label: label for a, (label, changed) in zip(sweep.axes, combo) if changed}
                 point = _point(base, settings, points_dir, strict=False, name=_name(sweep.axes, moved, settings))
                 point.levels = levels
                 points.append(point)
     else:
-        for axis in sweep.axes:
-            for label, level in axis.options():
-                settings = changed(level)
+        for axis, levels_of_axis in zip(sweep.axes, options):
+            for label, settings in levels_of_axis:
                 if settings:
                     point = _point(
                         base, settings, points_dir, strict=True, name=_name([axis], {axis.label: label}, settings)
@@ -182,13 +188,6 @@ def _name(axes: list[SweepAxis], moved: dict[str, str], settings: dict[str, Axis
     if not named & set(moved):
         return point_name(settings)
     return point_name({label: level for label, level in moved.items()})
-
-
-def _baseline_level(axis: SweepAxis, baseline: ProbeSpec) -> str | None:
-    for label, level in axis.options():
-        if all(_same(_current(baseline, k), v, baseline, k) for k, v in level.items()):
-            return label
-    return None
 
 
 def _same(current: Any, value: AxisValue, baseline: ProbeSpec, key: str) -> bool:

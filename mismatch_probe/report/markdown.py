@@ -94,7 +94,7 @@ def render_sweep(view: SweepView) -> str:
     out += (
         table(view.corrections)
         if view.corrections.rows
-        else [f"## {view.corrections.title}", "", view.corrections.lead, ""]
+        else [f"## {md_cell(view.corrections.title)}", "", md_cell(view.corrections.lead), ""]
     )
     out += table(view.noise) + table(view.determinism)
     out += [f"Note: {md_cell(n)}" for n in view.determinism_notes] + ([""] if view.determinism_notes else [])

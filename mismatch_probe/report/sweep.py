@@ -5,7 +5,6 @@ computes a number."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -204,9 +203,8 @@ def points_table(record: SweepRecord) -> Table:
 
 def baseline_k3_range(record: SweepRecord) -> tuple[float, float] | None:
     """The smallest and largest K3 of the baseline's repeats (the noise floor's span)."""
-    values = ((record.noise_floor.get("metrics") or {}).get("k3_kl") or {}).get("values", [])
-    finite = [float(v) for v in values if isinstance(v, int | float) and math.isfinite(v)]
-    return (min(finite), max(finite)) if finite else None
+    values = record.repeat_values("k3_kl")
+    return (min(values), max(values)) if values else None
 
 
 def corrections_table(record: SweepRecord) -> Table:

@@ -118,8 +118,7 @@ def rescue_plot(record: SweepRecord) -> Figure:
     names = [p.name.replace("+", "\n+ ") for p in rows]
     widest = max(len(line) for n in names for line in n.split("\n"))
     fig, (ax,) = new_figure(7.0 + 0.065 * widest, 0.42 * len(rows) + 1.6, left=0.3 + 0.065 * widest, top=0.3)
-    values = (record.noise_floor.get("metrics") or {}).get("k3_kl", {}).get("values") or []
-    floor = [float(v) for v in values if positive(v)]
+    floor = [v for v in record.repeat_values("k3_kl") if v > 0]  # on a log axis
     if floor:
         ax.axvspan(min(floor), max(floor), color="#dde2ea", alpha=0.7, label="baseline repeats' K3")
     ax.scatter([p.metrics["k3_kl"] for p in rows], range(len(rows)), color="black", s=36, zorder=3, label="every token")
