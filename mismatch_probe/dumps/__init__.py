@@ -3,7 +3,9 @@
 Formats are registered here by name and imported only when an import asks for one (verl's
 needs torch; the generic one only pyarrow). Each entry says what the framework's log-probs are, so
 the run's record states which distribution each side describes; ``mismatch-probe import`` flags
-override any of it. See ARCHITECTURE.md, "Imported runs", and docs/dump-format.md.
+override any of it. :func:`list_steps` lists the steps a path holds (each with the files its import
+reads) without reading them; :func:`open_dump` opens one. See ARCHITECTURE.md, "Imported runs", and
+docs/dump-format.md.
 """
 
 from __future__ import annotations
@@ -11,10 +13,13 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from mismatch_probe.config.keys import did_you_mean
-from mismatch_probe.dumps.base import DumpReader
 from mismatch_probe.errors import ConfigError
+
+if TYPE_CHECKING:  # the readers need NumPy and Arrow; the registry (the CLI's --help) does not
+    from mismatch_probe.dumps.base import DumpReader
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,15 @@ FORMATS: dict[str, DumpFormat] = {
             engine_logprobs="raw",
             trainer_logprobs="raw",
         ),
+        DumpFormat(
+            "prime-rl",
+            "mismatch_probe.dumps.prime_rl:PrimeRLDump",
+            "prime-rl's token exports (token_exports/step_N/) and filesystem rollouts (rollouts/step_N/)",
+            "the run's output_dir, or one of its step_N directories",
+            engine="vllm",
+            engine_logprobs="processed",  # prime-rl starts vLLM with logprobs_mode processed_logprobs
+            trainer_logprobs="temperature",  # its trainer divides the logits by each token's temperature
+        ),
     )
 }
 
@@ -77,6 +91,8 @@ def get_format(name: str) -> DumpFormat:
     key = name.strip().lower().replace("_", "-")
     if key in ("nemo", "nemorl"):
         key = "nemo-rl"
+    if key == "primerl":
+        key = "prime-rl"
     if key not in FORMATS:
         raise ConfigError(
             f"unknown dump format {name!r}",
@@ -92,18 +108,42 @@ def open_dump(
     step: int | None = None,
     trust_pickle: bool = False,
     trainer_path: str | Path | None = None,
+    listing: dict[int, list[Path]] | None = None,
 ) -> DumpReader:
     """The reader of ``path`` in format ``fmt``; it checks the files are what the framework writes.
-    ``trainer_path``: the trainer's dump, where the framework writes it apart (slime's train data)."""
+    ``trainer_path``: the trainer's dump, where the framework writes it apart (slime's train data);
+    ``listing``: :func:`list_steps` of ``path`` when the caller has it (a step among many)."""
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"dump {str(p)!r} does not exist", hint=f"give {fmt.what_path}")
-    module_name, _, cls = fmt.target.partition(":")
-    reader = getattr(importlib.import_module(module_name), cls)
+    reader: Any = reader_class(fmt)  # each reader takes the keywords its format has
     if trainer_path is not None and fmt.name != "slime":
         raise ConfigError(
             f"--train-dump is for slime's train dumps; a {fmt.name} dump holds its trainer's log-probs itself"
         )
     return reader(
-        p, step=step, trust_pickle=trust_pickle, trainer_path=None if trainer_path is None else Path(trainer_path)
+        p,
+        step=step,
+        trust_pickle=trust_pickle,
+        trainer_path=None if trainer_path is None else Path(trainer_path),
+        listing=listing,
     )
+
+
+def reader_class(fmt: DumpFormat) -> type[DumpReader]:
+    module_name, _, cls = fmt.target.partition(":")
+    return getattr(importlib.import_module(module_name), cls)
+
+
+def list_steps(fmt: DumpFormat, path: str | Path) -> dict[int, list[Path]]:
+    """Every training step ``path`` holds, in order, each with the files its import reads (what a
+    live run's watcher checks has finished writing), found without reading any of them;
+    ``open_dump(fmt, path, step=N)`` opens exactly the files listed for N. A dump whose names carry
+    no step number is one step, 0."""
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"dump {str(p)!r} does not exist", hint=f"give {fmt.what_path}")
+    steps = reader_class(fmt).available_steps(p)
+    if not steps:
+        raise ConfigError(f"{p} holds no step of a {fmt.name} dump ({fmt.description})", hint=f"give {fmt.what_path}")
+    return dict(sorted(steps.items()))

@@ -3,18 +3,23 @@
 For frameworks without a reader of their own (OpenRLHF, TRL, ms-swift, in-house trainers): write
 the token ids, which of them the policy sampled, and the engine's log-prob of each, and
 optionally the trainer's log-probs, turn ids and routed experts.
+
+Steps: a file or a directory of files is one step, unless names carry ``step_<N>`` (``step<N>``,
+``step-<N>``): files named so (``step_120.jsonl``, ``step_000120.rank0.parquet``) or directories
+(``step_120/``, every data file in it) are step N, several files of a step being read in name order.
 """
 
 from __future__ import annotations
 
-import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from mismatch_probe.dumps.base import DumpReader
+from mismatch_probe.dumps import jsonl
+from mismatch_probe.dumps.base import UNNUMBERED, DumpReader, Listing, select_step
 from mismatch_probe.dumps.samples import DumpSample
 from mismatch_probe.errors import ConfigError
 
@@ -23,26 +28,55 @@ OPTIONAL = ("logp_trainer", "turn", "routed_experts", "prompt_id", "finish_reaso
 COLUMNS = REQUIRED + OPTIONAL
 SUFFIXES = {".parquet": "parquet", ".jsonl": "jsonl", ".json": "jsonl"}
 PARQUET_BATCH_ROWS = 256  # rows read at a time: memory stays bounded whatever the file's size
+# "step_120", "step120", "step-000120" in a name, not "mystep1" or "rank0"
+STEP_NAME = re.compile(r"(?:^|[^a-z0-9])step[_-]?(\d+)(?![0-9])", re.IGNORECASE)
+WHAT = "generic dump files (.parquet, .jsonl)"
 
 
 class GenericDump(DumpReader):
     format = "generic"
 
-    def __init__(self, path: Path, **_: Any) -> None:
-        super().__init__(path)
-        if path.is_dir():
-            self.files = sorted(f for f in path.iterdir() if f.suffix in SUFFIXES and f.is_file())
-            if not self.files:
-                raise ConfigError(f"{path} holds no .parquet or .jsonl file", hint="see docs/dump-format.md")
-        elif path.suffix in SUFFIXES:
-            self.files = [path]
-        else:
-            raise ConfigError(
-                f"{path} is neither Parquet nor JSON Lines (.parquet, .jsonl)", hint="see docs/dump-format.md"
-            )
+    def __init__(self, path: Path, *, step: int | None = None, listing: Listing | None = None, **_: Any) -> None:
+        super().__init__(path, listing=listing)
+        steps = self.listed_steps(path)
+        if not steps:
+            raise ConfigError(f"{path} holds no .parquet or .jsonl file", hint="see docs/dump-format.md")
+        picked, self.files = select_step(steps, step, path, WHAT)
+        self.step = picked if _step_of(self.files[0]) is not None else step
         for f in self.files:
             if SUFFIXES[f.suffix] == "parquet":
                 self._check_columns(f, _parquet_columns(f))
+
+    @classmethod
+    def available_steps(cls, path: Path) -> dict[int, list[Path]]:
+        """``step_<N>`` files and directories by N; otherwise the file, or the directory's files, as one step."""
+        if not path.is_dir():
+            if path.suffix not in SUFFIXES:
+                raise ConfigError(
+                    f"{path} is neither Parquet nor JSON Lines (.parquet, .jsonl)", hint="see docs/dump-format.md"
+                )
+            own = _step_of(path)
+            return {UNNUMBERED if own is None else own: [path]}
+        flat = _data_files(path)
+        steps: dict[int, list[Path]] = {}
+        for f in flat:
+            number = _step_number(f.name)
+            if number is not None:
+                steps.setdefault(number, []).append(f)
+        for d in sorted(p for p in path.iterdir() if p.is_dir()):
+            number = _step_number(d.name)
+            if number is not None and _data_files(d):
+                steps.setdefault(number, []).extend(_data_files(d))
+        if not steps:  # one step: the directory's files (named after its step, if the directory is)
+            own = _step_number(path.name)
+            return {UNNUMBERED if own is None else own: flat} if flat else {}
+        unnamed = [f.name for f in flat if _step_number(f.name) is None]
+        if unnamed:
+            raise ConfigError(
+                f"{path} holds per-step files (step_<N>) and {', '.join(unnamed[:3])}, which names no step",
+                hint="name each file after its step (step_<N>.jsonl) or move the others out (docs/dump-format.md)",
+            )
+        return {s: sorted(files) for s, files in sorted(steps.items())}
 
     def _check_columns(self, f: Path, names: list[str]) -> None:
         missing = [c for c in REQUIRED if c not in names]
@@ -54,11 +88,27 @@ class GenericDump(DumpReader):
         if "logp_trainer" in names:
             self.has_trainer = True
 
-    def samples(self) -> Iterator[DumpSample]:
+    def read_samples(self) -> Iterator[DumpSample]:
         for f in self.files:
             rows = _parquet_rows(f) if SUFFIXES[f.suffix] == "parquet" else _jsonl_rows(f, self)
             for k, row in rows:
                 yield _sample(row, f"{f.name}, row {k}")
+
+
+def _data_files(directory: Path) -> list[Path]:
+    return sorted(f for f in directory.iterdir() if f.suffix in SUFFIXES and f.is_file())
+
+
+def _step_number(name: str) -> int | None:
+    """The N of ``step_<N>`` in a name."""
+    match = STEP_NAME.search(name)
+    return int(match.group(1)) if match else None
+
+
+def _step_of(f: Path) -> int | None:
+    """The step a data file's name says, or its directory's (``step_120/rank0.jsonl``); None: neither."""
+    own = _step_number(f.name)
+    return own if own is not None else _step_number(f.parent.name)
 
 
 def _parquet_columns(f: Path) -> list[str]:
@@ -99,19 +149,13 @@ def _value(column, i: int):
 
 
 def _jsonl_rows(f: Path, reader: GenericDump) -> Iterator[tuple[int, dict]]:
-    with open(f, encoding="utf-8") as fh:
-        for k, line in enumerate(fh):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{f}:{k + 1}: not a JSON object ({exc.msg})") from None
-            if not isinstance(row, dict):
-                raise ConfigError(f"{f}:{k + 1}: not a JSON object")
-            if k == 0:
-                reader._check_columns(f, list(row))
-            yield k, row
+    for n, line in jsonl.lines(f):
+        row = jsonl.loads(line, f"{f}:{n}")
+        if not isinstance(row, dict):
+            raise ConfigError(f"{f}:{n}: not a JSON object")
+        if n == 1:
+            reader._check_columns(f, list(row))
+        yield n - 1, row
 
 
 def _sample(row: dict, where: str) -> DumpSample:
@@ -122,8 +166,8 @@ def _sample(row: dict, where: str) -> DumpSample:
     prompt_id = row.get("prompt_id")
     return DumpSample(
         where=where,
-        token_ids=np.asarray(row["token_ids"]),
-        model_mask=np.asarray(row["model_mask"]),
+        token_ids=_ints(row["token_ids"]),
+        model_mask=_ints(row["model_mask"]),
         logp_engine=_floats(row["logp_engine"], where, "logp_engine"),
         logp_trainer=None if row.get("logp_trainer") is None else _floats(row["logp_trainer"], where, "logp_trainer"),
         turn=None if row.get("turn") is None else np.asarray(row["turn"]),
@@ -135,6 +179,11 @@ def _sample(row: dict, where: str) -> DumpSample:
 
 def _floats(values, where: str, key: str) -> np.ndarray:
     try:
-        return np.asarray(values, dtype=np.float64).reshape(-1)
+        return jsonl.floats(values)
     except (TypeError, ValueError):
         raise ConfigError(f"{where}: {key} is not a list of numbers") from None
+
+
+def _ints(values) -> np.ndarray:
+    """Token ids or a mask: a JSON list (parsed fast), or Parquet's NumPy array as it is."""
+    return jsonl.ints(values) if isinstance(values, list) else np.asarray(values)

@@ -6,7 +6,8 @@
 - ``token_ids``, ``token_loss_mask`` (1 on generated assistant tokens), ``generation_logprobs``
   (vLLM's, 0.0 elsewhere) and ``prev_logprobs`` (the trainer's ``get_logprobs``) all aligned so
   index t holds log p(token t | tokens < t), index 0 being 0.0;
-- ``input_lengths`` the unpadded length (prompt, every turn and the environment's messages).
+- ``input_lengths`` the unpadded length (prompt, every turn and the environment's messages); a
+  row whose mask marks a token at or past it as generated is refused (its length was not the row's).
 
 Both sides' log-probs are of ``logits / temperature`` with the run's top-k / top-p (the base configs
 set vLLM's ``logprobs_mode: processed_logprobs``). With ``loss_fn.force_on_policy_ratio`` NeMo-RL
@@ -16,14 +17,14 @@ the engine side alone.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from mismatch_probe.dumps.base import DumpReader, files_by_step, pick_step
+from mismatch_probe.dumps import jsonl
+from mismatch_probe.dumps.base import UNNUMBERED, DumpReader, Listing, files_by_step, one_file_per_step, select_step
 from mismatch_probe.dumps.samples import DumpSample
 from mismatch_probe.errors import ConfigError
 
@@ -32,58 +33,59 @@ FORCED_ON_POLICY = (
     "prev_logprobs are all 0.0 on the generated tokens: the run set loss_fn.force_on_policy_ratio, so NeMo-RL "
     "skipped the trainer's log-prob pass; imported the engine's log-probs alone (score it with the reference)"
 )
+WHAT = f"NeMo-RL training-data logs ({PATTERN})"
+ONE_RUN = "give the file (or the experiment's log directory) itself"
+# what a row is read for; the rest of it (content, advantages, rewards) is skipped unparsed
+ROW = jsonl.keeping(
+    ("token_ids", "token_loss_mask", "generation_logprobs", "prev_logprobs", "input_lengths", "sample_loss_mask")
+)
+SHORT_LENGTH = (
+    "input_lengths is each row's unpadded length: the prompt, every generated turn and the environment's "
+    "messages (NeMo-RL logs the batch's input_lengths); a length of the prompt alone leaves out what was generated"
+)
 
 
 class NemoRLDump(DumpReader):
     format = "nemo-rl"
 
-    def __init__(self, path: Path, *, step: int | None = None, **_: Any) -> None:
-        super().__init__(path)
-        if path.is_file():
-            files = [path]
-            numbers = files_by_step(path.parent, path.name)
-            self.step = next(iter(numbers), None)
-        else:
-            grouped = files_by_step(path, PATTERN) or files_by_step(path, f"*/{PATTERN}")
-            self.step, file = pick_step(
-                grouped,
-                step,
-                path,
-                f"NeMo-RL training-data logs ({PATTERN})",
-                one_run="give the file (or the experiment's log directory) itself",
-            )
-            files = [file]
-        self.files = files
+    def __init__(self, path: Path, *, step: int | None = None, listing: Listing | None = None, **_: Any) -> None:
+        super().__init__(path, listing=listing)
+        steps = self.listed_steps(path)
+        picked, self.files = select_step(steps, step, path, WHAT)
+        numbered = not path.is_file() or bool(files_by_step(path.parent, path.name))
+        self.step = picked if numbered else step
 
-    def samples(self) -> Iterator[DumpSample]:
+    @classmethod
+    def available_steps(cls, path: Path) -> dict[int, list[Path]]:
+        if path.is_file():
+            numbers = files_by_step(path.parent, path.name)
+            return {next(iter(numbers), UNNUMBERED): [path]}
+        grouped = files_by_step(path, PATTERN) or files_by_step(path, f"*/{PATTERN}")
+        return {s: [f] for s, f in sorted(one_file_per_step(grouped, path, hint=ONE_RUN).items())}
+
+    def read_samples(self) -> Iterator[DumpSample]:
         f = self.files[0]
         trainer: bool | None = None
         masked = 0
-        with open(f, encoding="utf-8") as fh:
-            for k, line in enumerate(fh):
-                if not line.strip():
-                    continue
-                where = f"{f.name}:{k + 1}"
-                row = _row(line, where)
-                sample, zeros = _sample(row, where)
-                if trainer is None and sample.model_mask.any() and self.want_trainer:
-                    trainer = not zeros
-                    self.has_trainer = trainer
-                    if zeros:
-                        self.notes.append(FORCED_ON_POLICY)
-                if not trainer:
-                    sample.logp_trainer = None
-                masked += _first(row.get("sample_loss_mask"), 1.0) == 0
-                yield sample
+        for k, line in jsonl.lines(f):
+            where = f"{f.name}:{k}"
+            row = _row(line, where)
+            sample, zeros = _sample(row, where)
+            if trainer is None and sample.model_mask.any() and self.want_trainer:
+                trainer = not zeros
+                self.has_trainer = trainer
+                if zeros:
+                    self.notes.append(FORCED_ON_POLICY)
+            if not trainer:
+                sample.logp_trainer = None
+            masked += _first(row.get("sample_loss_mask"), 1.0) == 0
+            yield sample
         if masked:
             self.notes.append(f"{masked} samples have sample_loss_mask 0 (NeMo-RL left them out of the loss)")
 
 
-def _row(line: str, where: str) -> dict:
-    try:
-        row = json.loads(line)  # NaN and -Infinity, as json.dumps writes them, parse
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{where}: not JSON ({exc.msg})") from None
+def _row(line: bytes, where: str) -> dict:
+    row = jsonl.loads(line, where, ROW)  # NaN and -Infinity, as json.dumps writes them, parse
     if not isinstance(row, dict):
         raise ConfigError(f"{where}: not a JSON object")
     if "token_ids" not in row or "token_loss_mask" not in row:
@@ -103,20 +105,28 @@ def _first(value: Any, default: Any = None) -> Any:
 
 def _sample(row: dict, where: str) -> tuple[DumpSample, bool]:
     """The sample, and whether its trainer log-probs are all 0.0 on the generated tokens."""
-    ids = np.asarray(_first(row["token_ids"]), dtype=np.int64).reshape(-1)
+    ids = jsonl.ints(_first(row["token_ids"]))
     length = _first(row.get("input_lengths"), len(ids))
     if not isinstance(length, int) or not 0 < length <= len(ids):
         raise ConfigError(f"{where}: input_lengths {length!r} does not fit its {len(ids)} token ids")
 
-    def per_token(key: str, dtype) -> np.ndarray:
-        values = np.asarray(_first(row[key]), dtype=dtype).reshape(-1)
+    def per_token(key: str) -> np.ndarray:
+        values = jsonl.floats(_first(row[key]))
         if len(values) != len(ids):
             raise ConfigError(f"{where}: {key} has {len(values)} entries for {len(ids)} token ids")
-        return values[:length]  # right padding stripped
+        return values
 
-    mask = per_token("token_loss_mask", np.int64) != 0
-    engine = per_token("generation_logprobs", np.float64)
-    trainer = per_token("prev_logprobs", np.float64) if row.get("prev_logprobs") is not None else None
+    whole_mask = per_token("token_loss_mask") != 0
+    beyond = np.flatnonzero(whole_mask[length:])
+    if beyond.size:
+        raise ConfigError(
+            f"{where}: token_loss_mask marks position {length + int(beyond[0])} as generated, "
+            f"past the row's input_lengths {length}",
+            hint=SHORT_LENGTH,
+        )
+    mask = whole_mask[:length]  # right padding stripped
+    engine = per_token("generation_logprobs")[:length]
+    trainer = per_token("prev_logprobs")[:length] if row.get("prev_logprobs") is not None else None
     zeros = trainer is None or bool(np.all(trainer[mask] == 0.0))
     return (
         DumpSample(

@@ -1,15 +1,17 @@
 """What every dump reader yields, and the checks that turn it into a rollout.
 
-A reader (``dumps/slime.py``, ``nemo_rl.py``, ``verl.py``, ``generic.py``) aligns a framework's
-own fields to one sequence of tokens, :class:`DumpSample`; :func:`to_rollout` checks it (token ids
-in the checkpoint's vocabulary, one log-prob per model token, finite log-probs, turns, expert ids)
-and returns the :class:`~mismatch_probe.table.tokens.Rollout` the engine would have produced, plus
-the trainer's log-probs when the dump has them. Every error names the sample (file and index).
+A reader (``dumps/slime.py``, ``nemo_rl.py``, ``verl.py``, ``prime_rl.py``, ``generic.py``) aligns
+a framework's own fields to one sequence of tokens, :class:`DumpSample`; :func:`to_rollout` checks
+it (token ids in the checkpoint's vocabulary, one log-prob per model token, finite log-probs,
+turns, expert ids) and returns the :class:`~mismatch_probe.table.tokens.Rollout` the engine would
+have produced, plus the trainer's log-probs when the dump has them; :func:`check_step_has_model_tokens`
+refuses a step with nothing to compare. Every error names the sample (file and index).
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,6 +74,33 @@ def scatter_to_full(values, model_mask: np.ndarray, what: str, where: str) -> np
         f"{where}: {len(v)} {what} for {n_model} model tokens ({n} tokens in all)",
         hint="the dump's log-probs must be one per model token, or one per token",
     )
+
+
+NO_MODEL_TOKENS_HINT = (
+    "the dump's mask of sampled tokens must be 1 on the tokens the policy generated (a row's length must "
+    "cover them); mismatch-probe compares the two sides' log-probs on those tokens only"
+)
+
+
+def check_step_has_model_tokens(
+    samples: Iterable[DumpSample], *, hint: str = NO_MODEL_TOKENS_HINT
+) -> Iterator[DumpSample]:
+    """``samples``, passed through one at a time; once they are all read, a step in which none
+    marks a generated token is an error naming its first row. Such a step imports as rows of
+    prompt tokens, and ``analyze`` would then ask for a ``score`` that has nothing to compare
+    either: the mask or the lengths the dump was written with are wrong."""
+    first: str | None = None
+    found, n = False, 0
+    for sample in samples:
+        if first is None:
+            first = sample.where
+        n += 1
+        found = found or bool(np.any(np.asarray(sample.model_mask)))
+        yield sample
+    if first is not None and not found:
+        raise ConfigError(
+            f"{first} (the step's first row): none of the step's {n} samples has a generated token", hint=hint
+        )
 
 
 @dataclass

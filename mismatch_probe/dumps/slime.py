@@ -26,37 +26,52 @@ from typing import Any
 
 import numpy as np
 
-from mismatch_probe.dumps.base import DumpReader, files_by_step, pick_step
+from mismatch_probe.dumps.base import UNNUMBERED, DumpReader, Listing, files_by_step, one_file_per_step, select_step
 from mismatch_probe.dumps.samples import DumpSample
 from mismatch_probe.errors import ConfigError
 
 ROLLOUT_DIR, TRAIN_DIR = "rollout_data", "train_data"
 
 
+WHAT = "slime rollout dumps (rollout_data/<id>.pt)"
+
+
 class SlimeDump(DumpReader):
     format = "slime"
 
-    def __init__(self, path: Path, *, step: int | None = None, trainer_path: Path | None = None, **_: Any) -> None:
-        super().__init__(path)
-        if path.is_file():
-            rollout_file = path
-            step = _step_of(path)
-        else:
-            directory = path / ROLLOUT_DIR if (path / ROLLOUT_DIR).is_dir() else path
-            grouped = files_by_step(directory, "[0-9]*.pt")  # not eval_<id>.pt: evaluation rollouts
-            step, rollout_file = pick_step(
-                grouped, step, path, "slime rollout dumps (rollout_data/<id>.pt)", one_run="give the .pt file itself"
-            )
-        self.step = step
-        self.files = [rollout_file]
-        self.train_file = _train_file(rollout_file, step, trainer_path)
-        if self.train_file is not None:
-            self.files.append(self.train_file)
+    def __init__(
+        self,
+        path: Path,
+        *,
+        step: int | None = None,
+        listing: Listing | None = None,
+        trainer_path: Path | None = None,
+        **_: Any,
+    ) -> None:
+        super().__init__(path, listing=listing)
+        picked, files = select_step(self.listed_steps(path), step, path, WHAT)
+        rollout_file = files[0]
+        self.step = _step_of(rollout_file) if path.is_file() else picked
+        if trainer_path is not None:  # --train-dump: the trainer's file is elsewhere
+            files = [rollout_file, _given_train_file(trainer_path)]
+        self.files = files
+        self.train_file = files[1] if len(files) > 1 else None
         self.has_trainer = self.train_file is not None
         if rollout_file.parent.name == ROLLOUT_DIR and (rollout_file.parent.parent / "tokenizer").is_dir():
             self.tokenizer_dir = rollout_file.parent.parent / "tokenizer"  # --dump-details saves it
 
-    def samples(self) -> Iterator[DumpSample]:
+    @classmethod
+    def available_steps(cls, path: Path) -> dict[int, list[Path]]:
+        """Each rollout ``rollout_data/<id>.pt``, with ``train_data/<id>.pt`` when slime wrote one."""
+        if path.is_file():
+            step = _step_of(path)
+            return {UNNUMBERED if step is None else step: [path, *_train_file(path, step)]}
+        directory = path / ROLLOUT_DIR if (path / ROLLOUT_DIR).is_dir() else path
+        grouped = files_by_step(directory, "[0-9]*.pt")  # not eval_<id>.pt: evaluation rollouts
+        rollouts = one_file_per_step(grouped, path, hint="give the .pt file itself")
+        return {s: [f, *_train_file(f, s)] for s, f in sorted(rollouts.items())}
+
+    def read_samples(self) -> Iterator[DumpSample]:
         dump = _load(self.files[0])
         samples = dump.get("samples") if isinstance(dump, dict) else None
         if not isinstance(samples, list):
@@ -92,16 +107,18 @@ def _step_of(path: Path) -> int | None:
         return None
 
 
-def _train_file(rollout_file: Path, step: int | None, given: Path | None) -> Path | None:
-    """The train dump of the same rollout: given, or ``train_data/<id>.pt`` beside ``rollout_data/``."""
-    if given is not None:
-        if not given.is_file():
-            raise ConfigError(f"--train-dump {str(given)!r} is not a file")
-        return given
+def _train_file(rollout_file: Path, step: int | None) -> list[Path]:
+    """The train dump of the same rollout, ``train_data/<id>.pt`` beside ``rollout_data/``, if any."""
     if step is None or rollout_file.parent.name != ROLLOUT_DIR:
-        return None
+        return []
     candidate = rollout_file.parent.parent / TRAIN_DIR / f"{step}.pt"
-    return candidate if candidate.is_file() else None
+    return [candidate] if candidate.is_file() else []
+
+
+def _given_train_file(given: Path) -> Path:
+    if not given.is_file():
+        raise ConfigError(f"--train-dump {str(given)!r} is not a file")
+    return given
 
 
 def _load(path: Path) -> Any:

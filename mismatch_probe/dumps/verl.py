@@ -6,7 +6,8 @@ for the engine's log-probs):
 - 0.9: ``skip.rollout.enable=True skip.rollout.steps=[N]`` ->
   ``{dump_dir}/{experiment}_{project}/GBS{b}_N{n}_in{P}_out{R}/{step}/gen_batch.dp``;
 - 0.8: ``actor_rollout_ref.rollout.skip.enable=True`` -> ``.../genstep_{step:06d}/gen_batch.dp``;
-- 0.7 and before: one file, ``{dump_dir}/{experiment}_{project}_GBS{b}__N{n}``.
+- 0.7 and before: one file, ``{dump_dir}/{experiment}_{project}_GBS{b}__N{n}``, one step whose
+  number it does not record (step 0 in a listing).
 
 The batch (verl/experimental/agent_loop/agent_loop.py ``_postprocess``): ``prompts`` [B, P]
 left-padded, ``responses`` [B, R] right-padded (model and tool tokens), ``attention_mask``
@@ -29,12 +30,14 @@ from typing import Any
 
 import numpy as np
 
-from mismatch_probe.dumps.base import DumpReader, pick_step
+from mismatch_probe.dumps.base import UNNUMBERED, DumpReader, Listing, one_file_per_step, select_step
 from mismatch_probe.dumps.samples import DumpSample
 from mismatch_probe.errors import ConfigError
 
 GEN_BATCH = "gen_batch.dp"
 STEP_DIR = re.compile(r"^(?:genstep_)?(\d+)$")
+SINGLE_FILE = "*_GBS*__N*"  # 0.7's one-file cache, {experiment}_{project}_GBS{b}__N{n}
+WHAT = f"verl rollout caches (<step>/{GEN_BATCH})"
 TEXT_ONLY = (
     "{path} looks like verl's trainer.rollout_data_dir output, which holds decoded text (input, output, score), "
     "not token ids or log-probs"
@@ -49,29 +52,19 @@ HOW_TO_DUMP = (
 class VerlDump(DumpReader):
     format = "verl"
 
-    def __init__(self, path: Path, *, step: int | None = None, trust_pickle: bool = False, **_: Any) -> None:
-        super().__init__(path)
-        if path.is_file():
-            _refuse_text(path)
-            self.files = [path]
-            match = STEP_DIR.match(path.parent.name)
-            self.step = int(match.group(1)) if match else None
-        else:
-            grouped: dict[int, list[Path]] = {}
-            for f in sorted(path.rglob(GEN_BATCH)):
-                match = STEP_DIR.match(f.parent.name)
-                if match:
-                    grouped.setdefault(int(match.group(1)), []).append(f)
-            if not grouped and any(path.glob("*.jsonl")):
-                _refuse_text(next(iter(sorted(path.glob("*.jsonl")))))
-            self.step, file = pick_step(
-                grouped,
-                step,
-                path,
-                f"verl rollout caches (<step>/{GEN_BATCH})",
-                one_run="give that run's directory, or the gen_batch.dp file itself",
-            )
-            self.files = [file]
+    def __init__(
+        self,
+        path: Path,
+        *,
+        step: int | None = None,
+        listing: Listing | None = None,
+        trust_pickle: bool = False,
+        **_: Any,
+    ) -> None:
+        super().__init__(path, listing=listing)
+        picked, self.files = select_step(self.listed_steps(path), step, path, WHAT)
+        numbered = STEP_DIR.match(self.files[0].parent.name) is not None
+        self.step = picked if numbered else step
         if not trust_pickle:
             raise ConfigError(
                 f"{self.files[0]} is a pickle (verl's DataProto); unpickling a file can run code it names",
@@ -79,7 +72,29 @@ class VerlDump(DumpReader):
                 "(tensors, NumPy arrays, plain data); nothing else is run or imported",
             )
 
-    def samples(self) -> Iterator[DumpSample]:
+    @classmethod
+    def available_steps(cls, path: Path) -> dict[int, list[Path]]:
+        """Each ``<step>/gen_batch.dp`` (0.9) or ``genstep_<step>/gen_batch.dp`` (0.8) under
+        ``path``; a 0.7 cache (one file) is one step."""
+        if path.is_file():
+            _refuse_text(path)
+            match = STEP_DIR.match(path.parent.name)
+            return {int(match.group(1)) if match else UNNUMBERED: [path]}
+        grouped: dict[int, list[Path]] = {}
+        for f in sorted(path.rglob(GEN_BATCH)):
+            match = STEP_DIR.match(f.parent.name)
+            if match:
+                grouped.setdefault(int(match.group(1)), []).append(f)
+        if not grouped:
+            single = [f for f in sorted(path.glob(SINGLE_FILE)) if f.is_file()]
+            if single:
+                grouped = {UNNUMBERED: single}
+            elif any(path.glob("*.jsonl")):
+                _refuse_text(next(iter(sorted(path.glob("*.jsonl")))))
+        one = "give that run's directory, or the gen_batch.dp file itself"
+        return {s: [f] for s, f in sorted(one_file_per_step(grouped, path, hint=one).items())}
+
+    def read_samples(self) -> Iterator[DumpSample]:
         from mismatch_probe.dumps.safe_pickle import UnsafePickle, load_data_proto
 
         f = self.files[0]

@@ -1,6 +1,6 @@
 """``mismatch-probe import``: a training step on the fixture model (real bf16 "engine" and fp32
-"trainer" forwards, tool calls between turns), dumped as slime, NeMo-RL, verl and the generic
-format write it, imported, analyzed and re-scored. The metrics of what the run saw equal a float64
+"trainer" forwards, tool calls between turns), dumped as slime, NeMo-RL, verl, prime-rl and the
+generic format write it, imported, analyzed and re-scored. The metrics of what the run saw equal a float64
 recomputation from the dumped arrays; the reference's re-score of the same tokens agrees with the
 float32 trainer within float32 rounding (often to the last bit), which it can only do if every
 log-prob sits on its token."""
@@ -14,7 +14,16 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from conftest import DENSE, MOE, SINGLE_TURN, cli
-from training_run import Step, simulate, verl_site, write_generic, write_nemo_rl, write_slime, write_verl
+from training_run import (
+    Step,
+    simulate,
+    verl_site,
+    write_generic,
+    write_nemo_rl,
+    write_prime_rl,
+    write_slime,
+    write_verl,
+)
 
 from mismatch_probe import pipeline
 from mismatch_probe.errors import ConfigError
@@ -49,10 +58,12 @@ def write(fmt: str, step: Step, d) -> tuple[str, object]:
         return "generic", write_generic(step, d / "dump.jsonl", compact=True)
     if fmt == "verl":  # a batch saved after compute_log_prob: old_log_probs are the trainer's
         return "verl", write_verl(step, d / "rollout_cache", old_log_probs=True)
+    if fmt == "prime-rl":  # the run's output_dir: token export (both sides) and filesystem rollouts
+        return "prime-rl", write_prime_rl(step, d / "outputs", 3)
     raise AssertionError(fmt)
 
 
-FORMATS = ["slime", "nemo-rl", "generic-parquet", "generic-jsonl", "verl"]
+FORMATS = ["slime", "nemo-rl", "generic-parquet", "generic-jsonl", "verl", "prime-rl"]
 
 
 def expected(step: Step) -> dict:
@@ -223,7 +234,7 @@ def moe_step() -> Step:
     return simulate(MOE, SINGLE_TURN, n_prompts=2, n=2, record_routing=True)
 
 
-@pytest.mark.parametrize("fmt", ["slime", "verl", "generic-jsonl"])
+@pytest.mark.parametrize("fmt", ["slime", "verl", "generic-jsonl", "prime-rl"])
 def test_moe_routing_in_a_dump_is_compared_with_the_reference(fmt, moe_step, tmp_path):
     if fmt == "verl":
         require_verl()
@@ -233,6 +244,8 @@ def test_moe_routing_in_a_dump_is_compared_with_the_reference(fmt, moe_step, tmp
         name, path = "slime", tmp_path / "dump"
     elif fmt == "verl":  # routed_experts [B, P + R, layers, k], rows from the left padding on
         name, path = "verl", write_verl(step, tmp_path / "dump", old_log_probs=True)
+    elif fmt == "prime-rl":  # the rollouts' routing, joined to the token export's lines
+        name, path = "prime-rl", write_prime_rl(step, tmp_path / "dump", 1)
     else:
         name, path = "generic", write_generic(step, tmp_path / "dump.jsonl")
     ctx = import_dump(name, path, model=MOE, out=tmp_path / "run", options=ImportOptions(trust_pickle=True))
@@ -284,6 +297,46 @@ def test_bad_dumps_are_refused_naming_the_sample(step, tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "imported 8 samples" in result.stdout and "step 5" in result.stdout
+
+
+def test_a_step_without_generated_tokens_is_refused_naming_the_file_and_row(step, tmp_path):
+    """NeMo-RL lengths that cover only the prompt, and a step whose masks mark nothing: refused at
+    import, not imported for ``analyze`` to ask for a ``score`` that cannot help."""
+    path = write_nemo_rl(step, tmp_path / "logs", n=4)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for row, s in zip(rows, step.sequences):
+        row["input_lengths"] = [s.prompt_len]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = cli("import", "nemo-rl", str(path), "--model", str(DENSE), "--out", str(tmp_path / "a"))
+    first = step.sequences[0].prompt_len
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"train_data_step4.jsonl:1: token_loss_mask marks position {first} as generated, past the row's " in (
+        result.stderr
+    )
+    assert f"input_lengths {first}" in result.stderr
+
+    rows = [json.loads(line) for line in write_generic(step, tmp_path / "ok.jsonl").read_text().splitlines()]
+    for row in rows:
+        row["model_mask"] = [0] * len(row["model_mask"])
+        row["logp_engine"] = [None] * len(row["model_mask"])
+        row.pop("logp_trainer")
+    (tmp_path / "none.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ConfigError, match=r"none.jsonl, row 0 \(the step's first row\): none of the step's 8 samples"):
+        import_dump("generic", tmp_path / "none.jsonl", model=DENSE, out=tmp_path / "b")
+
+
+def test_prime_rl_rollouts_without_a_token_export_score_in_place(tmp_path, step):
+    """The filesystem transport without trainer.enable_token_export: the engine's side, with the
+    temperature the orchestrator stamped on every token."""
+    step.temperature = 0.8
+    try:
+        root = write_prime_rl(step, tmp_path / "outputs", 5, export=False)
+    finally:
+        step.temperature = 1.0
+    ctx = import_dump("prime-rl", root, model=DENSE, out=tmp_path / "run")
+    info = ctx.record.imported_from
+    assert info["step"] == 5 and info["trainer_logprobs"] is False and info["samples"] == len(step.sequences)
+    assert info["settings_from"]["sampling.temperature"] == "dump" and ctx.record.spec.sampling.temperature == 0.8
 
 
 def test_verl_rollout_cache_without_trainer_log_probs_scores_in_place(step, tmp_path):

@@ -3,9 +3,9 @@
 :func:`simulate` plays both sides of a training step with real Hugging Face forwards: it samples
 responses (some with a tool call whose output the policy did not sample), takes the "engine"
 log-probs from a bfloat16 forward and the "trainer" log-probs from a float32 one, and keeps every
-array as the ground truth. The writers put the same step in slime's, NeMo-RL's, verl's and the
-generic format, field for field as each framework's source writes them (see each writer), so a
-test can import the dump and compare against :class:`Step` in float64.
+array as the ground truth. The writers put the same step in slime's, NeMo-RL's, verl's, prime-rl's
+and the generic format, field for field as each framework's source writes them (see each writer),
+so a test can import the dump and compare against :class:`Step` in float64.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import torch
 
@@ -303,6 +304,23 @@ def write_verl(
     site = verl_site()
     if site is None:
         raise RuntimeError("verl is not installed for the tests: bash tests/dumps/install-verl.sh")
+    arrays, uids, out = verl_batch(step, root, gen_step, old_log_probs=old_log_probs)
+    with tempfile.TemporaryDirectory() as tmp:
+        np.savez(Path(tmp) / "arrays.npz", **arrays)
+        (Path(tmp) / "uids.json").write_text(json.dumps(uids))
+        builder = str(Path(__file__).with_name("verl_dump.py"))
+        args = [sys.executable, builder, f"{tmp}/arrays.npz", f"{tmp}/uids.json", str(out)]
+        env = {**os.environ, "PYTHONPATH": site}
+        if numpy_serialization:
+            env["VERL_DATAPROTO_SERIALIZATION_METHOD"] = "numpy"
+        subprocess.run(args, check=True, env=env, timeout=300)
+    return root
+
+
+def verl_batch(
+    step: Step, root: Path, gen_step: int = 2, *, old_log_probs: bool = False
+) -> tuple[dict[str, np.ndarray], list[str], Path]:
+    """The tensors of ``step``'s batch as the agent loop pads them, its uids, and where RolloutSkip saves it."""
     seqs = step.sequences
     width_p = max(s.prompt_len for s in seqs) + 3  # rollout.prompt_length: more than the longest
     width_r = max(s.response_len for s in seqs) + 5
@@ -342,13 +360,252 @@ def write_verl(
     if routed is not None:
         arrays["routed_experts"] = routed
     out = root / "exp_proj" / f"GBS{b // 2}_N2_in{width_p}_out{width_r}" / str(gen_step) / "gen_batch.dp"
-    with tempfile.TemporaryDirectory() as tmp:
-        np.savez(Path(tmp) / "arrays.npz", **arrays)
-        (Path(tmp) / "uids.json").write_text(json.dumps([s.prompt_id for s in seqs]))
-        builder = str(Path(__file__).with_name("verl_dump.py"))
-        args = [sys.executable, builder, f"{tmp}/arrays.npz", f"{tmp}/uids.json", str(out)]
-        env = {**os.environ, "PYTHONPATH": site}
-        if numpy_serialization:
-            env["VERL_DATAPROTO_SERIALIZATION_METHOD"] = "numpy"
-        subprocess.run(args, check=True, env=env, timeout=300)
-    return root
+    return arrays, [s.prompt_id for s in seqs], out
+
+
+# ---- prime-rl (prime_rl/transports/rollouts/{types,filesystem}.py, prime_rl/trainer/batch.py,
+# prime_rl/trainer/rl/token_export.py, at 559b447) -------------------------------------------------
+
+
+class PrimeEncodedTensor(msgspec.Struct, array_like=True, gc=False):
+    dtype: str
+    shape: list[int]
+    data: bytes
+
+
+class PrimeRoutedExperts(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    data: bytes
+    shape: list[int]  # [seq_len, layers, topk]
+    dtype: str
+
+
+class PrimeMicroBatch(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    """prime-rl's ``MicroBatch``, as declared (the order is the wire format)."""
+
+    input_ids: list[int]
+    loss_mask: list[bool]
+    advantages: list[float]
+    inference_logprobs: list[float]
+    position_ids: list[int]
+    sequence_lengths: list[int]
+    temperatures: list[float]
+    env_names: list[str]
+    seq_lens: list[int]
+    ref_logprobs: list[float] | None = None
+    routed_experts: PrimeRoutedExperts | None = None
+    mm_kwargs: dict[str, PrimeEncodedTensor] | None = None
+    mm_token_type_ids: list[int] | None = None
+    rl_weights: list[float] | None = None
+    ce_weights: list[float] | None = None
+    ref_kl_weights: list[float] | None = None
+
+
+PRIME_ENV = "reverse-text"
+
+
+def write_prime_rl(
+    step: Step,
+    directory: Path,
+    step_number: int,
+    *,
+    ranks: int = 2,
+    seq_len: int | None = None,
+    pad_to_multiple_of: int = 8,
+    export: bool = True,
+    rollouts: bool = True,
+    ce_only: int = 0,
+    vocab_size: int = 1024,
+) -> Path:
+    """prime-rl's ``output_dir`` after step ``step_number``: the orchestrator's
+    ``rollouts/step_N/rank_r.bin`` (filesystem transport) and the trainer's
+    ``token_exports/step_N/rank_r.jsonl`` with ``STABLE``. Each sequence becomes a sample as
+    ``prepare_sample`` makes it, packed first-fit decreasing into micro-batches of ``seq_len``
+    tokens (``packed_samples_into_micro_bs``), padded to ``pad_to_multiple_of``
+    (``pad_micro_batch``) and dealt to ``ranks`` data ranks, the count evened out with zero-loss
+    copies (``_make_dummy_batch``); the ranks' split is round-robin, not prime-rl's
+    Karmarkar-Karp (nothing read depends on it). ``ce_only``: the first that many samples train
+    their tokens as cross-entropy alone (``sft_distill``'s routing: rl weight 0, ce weight 1)."""
+    import copy
+
+    seq_len = seq_len or 2 * max(len(s.token_ids) for s in step.sequences)
+    samples = []
+    for k, s in enumerate(step.sequences):
+        n = len(s.token_ids)
+        mask = s.model_mask.tolist()
+        routed = None
+        if s.experts is not None:  # verifiers' Branch.routed_experts: uint8, one row per token
+            rows = np.zeros((n, *s.experts.shape[1:]), np.uint8)
+            rows[: len(s.experts)] = s.experts
+            routed = PrimeRoutedExperts(rows.tobytes(), list(rows.shape), "uint8")
+        mb = PrimeMicroBatch(
+            input_ids=s.token_ids.tolist(),
+            loss_mask=mask,
+            advantages=[0.5 if m else 0.0 for m in mask],  # the rollout's scalar over its sampled tokens
+            inference_logprobs=np.where(s.model_mask, s.logp_engine, 0.0).astype(float).tolist(),
+            position_ids=list(range(n)),
+            sequence_lengths=[n],
+            temperatures=[step.temperature] * n,  # TrainSink.process_group: the env's temperature
+            env_names=[PRIME_ENV] * n,
+            seq_lens=[n],
+            routed_experts=routed,
+        )
+        if k < ce_only:  # stamp_loss_routing(sample, "ce")
+            mb.rl_weights = [0.0] * n
+            mb.ce_weights = [1.0 if m else 0.0 for m in mask]
+        samples.append((mb, s))
+
+    # first-fit decreasing, never splitting a sample
+    samples.sort(key=lambda x: -len(x[0].input_ids))
+    bins: list[list[tuple[PrimeMicroBatch, Sequence]]] = []
+    for item in samples:
+        for b in bins:
+            if sum(len(x[0].input_ids) for x in b) + len(item[0].input_ids) <= seq_len:
+                b.append(item)
+                break
+        else:
+            bins.append([item])
+    packed = [_prime_pack(b, pad_to_multiple_of) for b in bins]
+    while len(packed) % ranks:
+        dummy = copy.deepcopy(packed[0])
+        dummy[0].advantages = [0.0] * len(dummy[0].input_ids)
+        dummy[0].loss_mask = [False] * len(dummy[0].input_ids)
+        packed.append(dummy)
+    per_rank = [packed[r::ranks] for r in range(ranks)]
+
+    encoder = msgspec.msgpack.Encoder()
+    if rollouts:
+        out = directory / "rollouts" / f"step_{step_number}"
+        out.mkdir(parents=True, exist_ok=True)
+        for r, batches in enumerate(per_rank):
+            tmp = out / f"rank_{r}.bin.tmp"
+            tmp.write_bytes(encoder.encode([mb for mb, _ in batches]))
+            tmp.rename(out / f"rank_{r}.bin")
+    if export:
+        out = directory / "token_exports" / f"step_{step_number}"
+        out.mkdir(parents=True, exist_ok=True)
+        for r, batches in enumerate(per_rank):
+            exported = 0
+            with open(out / f"rank_{r}.jsonl", "w") as fh:
+                for micro_step, (mb, trainer) in enumerate(batches):
+                    for line in _prime_export_lines(mb, trainer, step_number, r, micro_step, vocab_size):
+                        fh.write(json.dumps({**line, "export_sequence_idx": exported}, separators=(",", ":")))
+                        fh.write("\n")
+                        exported += 1
+        (out / "STABLE").touch()  # TokenExporter.mark_stable, after every rank flushed
+    return directory
+
+
+def _prime_pack(items: list, pad_to_multiple_of: int) -> tuple[PrimeMicroBatch, np.ndarray]:
+    """``_materialize_bin`` then ``pad_micro_batch``; with the trainer's per-token log-probs of the
+    packed row (the simulation's float32 forward), for the export."""
+    first = items[0][0]
+    mb = PrimeMicroBatch(
+        **{f: [] for f in ("input_ids", "loss_mask", "advantages", "inference_logprobs")},
+        position_ids=[],
+        sequence_lengths=[],
+        temperatures=[],
+        env_names=[],
+        seq_lens=[],
+    )
+    mb.routed_experts = (
+        None if first.routed_experts is None else PrimeRoutedExperts(b"", [0, *first.routed_experts.shape[1:]], "uint8")
+    )
+    streams = any(x[0].rl_weights is not None for x in items)
+    if streams:
+        mb.rl_weights, mb.ce_weights = [], []
+    trainer = []
+    for sample, s in items:
+        n = len(sample.input_ids)
+        for f in (
+            "input_ids",
+            "loss_mask",
+            "advantages",
+            "inference_logprobs",
+            "position_ids",
+            "temperatures",
+            "env_names",
+        ):
+            getattr(mb, f).extend(getattr(sample, f))
+        mb.sequence_lengths.append(n)
+        mb.seq_lens.append(n)
+        if streams:  # STREAM_FILL: rl 1.0, ce 0.0 for a sample without the stream
+            mb.rl_weights.extend(sample.rl_weights if sample.rl_weights is not None else [1.0] * n)
+            mb.ce_weights.extend(sample.ce_weights if sample.ce_weights is not None else [0.0] * n)
+        if mb.routed_experts is not None:
+            mb.routed_experts.data += sample.routed_experts.data
+            mb.routed_experts.shape[0] += n
+        # the trainer's log-prob of every token: off the sampled ones, whatever its forward gave
+        lp = np.where(s.model_mask, s.logp_trainer, -3.0).astype(np.float32)
+        lp[0] = -6.5  # shifted in from the previous sample's last position: never a sampled token
+        trainer.append(lp)
+    pad = (pad_to_multiple_of - len(mb.input_ids) % pad_to_multiple_of) % pad_to_multiple_of
+    if pad:
+        mb.input_ids += [1] * pad
+        mb.advantages += [0.0] * pad
+        mb.loss_mask += [False] * pad
+        mb.position_ids += list(range(pad))
+        mb.sequence_lengths[-1] += pad
+        mb.seq_lens[-1] += pad
+        mb.inference_logprobs += [0.0] * pad
+        mb.temperatures += [1.0] * pad
+        if streams:
+            mb.rl_weights += [0.0] * pad
+            mb.ce_weights += [0.0] * pad
+        if mb.routed_experts is not None:
+            row = int(np.prod(mb.routed_experts.shape[1:]))
+            mb.routed_experts.data += b"\0" * (pad * row)
+            mb.routed_experts.shape[0] += pad
+        mb.env_names += [""] * pad
+        trainer.append(np.full(pad, -4.0, np.float32))
+    return mb, np.concatenate(trainer)
+
+
+def _prime_export_lines(
+    mb: PrimeMicroBatch, trainer: np.ndarray, step: int, rank: int, micro_step: int, vocab_size: int
+):
+    """``TokenExporter.export`` of one micro-batch: its columns as the trainer holds them (float32),
+    one line per sequence with a loss-mask token, padding trimmed."""
+    n = len(mb.input_ids)
+
+    def f32(values) -> list[float]:  # the trainer's tensors are float32; tolist() widens them exactly
+        return [float(x) for x in np.asarray(values, np.float32)]
+
+    trainer = trainer.copy()
+    trainer[0] = np.log(1.0 / vocab_size)  # shift_tensor_right's pad value
+    inference = np.asarray(mb.inference_logprobs, np.float32)
+    log_ratio = trainer - inference
+    columns = {
+        "token_ids": list(mb.input_ids),
+        "position_ids": list(mb.position_ids),
+        "loss_mask": list(mb.loss_mask),
+        "advantages": f32(mb.advantages),
+        "inference_logprobs": f32(inference),
+        "trainer_logprobs": f32(trainer),
+        "entropy": f32(np.full(n, 1.25)),
+        "mismatch_kl": f32(np.exp(log_ratio) - log_ratio - 1),
+        "log_importance_ratio": f32(log_ratio),
+        "importance_ratio": f32(np.exp(log_ratio)),
+        "prob_delta": f32(np.exp(trainer) - np.exp(inference)),
+        "is_masked": [False] * n,
+        "is_masked_high": [False] * n,
+        "is_masked_low": [False] * n,
+        "rl_weights": f32(mb.rl_weights) if mb.rl_weights is not None else [None] * n,
+        "ce_weights": f32(mb.ce_weights) if mb.ce_weights is not None else [None] * n,
+        "ref_kl_weights": [None] * n,
+    }
+    start = 0
+    for idx, length in enumerate(mb.sequence_lengths):
+        end = start + length
+        while end > start and mb.env_names[end - 1] == "" and not mb.loss_mask[end - 1]:  # _trim_padding
+            end -= 1
+        if end > start and any(mb.loss_mask[start:end]):
+            yield {
+                "schema_version": 1,
+                "step": step,
+                "rank": rank,
+                "micro_step": micro_step,
+                "micro_sequence_idx": idx,
+                "env_name": next((e for e in mb.env_names[start:end] if e), None),
+                **{key: values[start:end] for key, values in columns.items()},
+            }
+        start += length

@@ -1,0 +1,81 @@
+"""JSON Lines as the dump readers parse them (NeMo-RL's training-data log, prime-rl's token
+exports, the generic format): one object per line, read as bytes and decoded by msgspec (3-4x the
+standard library's ``json``; orjson is as fast, and msgspec also decodes prime-rl's msgpack and
+can skip the members a reader does not read), its per-token lists made NumPy arrays in one pass
+by ``np.fromiter``. benchmarks/bench_json_parse.py measures the choice.
+
+Python's ``json.dumps`` writes ``NaN``, ``Infinity`` and ``-Infinity`` unless told not to (NeMo-RL's
+logger lets it), which strict JSON parsers refuse; a line msgspec refuses is parsed
+again by the standard library, so such a line parses as it always did (at the cost of two parses,
+for that line alone), and a line that is no JSON at all gets the standard library's message.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from mismatch_probe.errors import ConfigError
+
+PARSER = "msgspec.json"
+_DECODE = msgspec.json.Decoder().decode
+
+
+def lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """``(line number from 1, line)`` for every line of ``path`` that is not blank."""
+    with open(path, "rb") as fh:
+        for k, line in enumerate(fh, 1):
+            if line.strip():
+                yield k, line
+
+
+def keeping(keys: Iterable[str]) -> Callable[[bytes], dict[str, Any]]:
+    """A decoder of one JSON object that builds ``keys`` alone: every other member (NeMo-RL's
+    ``advantages``, the half of prime-rl's export columns that are diagnostics) is skipped
+    unparsed. A key the line lacks is absent from the dict; a line that is no object is refused."""
+    names = tuple(keys)
+    row = msgspec.defstruct("Row", [(k, Any, msgspec.UNSET) for k in names])
+    decode = msgspec.json.Decoder(row).decode
+
+    def decoded(line: bytes) -> dict[str, Any]:
+        r = decode(line)
+        return {k: v for k in names if (v := getattr(r, k)) is not msgspec.UNSET}
+
+    return decoded
+
+
+def loads(line: bytes, where: str, decode: Callable[[bytes], Any] = _DECODE) -> Any:
+    """One line's value (through ``decode``, e.g. :func:`keeping`'s); ``where`` ("file:line")
+    names it in the error."""
+    try:
+        return decode(line)
+    except msgspec.DecodeError:  # validation errors too (a line that is no object)
+        pass  # NaN or Infinity; or broken, and the standard library's message says where
+    try:
+        return json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{where}: not JSON ({getattr(exc, 'msg', exc)})") from None
+
+
+def floats(values: Any) -> np.ndarray:
+    """A flat float64 array of a JSON list of numbers (``null``: NaN)."""
+    if isinstance(values, list):
+        try:
+            return np.fromiter(values, np.float64, len(values))
+        except (TypeError, ValueError):  # nested lists, or not numbers: asarray's rules and errors
+            pass
+    return np.asarray(values, dtype=np.float64).reshape(-1)
+
+
+def ints(values: Any) -> np.ndarray:
+    """A flat int64 array of a JSON list of integers. A list holding anything else (1.5, null)
+    comes back as float64, which the sample's checks refuse, naming it (a cast would truncate)."""
+    v = floats(values)
+    with np.errstate(invalid="ignore"):
+        whole = v.astype(np.int64)
+    return whole if np.array_equal(whole, v) else v
