@@ -25,6 +25,9 @@ import numpy as np
 _HI = 16  # bits of the first histogram
 _BINS = 1 << _HI
 _CHUNK = 1 << 22  # values per chunk of the passes: bounds the temporaries (~100 MiB)
+# below this many values per histogram cell, selecting among the gathered values directly is
+# cheaper than two histograms of 65536 buckets per cell (a timeline step of a few thousand tokens)
+DIRECT_PER_CELL = 4096
 
 
 def float32_bits(values: np.ndarray) -> np.ndarray:
@@ -49,6 +52,9 @@ def order_statistics(
     keep cells few (tens); the caller maps what it groups by onto cells."""
     group_cells = [np.asarray(sorted({int(c) for c in g}), dtype=np.int64) for g in groups]
     wanted = [np.asarray(r, dtype=np.int64) for r in ranks]
+    gathered = _gather(chunks, DIRECT_PER_CELL * n_cells)
+    if gathered is not None:
+        return _direct(*gathered, group_cells, wanted)
 
     # 1. per cell, how many values in each upper-16-bit bucket
     flat = np.zeros(n_cells * _BINS, dtype=np.int64)
@@ -95,6 +101,35 @@ def order_statistics(
             picked = np.partition(lows, np.unique(ks))[ks]
             values[at] = (np.uint32(b) << np.uint32(_HI)) | picked.astype(np.uint32)
         out.append(values)
+    return out
+
+
+def _gather(
+    chunks: Callable[[], Iterable[tuple[np.ndarray, np.ndarray]]], limit: int
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Every (bits, cell) pair concatenated, or None once there are more than ``limit`` of them."""
+    bits, cells, n = [], [], 0
+    for b, c in chunks():
+        n += len(b)
+        if n > limit:
+            return None
+        bits.append(np.asarray(b, dtype=np.uint32))
+        cells.append(np.asarray(c))
+    if not bits:
+        return np.zeros(0, np.uint32), np.zeros(0, np.int64)
+    return np.concatenate(bits), np.concatenate(cells)
+
+
+def _direct(
+    bits: np.ndarray, cells: np.ndarray, group_cells: list[np.ndarray], wanted: list[np.ndarray]
+) -> list[np.ndarray]:
+    """The same order statistics by partitioning each group's values (few values: no histograms)."""
+    out = []
+    for g, (cs, rs) in enumerate(zip(group_cells, wanted)):
+        values = bits[np.isin(cells, cs)]
+        if len(rs) and (rs.min() < 0 or rs.max() >= len(values)):
+            raise IndexError(f"group {g} has {len(values)} values; ranks {rs.tolist()} are out of range")
+        out.append(np.partition(values, np.unique(rs))[rs].astype(np.uint32) if len(rs) else np.zeros(0, np.uint32))
     return out
 
 

@@ -7,6 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
+from mismatch_probe.analysis import order_stats
 from mismatch_probe.analysis.metrics import QUANTILES, quantiles
 from mismatch_probe.analysis.order_stats import (
     float32_bits,
@@ -37,8 +38,15 @@ def _chunks(bits: np.ndarray, cells: np.ndarray, pieces: int):
     return lambda: ((bits[a:b], cells[a:b]) for a, b in itertools.pairwise(bounds))
 
 
+@pytest.fixture(params=["histogram", "direct"])
+def selection(request, monkeypatch):
+    """Both ways of selecting: the histograms (large inputs) and direct partitioning (small ones)."""
+    monkeypatch.setattr(order_stats, "DIRECT_PER_CELL", 0 if request.param == "histogram" else 1 << 30)
+    return request.param
+
+
 @pytest.mark.parametrize("seed", range(60))
-def test_every_order_statistic_and_quantile_equals_numpy(seed: int) -> None:
+def test_every_order_statistic_and_quantile_equals_numpy(seed: int, selection) -> None:
     rng = np.random.default_rng(seed)
     n = int(rng.choice([1, 2, 3, 5, 10, 101, 1000, 30000]))
     v = _values(seed % 5, n, rng)
@@ -56,7 +64,7 @@ def test_every_order_statistic_and_quantile_equals_numpy(seed: int) -> None:
         assert quantiles_from_bits(m, QUANTILES, stats) == quantiles(members, QUANTILES)
 
 
-def test_every_rank_of_a_group_spread_over_chunks() -> None:
+def test_every_rank_of_a_group_spread_over_chunks(selection) -> None:
     rng = np.random.default_rng(7)
     v = _values(0, 5000, rng)
     v[::7] = v[3]  # ties across the bucket boundaries
@@ -73,7 +81,7 @@ def test_linear_ranks_follow_numpy_at_the_ends() -> None:
     assert quantiles_from_bits(0, QUANTILES, {}) == {"p50": None, "p90": None, "p99": None}
 
 
-def test_refuses_what_has_no_bit_order_and_ranks_out_of_range() -> None:
+def test_refuses_what_has_no_bit_order_and_ranks_out_of_range(selection) -> None:
     with pytest.raises(ValueError, match="non-negative"):
         float32_bits(np.array([1.0, -2.0]))
     with pytest.raises(ValueError, match="non-negative"):
