@@ -19,6 +19,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from mismatch_probe.dumps import FORMATS as _DUMP_FORMATS
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.files import portable_path, write_atomic
 
@@ -31,6 +32,7 @@ app = typer.Typer(
 )
 err = Console(stderr=True)
 out = Console()
+DUMP_FORMATS = ", ".join(_DUMP_FORMATS)  # the formats `import` and `timeline` read (dumps/__init__.py)
 
 
 def _debug() -> bool:
@@ -286,15 +288,40 @@ def _gate(run_dir, thresholds, baseline, gate=None, *, quiet=False, junit=None, 
     from mismatch_probe.gate.checks import run_gate
     from mismatch_probe.gate.junit import junit_xml, rich_table
     from mismatch_probe.gate.junit import markdown as render_markdown
+    from mismatch_probe.timeline_record import is_timeline
 
-    result = run_gate(run_dir, thresholds, baseline, gate)
+    if is_timeline(run_dir):
+        result = _gate_timeline(run_dir, thresholds, baseline, gate)
+    else:
+        result = run_gate(run_dir, thresholds, baseline, gate)
     if junit is not None:
         write_atomic(junit, junit_xml(result))
     if markdown is not None:
         write_atomic(markdown, render_markdown(result))
-    if not quiet:
+    if not quiet and is_timeline(run_dir):  # one row per check and step: show what did not pass
+        from dataclasses import replace
+
+        counts = ", ".join(f"{n} {s}" for s, n in result.counts().items() if n)
+        out.print(f"gate {result.status} over {escape(str(run_dir))}'s steps: {counts}")
+        if result.status != "PASS":
+            out.print(rich_table(replace(result, results=[r for r in result.results if r.status != "PASS"])))
+    elif not quiet:
         out.print(rich_table(result))
     return result
+
+
+def _gate_timeline(timeline_dir, thresholds, baseline, gate):
+    """A timeline is gated step by step; its growth checks are against its own early steps."""
+    from mismatch_probe.errors import ConfigError
+    from mismatch_probe.gate.timeline import run_timeline_gate
+
+    if baseline is not None:
+        raise ConfigError(
+            f"{timeline_dir} is a timeline: its baseline_factor checks compare each step with the timeline's own "
+            "first steps, not with --baseline",
+            hint="drop --baseline",
+        )
+    return run_timeline_gate(timeline_dir, thresholds, gate)
 
 
 def _gate_exit(result) -> None:
@@ -563,7 +590,7 @@ IMPORT_LABELS = {"engine.name": "engine", "engine.logprobs_mode": "engine log-pr
 @friendly_errors
 def import_(
     dump_format: Annotated[
-        str, typer.Argument(metavar="FORMAT", help="slime, nemo-rl, verl or generic.", show_default=False)
+        str, typer.Argument(metavar="FORMAT", help=DUMP_FORMATS + ".", show_default=False)
     ],
     path: Annotated[Path, typer.Argument(help="The dump: a file, or the directory holding it.", show_default=False)],
     model: Annotated[Path, typer.Option(help="The checkpoint the run sampled with (local directory).")],
@@ -653,6 +680,95 @@ def import_(
         )
     else:
         out.print(f"next: mismatch-probe score {where}, then mismatch-probe analyze {where}")
+
+
+@app.command()
+@friendly_errors
+def timeline(
+    source: Annotated[Path, typer.Argument(help="The run's dump directory (every step in it).", show_default=False)],
+    dump_format: Annotated[
+        str, typer.Option("--format", help=DUMP_FORMATS + ".", show_default=False)
+    ],
+    model: Annotated[
+        Path | None,
+        typer.Option(
+            help="The checkpoint (local directory): token ids checked against it; kept steps as run directories."
+        ),
+    ] = None,
+    out_dir: Annotated[
+        Path | None, typer.Option("--out", help="Timeline directory (default reports/timeline-<format>-<time>).")
+    ] = None,
+    workers: Annotated[int, typer.Option(help="Processes reading and analysing steps.")] = 2,
+    keep: Annotated[
+        str,
+        typer.Option(help="Steps kept as full run directories: auto (first, last, worst, change points), all, none."),
+    ] = "auto",
+    worst: Annotated[int, typer.Option(help="With --keep auto: how many steps of largest K3 to keep.")] = 3,
+    baseline_steps: Annotated[int, typer.Option(help="The early steps each metric's drift is measured against.")] = 20,
+    alpha: Annotated[float, typer.Option(help="The drift test's false-alarm rate per metric over the run.")] = 0.05,
+    follow: Annotated[
+        bool, typer.Option("--follow", help="Keep watching the directory; update as steps appear.")
+    ] = False,
+    poll: Annotated[float, typer.Option(help="--follow: seconds between looks at the directory.")] = 10.0,
+    settle: Annotated[
+        float, typer.Option(help="--follow: a step is taken once its files are unchanged this many seconds.")
+    ] = 5.0,
+    idle_exit: Annotated[
+        float | None, typer.Option(help="--follow: stop after this many seconds without a new step (default: never).")
+    ] = None,
+    trust_pickle: Annotated[
+        bool, typer.Option("--trust-pickle", help="Read pickled dumps (verl), through an allow-list of their classes.")
+    ] = False,
+    train_dump: Annotated[
+        Path | None, typer.Option(help="slime: the train dumps, when not train_data/ beside rollout_data/.")
+    ] = None,
+    settings: Annotated[
+        list[str] | None, typer.Option("--set", help="Correction thresholds: --set corrections.token_tis=3.")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print timeline.json instead of a summary.")] = False,
+) -> None:
+    """The mismatch across a run's training steps: import every step of its dumps (in parallel,
+    resumable, only new steps on a re-run), test each metric for drift from its early steps, keep
+    the steps worth opening as run directories, and write timeline.html. Exit 2 on bad input or
+    when a step could not be read (the other steps are kept)."""
+    from mismatch_probe.errors import ConfigError
+    from mismatch_probe.record import json_safe
+    from mismatch_probe.report.timeline import timeline_summary
+    from mismatch_probe.timeline.runner import TimelineOptions, build_timeline
+
+    overrides = parse_settings(settings)
+    bad = [k for k in overrides if not k.startswith("corrections.")]
+    if bad:
+        raise ConfigError(f"timeline --set {', '.join(bad)}: only corrections.* settings")
+    options = TimelineOptions(
+        format=dump_format,
+        source=str(source),
+        model=None if model is None else str(model),
+        out=None if out_dir is None else str(out_dir),
+        workers=workers,
+        keep=keep,
+        worst=worst,
+        baseline_steps=baseline_steps,
+        alpha=alpha,
+        trust_pickle=trust_pickle,
+        train_dump=None if train_dump is None else str(train_dump),
+        corrections={k.partition(".")[2]: v for k, v in overrides.items()},
+        follow=follow,
+        poll_s=poll,
+        settle_s=settle,
+        idle_exit_s=idle_exit,
+    )
+    with RichProgress(err) as progress:
+        result = build_timeline(options, progress=progress)
+    if as_json:
+        sys.stdout.write(json.dumps(json_safe(result.record.model_dump()), indent=2) + "\n")
+    else:
+        out.print(escape(timeline_summary(result.record)))
+        out.print(f"timeline: {escape(portable_path(result.out / 'timeline.html'))} (also timeline.md, steps.parquet)")
+    for step, message in sorted(result.failed.items()):
+        err.print(f"step {step} was not read: {escape(message)}")
+    if result.failed:
+        raise typer.Exit(2)
 
 
 @app.command()

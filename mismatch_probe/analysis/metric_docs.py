@@ -280,6 +280,17 @@ UNPUBLISHED = {
 }
 
 
+# The published per-GPU mismatch-KL ranges (the seeds' figures: H20 and L20 runs, A100 with cascade
+# attention on), lowest first: (where, low, high). The report's K3 card and the timeline's K3
+# figure read them from here.
+K3_BY_GPU = (("H20", 5e-4, 1e-3), ("L20", 1e-3, 1e-2), ("A100, cascade attention", 1e-2, 1e-1))
+# verl's FAQ (docs/faq/faq.rst): training/rollout_probs_diff_mean "should be below 0.005"; above 0.01
+# "indicates a precision issue"
+VERL_PROB_DIFF_EXPECTED, VERL_PROB_DIFF_ISSUE = 0.005, 0.01
+# NeMo-RL's token_mult_prob_error threshold (1.0 is perfect agreement)
+NEMO_RL_MULT_ERROR_THRESHOLD = 1.05
+
+
 def k3_context(value, precision: str | None = None) -> str:
     """One line placing a mismatch-KL among the published per-GPU ranges, and for a quantized or
     fp16 rollout (``precision``, see ``report.labels.rollout_precision``) among the figures
@@ -288,14 +299,17 @@ def k3_context(value, precision: str | None = None) -> str:
         return ""
     if isinstance(value, str) or math.isinf(value):
         return "infinite: the reference gives some sampled token probability 0 (see n_zero_prob_train)"
-    if value < 5e-4:
-        line = "below the published H20 range (5e-4–1e-3)"
-    elif value < 1e-3:
-        line = "inside the published H20 range (5e-4–1e-3)"
-    elif value < 1e-2:
-        line = "inside the published L20 range (1e-3–1e-2), where runs without correction collapsed"
+    (_, h20_low, h20_high), (_, l20_low, l20_high), (_, _, a100_high) = (
+        (where, _sci(low), _sci(high)) for where, low, high in K3_BY_GPU
+    )
+    if value < K3_BY_GPU[0][1]:
+        line = f"below the published H20 range ({h20_low}–{h20_high})"
+    elif value < K3_BY_GPU[0][2]:
+        line = f"inside the published H20 range ({h20_low}–{h20_high})"
+    elif value < K3_BY_GPU[1][2]:
+        line = f"inside the published L20 range ({l20_low}–{l20_high}), where runs without correction collapsed"
     else:
-        line = "at the level published for A100 with cascade attention on (up to 1e-1), where runs collapsed"
+        line = f"at the level published for A100 with cascade attention on (up to {a100_high}), where runs collapsed"
     if precision is None or precision == "bf16":
         return line
     published = [f for f in PUBLISHED_K3 if f.precision == precision]
@@ -314,11 +328,17 @@ def prob_diff_context(mean) -> str:
     "should be below 0.005", and above 0.01 "indicates a precision issue"."""
     if mean is None or isinstance(mean, str):
         return ""
-    if mean < 0.005:
-        return "below verl's expected 0.005"
-    if mean <= 0.01:
-        return "above verl's expected 0.005"
-    return "above 0.01, which verl's FAQ reads as a precision issue"
+    if mean < VERL_PROB_DIFF_EXPECTED:
+        return f"below verl's expected {VERL_PROB_DIFF_EXPECTED:g}"
+    if mean <= VERL_PROB_DIFF_ISSUE:
+        return f"above verl's expected {VERL_PROB_DIFF_EXPECTED:g}"
+    return f"above {VERL_PROB_DIFF_ISSUE:g}, which verl's FAQ reads as a precision issue"
+
+
+def _sci(x: float) -> str:
+    """1e-3 as the literature writes it, "1e-3" (not Python's "1e-03")."""
+    mantissa, _, exponent = f"{x:.0e}".partition("e")
+    return f"{mantissa}e{int(exponent)}"
 
 
 def fmt_range(low: float, high: float) -> str:

@@ -860,6 +860,8 @@ _EXTRA_KEYS = (
     "chi2_token_sn",
     "chi2_seq_sn",
 )
+# every scalar metrics() reports, canonical first: a timeline's per-step columns
+METRIC_KEYS = CANONICAL_KEYS + _EXTRA_KEYS
 
 
 def _expert_bits(ids: np.ndarray, word: int) -> np.ndarray:

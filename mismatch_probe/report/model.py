@@ -21,6 +21,7 @@ from mismatch_probe.analysis.metric_docs import (
     KEPT_K3_MEANING,
     METRIC_DOC,
     METRIC_DOCS,
+    NEMO_RL_MULT_ERROR_THRESHOLD,
     k3_context,
     prob_diff_context,
     rank,
@@ -476,9 +477,9 @@ def _mult_note(v, precision: str | None = None) -> str:
     if v is None:
         return ""
     line = (
-        "above NeMo-RL's 1.05 threshold"
-        if isinstance(v, str) or v > 1.05
-        else "below NeMo-RL's 1.05 threshold (1.0 is perfect)"
+        f"above NeMo-RL's {NEMO_RL_MULT_ERROR_THRESHOLD:g} threshold"
+        if isinstance(v, str) or v > NEMO_RL_MULT_ERROR_THRESHOLD
+        else f"below NeMo-RL's {NEMO_RL_MULT_ERROR_THRESHOLD:g} threshold (1.0 is perfect)"
     )
     if precision not in (None, "bf16", "fp32"):
         # the published per-precision figures are K3, K1 and Pearson (metric_docs.PUBLISHED_K3)
