@@ -6,7 +6,7 @@ imported until a run needs it.
 
 from mismatch_probe.version import __version__
 
-__all__ = ["__version__", "import_dump", "load_run", "sweep"]
+__all__ = ["Monitor", "__version__", "import_dump", "load_run", "sweep"]
 
 
 def __getattr__(name: str):
@@ -23,4 +23,9 @@ def __getattr__(name: str):
         from mismatch_probe.importing import import_dump
 
         return import_dump
+    # with mismatch_probe.Monitor(out_dir) as m: m.log_step(step, ids, logp_infer, logp_train, mask)
+    if name == "Monitor":
+        from mismatch_probe.timeline.monitor import Monitor
+
+        return Monitor
     raise AttributeError(f"module 'mismatch_probe' has no attribute {name!r}")
