@@ -298,13 +298,12 @@ def _gate(run_dir, thresholds, baseline, gate=None, *, quiet=False, junit=None, 
         write_atomic(junit, junit_xml(result))
     if markdown is not None:
         write_atomic(markdown, render_markdown(result))
-    if not quiet and is_timeline(run_dir):  # one row per check and step: show what did not pass
-        from dataclasses import replace
+    if not quiet and is_timeline(run_dir):  # one result per check and step: a row per check
+        from mismatch_probe.gate.junit import per_check_table
 
         counts = ", ".join(f"{n} {s}" for s, n in result.counts().items() if n)
         out.print(f"gate {result.status} over {escape(str(run_dir))}'s steps: {counts}")
-        if result.status != "PASS":
-            out.print(rich_table(replace(result, results=[r for r in result.results if r.status != "PASS"])))
+        out.print(per_check_table(result))
     elif not quiet:
         out.print(rich_table(result))
     return result
@@ -543,6 +542,14 @@ def report(
     if as_json:
         sys.stdout.write(_report_json(run_dirs, is_sweep))
         return
+    from mismatch_probe.timeline_record import is_timeline
+
+    if len(run_dirs) == 1 and out_file is None and is_timeline(run_dirs[0]):
+        from mismatch_probe.report.timeline import render_again as render_timeline_again
+
+        path = render_timeline_again(run_dirs[0])  # from timeline.json and steps.parquet
+        out.print(f"timeline: {escape(str(path))}, timeline.md, figures/")
+        return
     if is_sweep:
         from mismatch_probe.report.pages import write_sweep_reports
         from mismatch_probe.sweep_record import read_sweep
@@ -589,9 +596,7 @@ IMPORT_LABELS = {"engine.name": "engine", "engine.logprobs_mode": "engine log-pr
 @app.command("import")
 @friendly_errors
 def import_(
-    dump_format: Annotated[
-        str, typer.Argument(metavar="FORMAT", help=DUMP_FORMATS + ".", show_default=False)
-    ],
+    dump_format: Annotated[str, typer.Argument(metavar="FORMAT", help=DUMP_FORMATS + ".", show_default=False)],
     path: Annotated[Path, typer.Argument(help="The dump: a file, or the directory holding it.", show_default=False)],
     model: Annotated[Path, typer.Option(help="The checkpoint the run sampled with (local directory).")],
     out_dir: Annotated[
@@ -686,9 +691,7 @@ def import_(
 @friendly_errors
 def timeline(
     source: Annotated[Path, typer.Argument(help="The run's dump directory (every step in it).", show_default=False)],
-    dump_format: Annotated[
-        str, typer.Option("--format", help=DUMP_FORMATS + ".", show_default=False)
-    ],
+    dump_format: Annotated[str, typer.Option("--format", help=DUMP_FORMATS + ".", show_default=False)],
     model: Annotated[
         Path | None,
         typer.Option(

@@ -28,6 +28,8 @@ if [ "${1:-}" = "--render" ]; then
   $mp report reports/precision
   for run in reports/gpu-h100/{bf16,fp16} reports/gpu-h200/{bf16,fp16}; do $mp report "$run"; done
   $mp report reports/gpu-h{100,200}/bf16 reports/gpu-h{100,200}/fp16 --out reports/gpu-compare.html
+  for run in reports/timeline-drift/runs/*/; do $mp report "$run"; done
+  $mp report reports/timeline-drift  # timeline.md and timeline.html from timeline.json and steps.parquet
   exit 0
 fi
 # reports/gpu-h100 and reports/gpu-h200 need a GPU machine: bash benchmarks/gpu_check.sh there
@@ -38,10 +40,14 @@ $mp compare probes/parallelism-tp2.toml --out reports/parallelism-tp2 --overwrit
 $mp sweep probes/sweep-demo.toml --gate probes/gate-strict.toml --no-resume
 $mp sweep probes/sync-sweep.toml --no-resume
 $mp sweep probes/precision.toml --no-resume
+# a synthetic 200-step run whose mismatch triples from step 121 (tests/dumps/synthetic_run.py), as a timeline
+rm -rf build/timeline-drift-dump reports/timeline-drift
+.venv/bin/python tests/dumps/synthetic_run.py build/timeline-drift-dump --format generic --steps 200 --drift-at 121 --factor 3
+$mp timeline build/timeline-drift-dump --format generic --model fixtures/models/tiny-qwen2 --out reports/timeline-drift --worst 2
 root="$PWD/"
-find reports/example reports/example-fp32 reports/parallelism-tp2 reports/sweep-demo reports/sync-sweep reports/precision \
+find reports/example reports/example-fp32 reports/parallelism-tp2 reports/sweep-demo reports/sync-sweep reports/precision reports/timeline-drift \
   \( -name engine.log -o -name reference.log -o -path "*/engines/*.log" \) -exec sed -i "s|$root||g" {} +
-if grep -rlF "$root" reports/example reports/example-fp32 reports/parallelism-tp2 reports/sweep-demo reports/sync-sweep reports/precision reports/example-compare.html; then
+if grep -rlF "$root" reports/example reports/example-fp32 reports/parallelism-tp2 reports/sweep-demo reports/sync-sweep reports/precision reports/timeline-drift reports/example-compare.html; then
   echo "absolute paths of this checkout are left in the files above" >&2
   exit 1
 fi

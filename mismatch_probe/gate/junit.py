@@ -40,6 +40,37 @@ def rich_table(result: GateResult):
     return table
 
 
+def per_check_table(result: GateResult):
+    """A timeline's gate (one result per check and step) as one row per check: its worst status,
+    how many steps did not pass and which came first, and the worst value against its bound."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    from mismatch_probe.gate.checks import STATUS_ORDER
+
+    by_check: dict[str, list] = {}
+    for r in result.results:
+        by_check.setdefault(r.name.split(" @ step ")[0], []).append(r)
+    table = Table(title=f"gate {result.status}", title_justify="left")
+    for col in ("status", "check", "steps not passing", "first", "worst value", "bound"):
+        table.add_column(col, justify="right" if col in ("steps not passing", "first", "worst value") else "left")
+    for name, rows in by_check.items():
+        status = max((r.status for r in rows), key=STATUS_ORDER.index)
+        bad = [r for r in rows if r.status != "PASS"]
+        first = bad[0].name.rpartition(" @ step ")[2] if bad else ""
+        values = [r.value for r in rows if r.value is not None]
+        worst = max(values, key=abs) if values else None
+        table.add_row(
+            f"[{STATUS_STYLE[status]}]{status}[/]",
+            escape(name),
+            f"{len(bad)} of {len(rows)}",
+            escape(first),
+            significant(worst),
+            escape(rows[0].bound if status != "ERROR" else rows[0].message),
+        )
+    return table
+
+
 def junit_xml(result: GateResult) -> str:
     """JUnit XML: a testsuite of one testcase per check. FAIL is a <failure>, ERROR an <error>;
     WARN passes and says so in <system-out> (JUnit has no warning state)."""

@@ -846,8 +846,23 @@ def render_timeline(out: Path, record: TimelineRecord, table: pa.Table) -> list[
     return [f["path"] for f in listed]
 
 
+def render_again(out: str | Path) -> Path:
+    """A timeline's page rendered again from its timeline.json and steps.parquet (``mismatch-probe
+    report DIR``); returns timeline.html's path."""
+    import pyarrow.parquet as pq
+
+    from mismatch_probe.timeline_record import STEPS_PARQUET, read_timeline
+
+    out = Path(out)
+    record = read_timeline(out)
+    record.figures = render_timeline(out, record, pq.read_table(out / STEPS_PARQUET))
+    record.write(out)
+    return out / TIMELINE_HTML
+
+
 __all__ = [
     "TIMELINE_HTML",
+    "render_again",
     "TIMELINE_MD",
     "TimelineView",
     "headline_lines",

@@ -11,7 +11,7 @@ import pytest
 from conftest import ROOT, cli
 
 # the committed ones (reports/ also holds a user's own runs, e.g. reports/demo from the README demo)
-COMMITTED = ("example", "example-fp32", "parallelism-tp2", "sweep-demo", "gpu-h100", "gpu-h200")
+COMMITTED = ("example", "example-fp32", "parallelism-tp2", "sweep-demo", "gpu-h100", "gpu-h200", "timeline-drift")
 RUNS = sorted(p.parent for name in COMMITTED for p in (ROOT / "reports" / name).rglob("run.json"))
 # an absolute path of a developer's machine: /home/..., /root/..., /work/..., /Users/..., C:\...
 ABSOLUTE = re.compile(r"""(?<![\w.:/])(/(home|root|work|Users|opt|srv|mnt|data|tmp)/[\w.-]+|[A-Z]:\\\\)""")
@@ -55,6 +55,9 @@ def test_a_committed_run_is_portable_and_consistent(run):
         "precision/sweep.md",
         "precision/sweep.html",
         "gpu-compare.html",
+        "timeline-drift/timeline.json",
+        "timeline-drift/timeline.md",
+        "timeline-drift/timeline.html",
     ],
 )
 def test_committed_comparisons_are_portable(page):
@@ -149,3 +152,26 @@ def test_the_committed_gpu_runs_name_their_gpus_and_agree_bit_for_bit():
         p: json.loads((reports / "gpu-h200" / p / "run.json").read_text())["metrics"]["k3_kl"] for p in ("bf16", "fp16")
     }
     assert 0 < k3["fp16"] < k3["bf16"] / 10
+
+
+def test_the_committed_timeline_finds_the_drift_where_it_was_put(tmp_path):
+    """reports/timeline-drift (README, Timeline): a synthetic 200-step run whose mismatch variance
+    triples from step 121 (regenerate.sh); the page says so, and its kept steps open as runs."""
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    d = ROOT / "reports" / "timeline-drift"
+    rec = json.loads((d / "timeline.json").read_text())
+    k3 = rec["drift"]["k3_kl"]
+    assert rec["steps"]["count"] == 200 and k3["detected"] and abs(k3["change_step"] - 121) <= 2
+    assert pq.read_table(d / "steps.parquet").num_rows == 3 * 200
+    assert "departs from its baseline at step" in (d / "timeline.md").read_text()
+    for kept in rec["kept"]:
+        assert (d / kept["run"] / "report.html").is_file(), kept
+    assert {121, 1, 200} <= {k["step"] for k in rec["kept"]}
+    copy = tmp_path / "timeline"
+    shutil.copytree(d, copy)
+    proc = cli("report", str(copy))
+    assert proc.returncode == 0, proc.stderr
+    assert (copy / "timeline.html").read_bytes() == (d / "timeline.html").read_bytes()
