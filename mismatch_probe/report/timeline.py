@@ -862,10 +862,10 @@ def render_again(out: str | Path) -> Path:
 
 __all__ = [
     "TIMELINE_HTML",
-    "render_again",
     "TIMELINE_MD",
     "TimelineView",
     "headline_lines",
+    "render_again",
     "render_html",
     "render_markdown",
     "render_timeline",
