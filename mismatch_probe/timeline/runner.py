@@ -23,7 +23,7 @@ import multiprocessing
 import shutil
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -393,6 +393,3 @@ def _write_kept(out: Path, opts: TimelineOptions, kept: list[KeptStep]) -> list[
             k.reason = str(exc)
     return kept
 
-
-def options_record(opts: TimelineOptions) -> dict[str, Any]:
-    return asdict(opts)
