@@ -392,4 +392,3 @@ def _write_kept(out: Path, opts: TimelineOptions, kept: list[KeptStep]) -> list[
         except ConfigError as exc:
             k.reason = str(exc)
     return kept
-
