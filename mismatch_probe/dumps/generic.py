@@ -12,7 +12,7 @@ Steps: a file or a directory of files is one step, unless names carry ``step_<N>
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -127,10 +127,34 @@ def _parquet_rows(f: Path) -> Iterator[tuple[int, dict]]:
     wanted = [c for c in COLUMNS if c in parquet.schema_arrow.names]
     k = 0
     for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=wanted):
-        columns = {name: batch.column(name) for name in wanted}
+        columns = {name: _rows_of(batch.column(name)) for name in wanted}
         for i in range(batch.num_rows):
-            yield k, {name: _value(col, i) for name, col in columns.items()}
+            yield k, {name: rows(i) for name, rows in columns.items()}
             k += 1
+
+
+def _rows_of(column) -> Callable[[int], Any]:
+    """Row ``i`` of an Arrow column, converted a batch at a time: a NumPy array for lists of numbers
+    (no Python objects per token), a slice of the batch's values; Python values otherwise."""
+    import pyarrow as pa
+
+    if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)):
+        return column.to_pylist().__getitem__
+    values = column.values  # the whole batch's (a sliced column's offsets index into them)
+    nested = pa.types.is_list(values.type) or pa.types.is_large_list(values.type)
+    # a null among ints or booleans makes to_numpy floats or objects: such a column row by row, as before
+    if nested or (values.null_count and not pa.types.is_floating(values.type)):
+        return lambda i: _value(column, i)
+    flat = values.to_numpy(zero_copy_only=False)
+    offsets = column.offsets.to_numpy()
+    valid = column.is_valid().to_numpy(zero_copy_only=False) if column.null_count else None
+
+    def row(i: int):
+        if valid is not None and not valid[i]:
+            return None
+        return flat[offsets[i] : offsets[i + 1]]
+
+    return row
 
 
 def _value(column, i: int):
@@ -167,7 +191,7 @@ def _sample(row: dict, where: str) -> DumpSample:
     return DumpSample(
         where=where,
         token_ids=_ints(row["token_ids"]),
-        model_mask=_ints(row["model_mask"]),
+        model_mask=_mask(row["model_mask"]),
         logp_engine=_floats(row["logp_engine"], where, "logp_engine"),
         logp_trainer=None if row.get("logp_trainer") is None else _floats(row["logp_trainer"], where, "logp_trainer"),
         turn=None if row.get("turn") is None else np.asarray(row["turn"]),
@@ -184,6 +208,11 @@ def _floats(values, where: str, key: str) -> np.ndarray:
         raise ConfigError(f"{where}: {key} is not a list of numbers") from None
 
 
+def _mask(values) -> np.ndarray:
+    """A mask: a JSON list as booleans (not 0), or Parquet's NumPy array as it is."""
+    return jsonl.flags(values) if isinstance(values, list) else np.asarray(values)
+
+
 def _ints(values) -> np.ndarray:
-    """Token ids or a mask: a JSON list (parsed fast), or Parquet's NumPy array as it is."""
+    """Token ids: a JSON list (parsed fast), or Parquet's NumPy array as it is."""
     return jsonl.ints(values) if isinstance(values, list) else np.asarray(values)

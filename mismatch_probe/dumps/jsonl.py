@@ -2,7 +2,8 @@
 exports, the generic format): one object per line, read as bytes and decoded by msgspec (3-4x the
 standard library's ``json``; orjson is as fast, and msgspec also decodes prime-rl's msgpack and
 can skip the members a reader does not read), its per-token lists made NumPy arrays in one pass
-by ``np.fromiter``. benchmarks/bench_json_parse.py measures the choice.
+by ``np.fromiter`` (integers through ``array``, masks through ``bytes``: C loops that refuse
+anything else, which then takes the general path). benchmarks/bench_json_parse.py measures the choice.
 
 Python's ``json.dumps`` writes ``NaN``, ``Infinity`` and ``-Infinity`` unless told not to (NeMo-RL's
 logger lets it), which strict JSON parsers refuse; a line msgspec refuses is parsed
@@ -12,6 +13,7 @@ for that line alone), and a line that is no JSON at all gets the standard librar
 
 from __future__ import annotations
 
+import array
 import json
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -24,11 +26,13 @@ from mismatch_probe.errors import ConfigError
 
 PARSER = "msgspec.json"
 _DECODE = msgspec.json.Decoder().decode
+READ_BUFFER = 1 << 20
 
 
 def lines(path: Path) -> Iterator[tuple[int, bytes]]:
     """``(line number from 1, line)`` for every line of ``path`` that is not blank."""
-    with open(path, "rb") as fh:
+    # a 1 MiB buffer: a row of thousands of tokens is read whole, not 8 KiB at a time and joined
+    with open(path, "rb", buffering=READ_BUFFER) as fh:
         for k, line in enumerate(fh, 1):
             if line.strip():
                 yield k, line
@@ -75,7 +79,23 @@ def floats(values: Any) -> np.ndarray:
 def ints(values: Any) -> np.ndarray:
     """A flat int64 array of a JSON list of integers. A list holding anything else (1.5, null)
     comes back as float64, which the sample's checks refuse, naming it (a cast would truncate)."""
+    if isinstance(values, list):
+        try:  # ints and booleans alone: array's C loop (a float, null or list raises)
+            return np.frombuffer(array.array("q", values), np.int64)
+        except (TypeError, OverflowError):
+            pass
     v = floats(values)
     with np.errstate(invalid="ignore"):
         whole = v.astype(np.int64)
     return whole if np.array_equal(whole, v) else v
+
+
+def flags(values: Any) -> np.ndarray:
+    """A flat bool array of a JSON list of 0/1 or booleans (a mask): true where an entry is not
+    0, as ``floats(values) != 0`` (NaN: true)."""
+    if isinstance(values, list):
+        try:  # integers 0-255 and booleans alone: bytes' C loop (anything else raises)
+            return np.frombuffer(bytes(values), np.uint8) != 0
+        except (TypeError, ValueError):
+            pass
+    return floats(values) != 0

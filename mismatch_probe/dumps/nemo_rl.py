@@ -110,13 +110,18 @@ def _sample(row: dict, where: str) -> tuple[DumpSample, bool]:
     if not isinstance(length, int) or not 0 < length <= len(ids):
         raise ConfigError(f"{where}: input_lengths {length!r} does not fit its {len(ids)} token ids")
 
-    def per_token(key: str) -> np.ndarray:
-        values = jsonl.floats(_first(row[key]))
+    def per_token(key: str, *, mask: bool = False, upto: int | None = None) -> np.ndarray:
+        raw = _first(row[key])
+        if upto is not None and isinstance(raw, list) and len(raw) == len(ids):
+            values = jsonl.floats(raw[:upto])  # the right padding is never read
+            if len(values) == upto:
+                return values
+        values = jsonl.flags(raw) if mask else jsonl.floats(raw)
         if len(values) != len(ids):
             raise ConfigError(f"{where}: {key} has {len(values)} entries for {len(ids)} token ids")
-        return values
+        return values if upto is None else values[:upto]
 
-    whole_mask = per_token("token_loss_mask") != 0
+    whole_mask = per_token("token_loss_mask", mask=True)
     beyond = np.flatnonzero(whole_mask[length:])
     if beyond.size:
         raise ConfigError(
@@ -125,8 +130,8 @@ def _sample(row: dict, where: str) -> tuple[DumpSample, bool]:
             hint=SHORT_LENGTH,
         )
     mask = whole_mask[:length]  # right padding stripped
-    engine = per_token("generation_logprobs")[:length]
-    trainer = per_token("prev_logprobs")[:length] if row.get("prev_logprobs") is not None else None
+    engine = per_token("generation_logprobs", upto=length)
+    trainer = per_token("prev_logprobs", upto=length) if row.get("prev_logprobs") is not None else None
     zeros = trainer is None or bool(np.all(trainer[mask] == 0.0))
     return (
         DumpSample(

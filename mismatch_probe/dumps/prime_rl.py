@@ -410,15 +410,16 @@ def _exported_sequence(row: dict, where: str, want_trainer: bool) -> dict[str, A
     ids = jsonl.ints(row["token_ids"])
     n = len(ids)
 
-    def per_token(key: str) -> np.ndarray:
-        values = jsonl.floats(row[key])  # null (a non-finite value): NaN, refused on a sampled token
+    def per_token(key: str, *, mask: bool = False) -> np.ndarray:
+        # null (a non-finite value): NaN, refused on a sampled token
+        values = jsonl.flags(row[key]) if mask else jsonl.floats(row[key])
         if len(values) != n:
             raise ConfigError(f"{where}: {key} has {len(values)} entries for {n} token ids")
         return values
 
     return {
         "ids": ids,
-        "mask": per_token("loss_mask") != 0,
+        "mask": per_token("loss_mask", mask=True),
         "logp": per_token("inference_logprobs"),
         "trainer": per_token("trainer_logprobs") if want_trainer else None,
         "ce_only": _ce_only(n, row.get("rl_weights"), row.get("ce_weights"), row.get("ref_kl_weights")),

@@ -15,7 +15,7 @@ import numpy as np
 
 from mismatch_probe.analysis.timeline import StepTokens
 from mismatch_probe.dumps import get_format, open_dump
-from mismatch_probe.dumps.samples import to_rollout
+from mismatch_probe.dumps.samples import LOGP_ROUNDING, DumpSample, to_rollout
 from mismatch_probe.errors import ConfigError
 
 # without --model a token id is checked only against what a table can hold
@@ -41,49 +41,184 @@ class ReadStep:
     settings: dict
 
 
+CHUNK = 256  # samples checked together: one vectorized pass over their tokens instead of one per sample
+
+
 def read_step(source: DumpSource, step: int) -> ReadStep:
-    """The model tokens of ``step`` with the engine's and the trainer's log-probs."""
+    """The model tokens of ``step`` with the engine's and the trainer's log-probs.
+
+    Every sample passes the checks of :func:`~mismatch_probe.dumps.samples.to_rollout` (token ids
+    in the vocabulary, the first token not sampled, one log-prob per model token or per token,
+    finite log-probs <= 0, turns), made on :data:`CHUNK` samples' tokens at once and without
+    building a rollout (:class:`_Chunk`). A chunk that fails, and a sample that is unusual (ids
+    stored as floats, turns given, no trainer log-probs), go through ``to_rollout`` one sample at
+    a time, in order, so an error is the import's, to the message, and names the first sample it
+    finds amiss, whatever else follows it."""
     fmt = get_format(source.format)
     reader = open_dump(fmt, source.path, step=step, trust_pickle=source.trust_pickle, trainer_path=source.trainer_path)
-    sample_ids, turns, positions, li, lt = [], [], [], [], []
+    parts: list[ModelTokens] = []
+    chunk = _Chunk(source.vocab_size)
     n_samples = 0
     first_where = None
-    for k, sample in enumerate(reader.samples()):
+    samples = enumerate(reader.samples())
+    failed: Exception | None = None
+    while True:
+        try:
+            k, sample = next(samples)
+        except StopIteration:
+            break
+        except Exception as exc:  # the reader's own error, raised once the samples before it are checked
+            failed = exc
+            break
         first_where = first_where or sample.where
-        # a dump's routing is the engine's alone: there is no trainer routing to compare it with
-        sample.experts = None
-        checked = to_rollout(sample, k, vocab_size=source.vocab_size)
-        r = checked.rollout
         n_samples += 1
-        if checked.logp_trainer is None:
-            raise ConfigError(
-                f"step {step}: {sample.where} has no trainer log-probs, so the step has no mismatch to measure "
-                "without re-scoring",
-                hint=f"import the step (mismatch-probe import {fmt.name} ... --step {step}) and score it with the reference",
-            )
-        at = np.flatnonzero(r.is_model_token)
-        if not len(at):
-            continue
-        sample_ids.append(np.full(len(at), k, np.int64))
-        turns.append(r.turn[at])
-        positions.append(at)
-        li.append(r.logp_infer[at])
-        lt.append(checked.logp_trainer[at])
-    if not li:
+        if not chunk.add(k, sample):
+            chunk.flush(parts, fmt.name, step)
+            parts.append(_one_sample(k, sample, source.vocab_size, fmt.name, step))
+        elif len(chunk) >= CHUNK:
+            chunk.flush(parts, fmt.name, step)
+    chunk.flush(parts, fmt.name, step)
+    if failed is not None:
+        raise failed
+    parts = [p for p in parts if len(p[1])]
+    if not parts:
         where = first_where or f"{source.path} (step {step})"
         raise ConfigError(
             f"step {step}: no sample has a generated token ({n_samples} samples; the first is {where})",
             hint="the dump's masks or lengths cover only the prompts: check the step's files",
         )
+    sample_id, position, turn, engine, trainer = (np.concatenate(column) for column in zip(*parts, strict=True))
     tokens = StepTokens(
-        sample_id=np.concatenate(sample_ids),
-        turn=np.concatenate(turns).astype(np.int16),
-        position=np.concatenate(positions).astype(np.int64),
-        logp_infer=np.concatenate(li).astype(np.float64),
-        logp_train=np.concatenate(lt).astype(np.float64),
+        sample_id=sample_id.astype(np.int64, copy=False),
+        turn=turn.astype(np.int16, copy=False),
+        position=position.astype(np.int64, copy=False),
+        logp_infer=engine.astype(np.float64),
+        logp_train=trainer.astype(np.float64),
         n_samples=n_samples,
     )
     return ReadStep(tokens, list(reader.notes), dict(reader.settings))
+
+
+# the model tokens of samples: sample ids, positions, int16 turns, both sides' log-probs (float32,
+# min(logp, 0), as to_rollout stores them)
+ModelTokens = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+class _Chunk:
+    """Samples waiting to be checked together. :meth:`add` takes a sample whose shapes are
+    ``to_rollout``'s (its values are checked at :meth:`flush`) and refuses any other."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._clear()
+
+    def _clear(self) -> None:
+        self.samples: list[tuple[int, DumpSample]] = []
+        self.ids: list[np.ndarray] = []
+        self.masks: list[np.ndarray] = []
+        self.engine: list[np.ndarray] = []
+        self.trainer: list[np.ndarray] = []
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def add(self, k: int, sample: DumpSample) -> bool:
+        if sample.logp_trainer is None or sample.turn is not None:
+            return False
+        try:
+            ids = np.asarray(sample.token_ids).reshape(-1)
+            mask = np.asarray(sample.model_mask).reshape(-1)
+            mask = mask if mask.dtype == bool else mask.astype(bool)
+            n = len(ids)
+            if ids.dtype.kind not in "iu" or n < 2 or len(mask) != n or mask[0]:
+                return False
+            engine = _full_length(sample.logp_engine, mask)
+            trainer = _full_length(sample.logp_trainer, mask)
+        except (TypeError, ValueError, OverflowError):  # not numbers: to_rollout says so (or raises as it does)
+            return False
+        if engine is None or trainer is None:
+            return False
+        self.samples.append((k, sample))
+        self.ids.append(ids)
+        self.masks.append(mask)
+        self.engine.append(engine)
+        self.trainer.append(trainer)
+        return True
+
+    def flush(self, parts: list[ModelTokens], fmt: str, step: int) -> None:
+        """The waiting samples' model tokens onto ``parts``, once checked; a chunk that fails goes
+        through ``to_rollout`` sample by sample, raising the first sample's error."""
+        if not self.samples:
+            return
+        checked = self._checked()
+        if checked is not None:
+            parts.append(checked)
+        else:
+            parts.extend(_one_sample(k, sample, self.vocab_size, fmt, step) for k, sample in self.samples)
+        self._clear()
+
+    def _checked(self) -> ModelTokens | None:
+        ids = np.concatenate(self.ids)
+        if ids.min() < 0 or ids.max() >= self.vocab_size:
+            return None
+        mask = np.concatenate(self.masks)
+        at = np.flatnonzero(mask)
+        engine = _checked_logp(np.concatenate(self.engine)[at])
+        trainer = _checked_logp(np.concatenate(self.trainer)[at])
+        if engine is None or trainer is None:
+            return None
+        lengths = np.fromiter((len(m) for m in self.masks), np.int64, len(self.masks))
+        starts = np.cumsum(lengths) - lengths
+        counts = np.diff(np.searchsorted(at, np.append(starts, len(mask))))
+        sample_id = np.repeat(np.fromiter((k for k, _ in self.samples), np.int64, len(self.samples)), counts)
+        # each run of model tokens is a turn (infer_turns): the runs begun in the sample so far, less one
+        # (a sample's first token is never a model token, so a run never spans two samples)
+        begins = mask.copy()
+        begins[1:] &= ~mask[:-1]
+        runs = np.cumsum(begins[at])
+        some = counts > 0
+        first = (np.cumsum(counts) - counts)[some]
+        turn = runs - np.repeat(runs[first], counts[some])
+        return sample_id, at - np.repeat(starts, counts), turn.astype(np.int16), engine, trainer
+
+
+def _full_length(values, mask: np.ndarray) -> np.ndarray | None:
+    """Log-probs as ``to_rollout`` reads them (``scatter_to_full``): float64, one per token, given
+    so or one per model token; None for any other count."""
+    v = np.asarray(values, dtype=np.float64).reshape(-1)
+    if len(v) == len(mask):
+        return v
+    if len(v) == np.count_nonzero(mask):
+        full = np.full(len(mask), np.nan)
+        full[mask] = v
+        return full
+    return None
+
+
+def _checked_logp(v: np.ndarray) -> np.ndarray | None:
+    """float32 of ``min(logp, 0)``, as ``to_rollout`` stores a sampled token's log-prob; None
+    unless every one is finite and <= LOGP_ROUNDING."""
+    if len(v):
+        low, high = v.min(), v.max()  # NaN propagates to both
+        if not (np.isfinite(low) and high <= LOGP_ROUNDING):
+            return None
+    return np.minimum(v, 0.0).astype(np.float32)
+
+
+def _one_sample(k: int, sample: DumpSample, vocab_size: int, fmt: str, step: int) -> ModelTokens:
+    """One sample through ``to_rollout``: its error, or its model tokens."""
+    # a dump's routing is the engine's alone: there is no trainer routing to compare it with
+    sample.experts = None
+    checked = to_rollout(sample, k, vocab_size=vocab_size)
+    if checked.logp_trainer is None:
+        raise ConfigError(
+            f"step {step}: {sample.where} has no trainer log-probs, so the step has no mismatch to measure "
+            "without re-scoring",
+            hint=f"import the step (mismatch-probe import {fmt} ... --step {step}) and score it with the reference",
+        )
+    r = checked.rollout
+    at = np.flatnonzero(r.is_model_token)
+    return np.full(len(at), k, np.int64), at, r.turn[at], r.logp_infer[at], checked.logp_trainer[at]
 
 
 def step_files(source: DumpSource) -> dict[int, list[Path]]:
