@@ -293,6 +293,14 @@ def _value(check: Check, record: RunRecord, run_dir: Path | None, cache: dict):
     return sequence_statistic(seqs[check.turns][check.sequence_metric], check.statistic, check.above), None
 
 
+def compare(check: Check, value: float, bound: float) -> tuple[str, str]:
+    """(status, message) of a finite value against its bound: PASS, else WARN or FAIL by severity."""
+    ok = OPS[check.op](value, bound)
+    status = "PASS" if ok else ("WARN" if check.severity == "warn" else "FAIL")
+    relation = check.op if ok else f"is not {check.op}"
+    return status, f"{significant(value)} {relation} {significant(bound)}"
+
+
 def _missing(check: Check, record: RunRecord) -> str:
     """Why a check's value is missing from the run, where the gate can say (else "")."""
     if check.metric in SYNC_VALUES:
@@ -378,13 +386,7 @@ def evaluate(
         if bound is None:  # CheckSpec validation gives a threshold or a baseline_factor
             results.append(CheckResult(status="ERROR", value=value, bound="", message="the check has no bound", **base))
             continue
-        ok = OPS[c.op](value, bound)
-        status = "PASS" if ok else ("WARN" if c.severity == "warn" else "FAIL")
-        message = (
-            f"{significant(value)} {c.op} {significant(bound)}"
-            if ok
-            else f"{significant(value)} is not {c.op} {significant(bound)}"
-        )
+        status, message = compare(c, value, bound)
         results.append(
             CheckResult(
                 status=status,

@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 
 from mismatch_probe.analysis.timeline import VALUE_COLUMNS
 from mismatch_probe.config.thresholds import SYNC_VALUES
-from mismatch_probe.gate.checks import OPS, CheckResult, GateResult, GateSpec, load_gate
+from mismatch_probe.gate.checks import CheckResult, GateResult, GateSpec, compare, load_gate
 from mismatch_probe.numbers import significant
 from mismatch_probe.timeline_record import STEPS_PARQUET, read_timeline
 
@@ -117,13 +117,7 @@ def run_timeline_gate(timeline_dir: str | Path, thresholds: str | Path, gate: Ga
                     )
                 )
                 continue
-            ok = OPS[c.op](value, bound)
-            status = "PASS" if ok else ("WARN" if c.severity == "warn" else "FAIL")
-            message = (
-                f"{significant(value)} {c.op} {significant(bound)}"
-                if ok
-                else f"{significant(value)} is not {c.op} {significant(bound)}"
-            )
+            status, message = compare(c, value, bound)
             results.append(
                 CheckResult(
                     name=name,
