@@ -129,15 +129,22 @@ def token_terms(logp_train: np.ndarray, logp_infer: np.ndarray) -> TokenTerms:
         ratio = np.exp(delta)
         p_train, p_infer = np.exp(lt), np.exp(li)
         abs_delta = np.abs(delta)
+        # in place where a temporary would be (the same values; fewer fresh arrays of every token)
+        k2 = np.multiply(delta, delta)
+        k2 *= 0.5
+        # ratio - delta - 1 loses all precision for tiny |delta|; expm1 keeps it.
+        k3 = np.expm1(delta)
+        k3 -= delta
+        prob_diff = np.subtract(p_train, p_infer)
+        np.abs(prob_diff, out=prob_diff)
         return TokenTerms(
             delta=delta,
             abs_delta=abs_delta,
             ratio=ratio,
-            k1=-delta,
-            k2=0.5 * delta * delta,
-            # ratio - delta - 1 loses all precision for tiny |delta|; expm1 keeps it.
-            k3=np.expm1(delta) - delta,
-            prob_diff=np.abs(p_train - p_infer),
+            k1=np.negative(delta),
+            k2=k2,
+            k3=k3,
+            prob_diff=prob_diff,
             mult_error=np.exp(abs_delta),
             p_train=p_train,
             p_infer=p_infer,
@@ -416,7 +423,11 @@ def cell_stats(
             np.maximum.at(prob_max, seg_cell, np.maximum.reduceat(t.prob_diff, seg_starts))
             # co-moments about each cell's own mean, as a one-cell shard computes them
             mean_x, mean_y, mean_r = by_cell(t.p_train) / n_cell, by_cell(t.p_infer) / n_cell, sums[:, 6] / n_cell
-            dx, dy, dr = t.p_train - mean_x[tok_cell], t.p_infer - mean_y[tok_cell], t.ratio - mean_r[tok_cell]
+            # each token's cell mean, repeated per segment (a few thousand) rather than gathered per token
+            dx, dy, dr = (
+                a - np.repeat(m[seg_cell], seg_len)
+                for a, m in ((t.p_train, mean_x), (t.p_infer, mean_y), (t.ratio, mean_r))
+            )
             m2x, m2y, cxy, m2r = by_cell(dx * dx), by_cell(dy * dy), by_cell(dx * dy), by_cell(dr * dr)
             for c, s in enumerate(stats):
                 s.n, s.sums[:], s.counts[:], s.prob_diff_max = int(n_cell[c]), sums[c], counts[c], float(prob_max[c])
@@ -496,11 +507,15 @@ class MetricsAccumulator:
     """
 
     thresholds: CorrectionThresholds = field(default_factory=CorrectionThresholds)
+    # select each p_infer bucket's |delta| quantiles with the groups' (the run report's bucket table
+    # reads them). False: only when a bucket's are asked for (a timeline step's row reads the
+    # groups' alone: 3 histogram cells instead of 27)
+    bucket_quantiles: bool = True
 
     def __post_init__(self) -> None:
         self._n = 0
         self._cells: dict[int, TokenStats] = {}  # by turn (0 when no turns are given)
-        self._abs_delta: list[np.ndarray] = []  # float32, per chunk
+        self._abs_delta: list[np.ndarray] = []  # float32 |delta| as its bit pattern (float32_bits), per chunk
         self._p_bucket: list[np.ndarray] = []
         self._turn: list[np.ndarray | int] = []  # per token, or the one turn of the chunk
         self._seq: list[SequenceTerms] = []
@@ -551,7 +566,7 @@ class MetricsAccumulator:
         for value, part in zip(turns.tolist(), parts):
             self._cells.setdefault(value, TokenStats()).merge(part)
         self._n += n
-        self._abs_delta.append(t.abs_delta.astype(np.float32))
+        self._abs_delta.append(float32_bits(t.abs_delta))
         self._p_bucket.append(p_bucket)
         # a shard of one turn (most are: single-turn runs) keeps the turn, not a copy per token
         self._turn.append(int(turns[0]) if turn is None or len(turns) == 1 else turn.astype(np.int16))
@@ -617,7 +632,7 @@ class MetricsAccumulator:
             for group in groups:
                 classes = sorted({klass[t] for t in self._turns_of(group)})
                 requests += self._requests(group, classes, buckets=isinstance(group, str))
-            found = self._select(requests, klass, 3)
+            found = self._select(requests, klass, 3, by_bucket=self.bucket_quantiles)
             shared = [t for t in turns if t not in alone]
             for lo in range(0, len(shared), _TURNS_PER_PASS):
                 batch = shared[lo : lo + _TURNS_PER_PASS]
@@ -628,14 +643,22 @@ class MetricsAccumulator:
 
     def _requests(self, group: Group, classes: list[int], buckets: bool) -> list[_Request]:
         """(key, cells, size) of a group whose turns fall in ``classes``: the whole group and, with
-        ``buckets``, each of its p_infer buckets (cell = class * buckets + bucket)."""
+        ``buckets`` and :attr:`bucket_quantiles`, each of its p_infer buckets (cell = class * buckets
+        + bucket; without them, cell = class)."""
         counts = sum((self._cells[t].p_buckets[0] for t in self._turns_of(group)), np.zeros(N_P_BUCKETS))
+        if not self.bucket_quantiles:
+            return [((group, None), classes, int(counts.sum()))]
         out: list[_Request] = [
             ((group, None), [c * N_P_BUCKETS + b for c in classes for b in range(N_P_BUCKETS)], int(counts.sum()))
         ]
         if buckets:
             out += [((group, b), [c * N_P_BUCKETS + b for c in classes], int(counts[b])) for b in range(N_P_BUCKETS)]
         return out
+
+    def _bucket_requests(self, group: Group) -> list[_Request]:
+        """A group's p_infer buckets, asked for apart (:meth:`_quantiles`): its turns as one class."""
+        counts = sum((self._cells[t].p_buckets[0] for t in self._turns_of(group)), np.zeros(N_P_BUCKETS))
+        return [((group, b), [b], int(counts[b])) for b in range(N_P_BUCKETS)]
 
     def _select(self, requests: list, cell_of_turn: dict[int, int], n_turn_cells: int, by_bucket: bool = True) -> dict:
         """Run the requests ((key, cells, size)) in one :func:`.order_stats.order_statistics` call;
@@ -652,10 +675,12 @@ class MetricsAccumulator:
                     cell = np.full(len(abs_delta), lut[turn - _TURN_MIN])
                 else:
                     cell = lut[turn.astype(np.int64) - _TURN_MIN]
-                yield float32_bits(abs_delta), (np.where(cell >= 0, cell * width + bucket, -1) if by_bucket else cell)
+                yield abs_delta, (np.where(cell >= 0, cell * width + bucket, -1) if by_bucket else cell)
 
         ranks = [needed_ranks(size, QUANTILES) for _, _, size in requests]
-        found = order_statistics(chunks, n_turn_cells * width, [cells for _, cells, _ in requests], ranks)
+        found = order_statistics(
+            chunks, n_turn_cells * width, [cells for _, cells, _ in requests], ranks, n_values=self._n
+        )
         return {
             key: dict(zip(r, bits.view(np.float32).astype(np.float64).tolist()))
             for (key, _, _), r, bits in zip(requests, ranks, found)
@@ -666,8 +691,8 @@ class MetricsAccumulator:
         if n == 0:
             return quantiles(np.zeros(0), QUANTILES), None
         found = self._order_statistics()
-        if (group, bucket) not in found:  # a turn index's p_infer buckets: asked for apart
-            found |= self._select(self._requests(group, [0], True), dict.fromkeys(self._turns_of(group), 0), 1)
+        if (group, bucket) not in found:  # a turn index's (or, without bucket_quantiles, any group's) buckets
+            found |= self._select(self._bucket_requests(group), dict.fromkeys(self._turns_of(group), 0), 1)
         stats = found[(group, bucket)]
         return quantiles_from_bits(n, QUANTILES, stats), stats[n - 1]
 

@@ -44,21 +44,30 @@ def order_statistics(
     n_cells: int,
     groups: Sequence[Sequence[int]],
     ranks: Sequence[Sequence[int]],
+    *,
+    n_values: int | None = None,
 ) -> list[np.ndarray]:
     """The ``ranks[g]``-th smallest (0-based) of the values whose cell is in ``groups[g]``, as uint32
     bit patterns, for every group ``g``. ``chunks()`` yields the values in pieces, each as
     (:func:`float32_bits`, each value's cell in ``[0, n_cells)`` or -1 for a value in no group); it
     is called twice, so the values are never concatenated. Memory: ``n_cells x 65536`` counts, so
-    keep cells few (tens); the caller maps what it groups by onto cells."""
+    keep cells few (tens); the caller maps what it groups by onto cells. ``n_values``, the number of
+    values when the caller knows it: more than the direct selection takes skips gathering them,
+    and at most one piece's worth are keyed once for both passes (a timeline step), not twice."""
     group_cells = [np.asarray(sorted({int(c) for c in g}), dtype=np.int64) for g in groups]
     wanted = [np.asarray(r, dtype=np.int64) for r in ranks]
-    gathered = _gather(chunks, DIRECT_PER_CELL * n_cells)
+    limit = DIRECT_PER_CELL * n_cells
+    gathered = _gather(chunks, limit) if n_values is None or n_values <= limit else None
     if gathered is not None:
         return _direct(*gathered, group_cells, wanted)
+    pieces: Callable[[], Iterable[tuple[np.ndarray, np.ndarray]]] = lambda: _pieces(chunks)
+    if n_values is not None and n_values <= _CHUNK:
+        keyed = list(_pieces(chunks))
+        pieces = lambda: keyed
 
     # 1. per cell, how many values in each upper-16-bit bucket
     flat = np.zeros(n_cells * _BINS, dtype=np.int64)
-    for key, _ in _pieces(chunks):
+    for key, _ in pieces():
         flat += np.bincount(key[key >= 0], minlength=n_cells * _BINS)
     counts = flat.reshape(n_cells, _BINS)
 
@@ -80,7 +89,7 @@ def order_statistics(
     pairs = np.flatnonzero(need)
     pair_of[pairs] = np.arange(len(pairs), dtype=np.int32)
     cand_pair, cand_low = [np.zeros(0, np.int32)], [np.zeros(0, np.uint16)]
-    for key, bits in _pieces(chunks):
+    for key, bits in pieces():
         pid = np.where(key >= 0, pair_of[np.maximum(key, 0)], -1)
         hit = pid >= 0
         cand_pair.append(pid[hit])

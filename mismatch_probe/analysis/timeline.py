@@ -112,7 +112,7 @@ def step_rows(
     """steps.parquet's rows of one step: one per group of :data:`STEP_GROUPS` that has tokens
     (``all`` always), every column of :data:`STEP_SCHEMA`. The bootstrap is seeded by ``seed`` and
     the step, so a step's row is the same however often and in whichever process it is computed."""
-    acc = MetricsAccumulator(thresholds or CorrectionThresholds())
+    acc = MetricsAccumulator(thresholds or CorrectionThresholds(), bucket_quantiles=False)
     starts = segment_starts(tokens.sample_id)
     done = acc.add(tokens.logp_train, tokens.logp_infer, starts, tokens.position, tokens.turn)
     routing: dict[str, RoutingAccumulator] = {}
@@ -132,9 +132,7 @@ def step_rows(
         row: dict = dict.fromkeys(VALUE_COLUMNS)
         row.update({k: v for k, v in metrics.items() if k in row})
         row.update({k: corrections.get(k) for k in CORRECTION_COLUMNS})
-        row["n_samples"] = (
-            tokens.n_samples if group == "all" else len(np.unique(tokens.sample_id[GROUP_TURNS[group](tokens.turn)]))
-        )
+        row["n_samples"] = tokens.n_samples if group == "all" else _n_samples(tokens, group)
         if group in routing and (r := routing[group].result())["n_tokens"]:
             row["routing_flip_share"] = r["tokens_with_flip_share"]
             row["routing_set_agreement_mean"] = r["set_agreement_mean"]
@@ -154,6 +152,13 @@ def step_rows(
 def rows_table(rows: list[dict]) -> pa.Table:
     """Rows of :func:`step_rows` (of one step or many) as an Arrow table of :data:`STEP_SCHEMA`."""
     return pa.Table.from_pylist(rows, schema=STEP_SCHEMA)
+
+
+def _n_samples(tokens: StepTokens, group: str) -> int:
+    """Samples with a token in the turn group: the distinct ids of its runs (a sample's tokens are
+    together, so a few thousand runs, not a sort of every token)."""
+    ids = tokens.sample_id[GROUP_TURNS[group](tokens.turn)]
+    return len(np.unique(ids[segment_starts(ids)]))
 
 
 def _seed(seed: int, step: int, group: str) -> int:

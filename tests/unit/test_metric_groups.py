@@ -86,6 +86,19 @@ def test_each_group_of_one_pass_equals_an_accumulator_of_its_tokens_alone(seed: 
             np.testing.assert_array_equal(a, b)  # every per-sequence value, bit for bit
 
 
+@pytest.mark.parametrize("seed", range(2))
+def test_bucket_quantiles_selected_only_when_asked_for_are_the_same(seed: int) -> None:
+    """A timeline's accumulator (bucket_quantiles=False: the groups' order statistics alone, a
+    bucket's only when asked for) gives every group's and bucket's values bit for bit."""
+    eager, lazy = MetricsAccumulator(), MetricsAccumulator(bucket_quantiles=False)
+    for lt, li, sid, turn, pos in _shards(seed):
+        for acc in (eager, lazy):
+            acc.add(lt, li, segment_starts(sid), pos, turn)
+    for group in ("all", "first", "later", 0, 2):
+        _close(lazy.metrics(group), eager.metrics(group), f"{group}.metrics")
+        _close(lazy.breakdowns(group), eager.breakdowns(group), f"{group}.breakdowns")
+
+
 def test_groups_without_tokens_and_an_accumulator_without_turns() -> None:
     acc = MetricsAccumulator()
     lt, li, sid, _, pos = next(_shards(9, 1))

@@ -38,10 +38,19 @@ def _chunks(bits: np.ndarray, cells: np.ndarray, pieces: int):
     return lambda: ((bits[a:b], cells[a:b]) for a, b in itertools.pairwise(bounds))
 
 
-@pytest.fixture(params=["histogram", "direct"])
+@pytest.fixture(params=["histogram", "direct", "histogram, keyed once"])
 def selection(request, monkeypatch):
-    """Both ways of selecting: the histograms (large inputs) and direct partitioning (small ones)."""
-    monkeypatch.setattr(order_stats, "DIRECT_PER_CELL", 0 if request.param == "histogram" else 1 << 30)
+    """Every way of selecting: the histograms (large inputs), direct partitioning (small ones), and
+    the histograms over values keyed once for both passes (the caller gives ``n_values``)."""
+    monkeypatch.setattr(order_stats, "DIRECT_PER_CELL", 1 << 30 if request.param == "direct" else 0)
+    if request.param == "histogram, keyed once":
+        plain = order_stats.order_statistics
+
+        def with_count(chunks, *args, **kwargs):
+            n_values = sum(len(bits) for bits, _ in chunks())
+            return plain(chunks, *args, n_values=n_values, **kwargs)
+
+        monkeypatch.setattr(order_stats, "order_statistics", with_count)
     return request.param
 
 
@@ -55,7 +64,7 @@ def test_every_order_statistic_and_quantile_equals_numpy(seed: int, selection) -
     groups = [list(range(n_cells)), *([c] for c in range(n_cells)), list(range(0, n_cells, 2))]
     sizes = [int(np.isin(cells, g).sum()) for g in groups]
     ranks = [needed_ranks(m, QUANTILES) for m in sizes]
-    got = order_statistics(_chunks(float32_bits(v), cells, int(rng.integers(1, 4))), n_cells, groups, ranks)
+    got = order_stats.order_statistics(_chunks(float32_bits(v), cells, int(rng.integers(1, 4))), n_cells, groups, ranks)
     for g, m, r, bits in zip(groups, sizes, ranks, got):
         members = np.sort(v[np.isin(cells, g)])
         assert bits.view(np.float32).tolist() == members[r].tolist()
@@ -69,7 +78,7 @@ def test_every_rank_of_a_group_spread_over_chunks(selection) -> None:
     v = _values(0, 5000, rng)
     v[::7] = v[3]  # ties across the bucket boundaries
     cells = np.zeros(5000, dtype=np.int64)
-    got = order_statistics(_chunks(float32_bits(v), cells, 5), 1, [[0]], [list(range(5000))])[0]
+    got = order_stats.order_statistics(_chunks(float32_bits(v), cells, 5), 1, [[0]], [list(range(5000))])[0]
     assert got.view(np.float32).tolist() == np.sort(v).tolist()
 
 
