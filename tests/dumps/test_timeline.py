@@ -112,7 +112,9 @@ def test_a_live_run_is_followed_and_a_rerun_analyses_only_new_steps(tmp_path):
     first = build_timeline(_options("generic", source, tmp_path / "t", workers=1))
     assert first.analysed == list(range(1, 21))
 
-    def writer():  # the trainer goes on: ten more steps, one every 0.2 s
+    # the trainer goes on: ten more steps, one every 0.2 s (idle_exit_s leaves room for a loaded CI
+    # machine that stalls the writer)
+    def writer():
         for k in range(21, 31):
             write_run("generic", {k: steps[k]}, source)
             time.sleep(0.2)
@@ -120,7 +122,7 @@ def test_a_live_run_is_followed_and_a_rerun_analyses_only_new_steps(tmp_path):
     thread = threading.Thread(target=writer)
     thread.start()
     followed = build_timeline(
-        _options("generic", source, tmp_path / "t", workers=1, follow=True, poll_s=0.2, settle_s=0.3, idle_exit_s=2.0)
+        _options("generic", source, tmp_path / "t", workers=1, follow=True, poll_s=0.2, settle_s=0.3, idle_exit_s=5.0)
     )
     thread.join()
     assert followed.analysed == list(range(21, 31))
