@@ -1,6 +1,6 @@
 """``mismatch-probe timeline`` on 200-step synthetic runs in every dump format, with drift injected
 at a known step (synthetic_run.py): the change is found where it was put, the stationary twin
-raises no alarm, a killed import resumes to the same steps.parquet, new steps of a live run are
+raises no alarm, every format's rows equal the generic format's, a killed import resumes to the same steps.parquet, new steps of a live run are
 picked up alone, and the gate checks every step."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from training_run import verl_site
 from mismatch_probe.timeline.runner import TimelineOptions, build_timeline
 
 DRIFT_AT, STEPS = 121, 200
+OTHER_ORDER = ("prime-rl",)  # formats that list a step's samples in another order than the generic one
 WINDOW = 5  # the change step found within this many steps of the truth
 
 
@@ -46,15 +47,28 @@ def stationary():
     return synthetic_run(STEPS, seed=1)
 
 
+@pytest.fixture(scope="module")
+def generic_drift(drifting, tmp_path_factory):
+    """The drifting run's timeline from the generic format (in the process pool): the rows every
+    other format's timeline must equal, and the timeline the gate reads."""
+    d = tmp_path_factory.mktemp("generic-drift")
+    found = build_timeline(_options("generic", write_run("generic", drifting, d / "dump"), d / "t", workers=2))
+    return found, d / "t"
+
+
+def _value_columns(path: Path) -> dict[str, np.ndarray]:
+    table = pq.read_table(path / "steps.parquet")
+    return {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_drift_is_found_where_it_was_injected_and_the_stationary_twin_raises_no_alarm(
-    fmt, drifting, stationary, tmp_path
-):
+def test_drift_is_found_where_it_was_injected_in_every_format(fmt, drifting, generic_drift, tmp_path):
     _require(fmt)
-    workers = 2 if fmt == "generic" else 1  # the process pool once; the rows are the same either way
-    found = build_timeline(
-        _options(fmt, write_run(fmt, drifting, tmp_path / "drift"), tmp_path / "t1", workers=workers)
-    )
+    if fmt == "generic":
+        found, out = generic_drift
+    else:
+        out = tmp_path / "t"
+        found = build_timeline(_options(fmt, write_run(fmt, drifting, tmp_path / "drift"), out, workers=1))
     k3 = found.record.drift["k3_kl"]
     assert found.record.steps["count"] == STEPS and not found.failed
     assert k3["detected"], k3
@@ -63,10 +77,24 @@ def test_drift_is_found_where_it_was_injected_and_the_stationary_twin_raises_no_
     assert low <= DRIFT_AT <= high, k3
     assert k3["alarm_step"] - DRIFT_AT <= 10, k3  # a live monitor would have said so within a few steps
     assert 2.0 < k3["ratio"] < 4.5, k3  # the variance tripled: K3 about 3x
+    # the same synthetic steps give the same rows whichever framework's layout carried them (to
+    # float32 rounding: some formats store log-probs as float32), so the stationary twin's verdict,
+    # tested in the generic format, holds for each. prime-rl lists a step's samples rank by rank,
+    # so its bootstrap resamples them in another order: its values equal, its intervals are other
+    # draws, and its own stationary twin is tested
+    got, want = _value_columns(out), _value_columns(generic_drift[1])
+    assert list(got) == list(want) and got["step"].tolist() == want["step"].tolist()
+    for name, values in want.items():
+        if values.dtype.kind != "f":
+            assert got[name].tolist() == values.tolist(), name
+        elif not (fmt in OTHER_ORDER and name.endswith(("_low", "_high"))):
+            np.testing.assert_allclose(got[name], values, rtol=1e-5, atol=1e-12, err_msg=name)
 
+
+@pytest.mark.parametrize("fmt", ["generic", *OTHER_ORDER])
+def test_the_stationary_twin_raises_no_alarm_and_its_k3_is_the_definitions(fmt, stationary, tmp_path):
     calm = build_timeline(_options(fmt, write_run(fmt, stationary, tmp_path / "calm"), tmp_path / "t2"))
     assert not calm.record.drift["k3_kl"]["detected"], calm.record.drift["k3_kl"]
-    # the same synthetic steps give the same rows whichever framework's layout carried them
     rows = pq.read_table(tmp_path / "t2" / "steps.parquet")
     assert rows.num_rows == 3 * STEPS  # all, first and later turns: every other sequence calls a tool
     expected_k3 = [_k3(step) for step in stationary.values()]
@@ -131,22 +159,19 @@ def test_a_live_run_is_followed_and_a_rerun_analyses_only_new_steps(tmp_path):
     assert again.analysed == []
 
 
-def test_the_gate_checks_every_step_and_growth_against_the_first_steps(drifting, tmp_path):
+def test_the_gate_checks_every_step_and_growth_against_the_first_steps(generic_drift, tmp_path):
     from typer.testing import CliRunner
 
     from mismatch_probe.cli import app
 
-    source = write_run("generic", drifting, tmp_path / "dump")
-    build_timeline(_options("generic", source, tmp_path / "t", workers=1))
+    timeline = generic_drift[1]
     thresholds = tmp_path / "growth.toml"
     thresholds.write_text(
         '[[checks]]\nname = "k3-growth"\nmetric = "k3_kl"\nop = "<="\nbaseline_factor = 2.0\n\n'
         '[[checks]]\nname = "k3-cap"\nmetric = "k3_kl"\nop = "<="\nthreshold = 1.0\n'
     )
     junit = tmp_path / "gate.xml"
-    result = CliRunner().invoke(
-        app, ["gate", str(tmp_path / "t"), "--thresholds", str(thresholds), "--junit", str(junit)]
-    )
+    result = CliRunner().invoke(app, ["gate", str(timeline), "--thresholds", str(thresholds), "--junit", str(junit)])
     assert result.exit_code == 1, result.output
     from junitparser import JUnitXml
 

@@ -34,6 +34,9 @@ EXPECTED = {
 # fp8 runs through torch._scaled_mm, which the CPU emulates: ~6x slower at this size and ~1000x at
 # probes/precision.toml's (README, Precision), so a smaller run
 SIZE = {"FP8_DYNAMIC": ("4", "1", "16")}
+# the others: what a run records of the export and of each layer does not need many tokens (the
+# K3 each scheme gives is probes/precision.toml's, with its noise floor)
+DEFAULT_SIZE = ("8", "2", "16")
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +54,7 @@ def test_a_quantized_export_runs_quantized_in_every_linear_layer(exports, scheme
         *("compare", "--model", str(DENSE), "--prompts", str(SINGLE_TURN), "--out", str(out)),
         *("--engine", "vllm", "--engine-checkpoint", str(exports[scheme]), "--enforce-eager"),
         *("--train-dtype", "float32", "--logits-fp32"),
-        *(
-            x
-            for pair in zip(("--max-prompts", "--n", "--max-tokens"), SIZE.get(scheme, ("16", "2", "32")))
-            for x in pair
-        ),
+        *(x for pair in zip(("--max-prompts", "--n", "--max-tokens"), SIZE.get(scheme, DEFAULT_SIZE)) for x in pair),
         *("--temperature", "1.0", "--seed", "3"),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
