@@ -249,7 +249,7 @@ class RemoteEngine:
         self.spec = spec
         self.model_path = Path(model_path)
         self.trust_remote_code = trust_remote_code
-        self.dialect: _Dialect = OpenAIDialect() if spec.api == "openai" else SGLangDialect()
+        self.dialect: _Dialect = OpenAIDialect() if spec.api == "openai" else SGLangDialect(self.model_path)
         self.client = Client(
             url=spec.url,
             api_key=api_key_from(spec.api_key_env),
@@ -344,6 +344,7 @@ class RemoteEngine:
             "routing": None,
             "routing_unavailable": "expert ids are not read from a remote server yet",
             "versions": {s.software: s.version} if s.software and s.version else {},
+            "workarounds": self.dialect.workarounds(),
         }
 
     def generate(
@@ -573,6 +574,10 @@ class _Dialect:
 
     def prefill(self, answer: dict, request: ScoreRequest, where: str) -> np.ndarray:
         raise NotImplementedError
+
+    def workarounds(self) -> dict:
+        """run.json's ``engine.workarounds``: an engine bug this dialect works around, and how often."""
+        return {}
 
     # ---- weight sync: the server's routes ---------------------------------------------------
     routes_hint = ""  # how to get the weight-sync routes on a server that lacks them
@@ -838,6 +843,21 @@ class SGLangDialect(_Dialect):
     """SGLang's native ``/generate`` (token ids in and out)."""
 
     generate_path = "/generate"
+
+    def __init__(self, model_path: Path) -> None:
+        from mismatch_probe.engines.sglang import text_vocab_size
+
+        # the checkpoint the server must serve (check_served_model): its last vocabulary id is
+        # the one SGLang reports as 0 in a prefill (engines/sglang.py, LAST_ID_WORKAROUND)
+        vocab_size = text_vocab_size(model_path)
+        self.last_id = None if vocab_size is None else vocab_size - 1
+        self.last_id_restored = 0
+
+    def workarounds(self) -> dict:
+        from mismatch_probe.engines.sglang import last_id_workaround
+
+        return last_id_workaround(self.last_id, self.last_id_restored)
+
     routes_hint = (
         "every SGLang server (python -m sglang.launch_server) has the weight-update routes; a router in front of "
         "workers may not: point --engine-url at one worker"
@@ -1056,13 +1076,16 @@ class SGLangDialect(_Dialect):
         }
 
     def prefill(self, answer: dict, request: ScoreRequest, where: str) -> np.ndarray:
-        from mismatch_probe.engines.sglang import finish_reason, sampled_logprobs
+        from mismatch_probe.engines.sglang import finish_reason, restore_last_id, sampled_logprobs
 
         meta = answer.get("meta_info") or {}
         try:
             finish_reason(meta, where)
             entries = meta.get("input_token_logprobs")
-            return sampled_logprobs(entries[1:] if entries else entries, request.token_ids[request.start :])
+            scored = request.token_ids[request.start :]
+            entries, restored = restore_last_id(entries[1:] if entries else entries, scored, self.last_id)
+            self.last_id_restored += restored
+            return sampled_logprobs(entries, scored)
         except RuntimeError as exc:
             raise EngineError(str(exc)) from None
 

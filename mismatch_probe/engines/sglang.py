@@ -191,6 +191,9 @@ class SGLangEngine:
         spec = spec if spec.logprobs_mode else spec.model_copy(update={"logprobs_mode": "processed"})
         self.spec = spec
         self.model_path = Path(model_path)
+        vocab_size = text_vocab_size(self.model_path)
+        self.last_id = None if vocab_size is None else vocab_size - 1  # see LAST_ID_WORKAROUND
+        self.last_id_restored = 0
         self.device = spec.device if spec.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError(
@@ -335,6 +338,7 @@ class SGLangEngine:
             "routing": None,
             "routing_unavailable": "expert ids from SGLang (return_routed_experts) are not recorded yet",
             "versions": versions,
+            "workarounds": last_id_workaround(self.last_id, self.last_id_restored),
         }
 
     def generate(
@@ -402,7 +406,10 @@ class SGLangEngine:
                 r = requests[i]
                 finish_reason(out["meta_info"], f"prefill request {i}")
                 entries = out["meta_info"].get("input_token_logprobs")
-                result[i] = sampled_logprobs(entries[1:] if entries else entries, r.token_ids[r.start :])
+                scored = r.token_ids[r.start :]
+                entries, restored = restore_last_id(entries[1:] if entries else entries, scored, self.last_id)
+                self.last_id_restored += restored
+                result[i] = sampled_logprobs(entries, scored)
         if on_progress:
             on_progress(len(requests))
         return result
@@ -704,6 +711,56 @@ def finish_reason(meta: dict, what: str) -> str:
             "--max-total-tokens / --max-model-len or lower --max-tokens"
         )
     return "length" if kind in (None, "length") else "stop"
+
+
+# SGLang (0.5.23 and earlier) reports the id of every prompt token equal to the vocabulary's last
+# id, V - 1, as 0 in ``input_token_logprobs``: logprob_result_processor.py clips the ids it returns
+# with ``x if x < vocab_size - 1 else 0`` (meant for multimodal hash pads, >= V), while the log-prob
+# beside it is gathered at the real id (schedule_batch.py clamps to V - 1 inclusive). Only that
+# pair, on the prefill path alone, is taken as the token it is; every other position stays checked.
+LAST_ID_FINDING = "docs/engine-findings/sglang-last-vocab-id-reported-as-0.md"
+LAST_ID_WORKAROUND = (
+    "a prompt log-prob entry SGLang reports for token 0 where the token is the vocabulary's last id "
+    "(V - 1) is taken as that token's: SGLang rewrites the returned id (x < vocab_size - 1 else 0), "
+    f"not the log-prob ({LAST_ID_FINDING})"
+)
+
+
+def text_vocab_size(model_path: Path) -> int | None:
+    """The vocabulary size SGLang's ModelConfig reads (the text config's ``vocab_size``), from the
+    checkpoint's config.json; None when it has none."""
+    import json
+
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    size = text.get("vocab_size", config.get("vocab_size"))
+    return int(size) if isinstance(size, int) else None
+
+
+def last_id_workaround(last_id: int | None, restored: int) -> dict:
+    """run.json's ``engine.workarounds`` entry for :data:`LAST_ID_WORKAROUND`: what it does and how
+    many prompt log-prob entries it has restored so far (0: it never applied)."""
+    if last_id is None:
+        return {}
+    return {"last_vocab_id_reported_as_0": {"what": LAST_ID_WORKAROUND, "token_id": last_id, "restored": restored}}
+
+
+def restore_last_id(entries, token_ids: np.ndarray, last_id: int | None) -> tuple[list | None, int]:
+    """Prefill entries with the id SGLang rewrote to 0 at the vocabulary's last id put back (see
+    :data:`LAST_ID_WORKAROUND`), and how many were; anything else is left for
+    :func:`sampled_logprobs` to check."""
+    if not entries or last_id is None or len(entries) != len(token_ids):
+        return entries, 0
+    at = [k for k, (e, t) in enumerate(zip(entries, token_ids)) if int(t) == last_id and e[1] == 0]
+    if not at:
+        return entries, 0
+    fixed = list(entries)
+    for k in at:
+        fixed[k] = (fixed[k][0], last_id, *fixed[k][2:])
+    return fixed, len(at)
 
 
 def sampled_logprobs(entries, token_ids: np.ndarray) -> np.ndarray:

@@ -46,6 +46,10 @@ def sample_shards(ctx: RunContext, engine: Engine, missing: list[int]) -> None:
     prefill_skip = prefill_skip_reason(spec, engine, semantics)
     info = engine.info()
     sampled_before = len(missing) < len(shards) or (rollout_dir / RECEIVED_DIR).is_dir()
+    # what an earlier invocation of this run worked around (engine.workarounds): counts add up
+    worked_around = dict(
+        (record.engine.to_dict().get("workarounds") if sampled_before and record.engine else None) or {}
+    )
     if sampled_before and record.engine is not None:
         from mismatch_probe.engines.remote import server_changes
 
@@ -109,6 +113,13 @@ def sample_shards(ctx: RunContext, engine: Engine, missing: list[int]) -> None:
         if template is not None:
             record.tokenization_check = check.merge(previous_check)
             ctx.save()
+    if info.get("workarounds"):  # how often each applied, this invocation's added to the earlier ones'
+        done = engine.info().get("workarounds") or {}
+        for key, now in done.items():
+            before = worked_around.get(key) or {}
+            done[key] = {**now, "restored": int(now.get("restored", 0)) + int(before.get("restored", 0))}
+        record.update_sections({"engine": {**info, "workarounds": done}})
+        ctx.save()
 
 
 def prefill_skip_reason(spec: ProbeSpec, engine: Engine, semantics: LogprobSemantics) -> str | None:

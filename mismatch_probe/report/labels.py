@@ -225,7 +225,18 @@ ENGINE_BOOKKEEPING = {
     "per_request_seeds_off_because",
     "kv_cache_sizing",
     "quantization_layers",  # a row of its own (quantization_rows)
+    "workarounds",  # a row of its own (workaround_rows)
 }
+
+
+def workaround_rows(record: RunRecord) -> list[tuple[str, str]]:
+    """A row for the engine bugs the adapter worked around in this run (``engine.workarounds``),
+    each with how often it applied; none when none applied."""
+    done = (record.engine.settings().get("workarounds") if record.engine else None) or {}
+    applied = [w for w in done.values() if isinstance(w, dict) and w.get("restored")]
+    if not applied:
+        return []
+    return [("engine workarounds", "; ".join(f"{w['what']}: {w['restored']} entries" for w in applied))]
 
 
 def setup_rows(record: RunRecord) -> list[tuple[str, str]]:
@@ -261,6 +272,7 @@ def setup_rows(record: RunRecord) -> list[tuple[str, str]]:
         ),
         *([("KV cache", kv_cache_line(kv_cache))] if kv_cache else []),
         *quantization_rows(record),
+        *workaround_rows(record),
         ("reference", reference_label(record)),
         ("reference settings", ", ".join(f"{k}={v}" for k, v in ref.items() if k != "versions")),
         ("sampling", ", ".join(f"{k}={v}" for k, v in record.spec.sampling.to_dict().items())),

@@ -29,6 +29,37 @@ def test_sglang_triples_are_checked_against_the_sampled_ids():
         sglang.sampled_logprobs(None, tokens)
 
 
+def test_a_prefill_entry_sglang_reports_as_token_0_at_the_last_vocabulary_id_is_taken_as_it(tmp_path):
+    """SGLang rewrites a returned prompt id x to 0 unless x < vocab_size - 1: the workaround puts
+    back exactly that pair (reported 0, our token V - 1) and nothing else."""
+    (tmp_path / "config.json").write_text('{"vocab_size": 1024}')
+    assert sglang.text_vocab_size(tmp_path) == 1023 + 1
+    (tmp_path / "config.json").write_text('{"text_config": {"vocab_size": 512}, "vocab_size": 9}')
+    assert sglang.text_vocab_size(tmp_path) == 512  # SGLang's ModelConfig reads the text config's
+    assert sglang.text_vocab_size(tmp_path / "absent") is None
+
+    tokens = np.array([7, 1023, 3, 1023, 0], np.int32)
+    entries = [(-0.5, 7, None), (-2.0, 0, None), (-0.1, 3, None), (-3.0, 0, None), (-0.7, 0, None)]
+    fixed, restored = sglang.restore_last_id(entries, tokens, 1023)
+    assert restored == 2 and [e[1] for e in fixed] == [7, 1023, 3, 1023, 0]
+    np.testing.assert_array_equal(
+        sglang.sampled_logprobs(fixed, tokens), np.array([-0.5, -2.0, -0.1, -3.0, -0.7], np.float32)
+    )
+    assert entries[1][1] == 0  # the answer itself is left as it came
+    # any other disagreement is still the engine's error: another id at V - 1; 0 where the token
+    # is not V - 1 (the pair at V - 1 beside it is restored, the other still raises)
+    for wrong, n_restored in (([(-0.5, 7, None), (-2.0, 5, None)], 0), ([(-0.5, 0, None), (-2.0, 0, None)], 1)):
+        got, restored = sglang.restore_last_id(wrong, tokens[:2], 1023)
+        assert restored == n_restored
+        with pytest.raises(RuntimeError, match="is for token"):
+            sglang.sampled_logprobs(got, tokens[:2])
+    assert sglang.restore_last_id(entries, tokens, None) == (entries, 0)
+    # what run.json records
+    record = sglang.last_id_workaround(1023, 2)["last_vocab_id_reported_as_0"]
+    assert record["restored"] == 2 and record["token_id"] == 1023 and "engine-findings" in record["what"]
+    assert sglang.last_id_workaround(None, 0) == {}
+
+
 def test_sglang_finish_reasons_and_an_abort_that_is_not_a_sample():
     assert sglang.finish_reason({"finish_reason": {"type": "stop", "matched": 2}}, "r") == "stop"
     assert sglang.finish_reason({"finish_reason": {"type": "length", "length": 64}}, "r") == "length"
@@ -81,3 +112,18 @@ def test_extra_args_must_be_engine_arguments_mismatch_probe_does_not_set():
             "vLLM 0.32",
             "EngineArgs",
         )
+
+
+def test_an_applied_workaround_has_a_row_of_its_own_in_the_report():
+    from mismatch_probe.record import EngineInfo, RunRecord
+    from mismatch_probe.report.labels import setup_rows, workaround_rows
+
+    record = RunRecord(
+        engine=EngineInfo.model_validate({"engine": "sglang", "workarounds": sglang.last_id_workaround(1023, 0)})
+    )
+    assert workaround_rows(record) == []  # recorded, never applied: nothing to say
+    record.engine = EngineInfo.model_validate({"engine": "sglang", "workarounds": sglang.last_id_workaround(1023, 3)})
+    ((name, text),) = workaround_rows(record)
+    assert name == "engine workarounds" and text.endswith(": 3 entries") and sglang.LAST_ID_FINDING in text
+    settings = dict(setup_rows(record))["engine settings"]
+    assert "workarounds" not in settings  # not repeated among the settings
