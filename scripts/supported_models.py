@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -30,6 +31,23 @@ from tiny_models import FAMILIES
 
 README = ROOT / "README.md"
 BEGIN, END = "<!-- supported-models:begin -->", "<!-- supported-models:end -->"
+FINDINGS = ROOT / "docs" / "engine-findings"
+# a finding names the table cells it explains, once, in its own text: <!-- cells: gemma2:sglang -->
+CELLS = re.compile(r"<!--\s*cells:\s*([^>]*?)\s*-->")
+
+
+def findings() -> dict[tuple[str, str], str]:
+    """(family, column) -> the engine finding behind that cell (docs/engine-findings/*.md, path
+    relative to the repository), as each finding declares its cells."""
+    out: dict[tuple[str, str], str] = {}
+    for doc in sorted(d for d in FINDINGS.glob("*.md") if d.name != "README.md"):
+        for match in CELLS.finditer(doc.read_text()):
+            for cell in match.group(1).split():
+                family, _, column = cell.partition(":")
+                if family not in FAMILIES or column not in COLUMNS:
+                    raise SystemExit(f"{doc}: {cell!r} is no family:column of the table")
+                out[(family, column)] = doc.relative_to(ROOT).as_posix()
+    return out
 
 
 def _versions() -> dict:
@@ -63,9 +81,11 @@ def merge(table: dict, outcomes: dict) -> dict:
     return {"generated_by": "scripts/supported_models.py", "versions": table.get("versions", {}), "families": merged}
 
 
-def render(table: dict) -> str:
+def render(table: dict, bugs: dict[tuple[str, str], str] | None = None) -> str:
     """The README's table: a row per family, a cell per column (ok / refused or differs, with the
-    reason as a numbered note below the table / not tried)."""
+    reason as a numbered note below the table / not tried); a cell an engine bug explains links its
+    finding (``bugs``, default :func:`findings`)."""
+    bugs = findings() if bugs is None else bugs
     notes: dict[str, int] = {}
     header = ["family", "what it adds", *COLUMNS.values()]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
@@ -75,13 +95,17 @@ def render(table: dict) -> str:
             result = family["results"].get(column)
             if result is None:
                 cells.append("not tried")
-            elif result["status"] == "ok":
-                cells.append("ok")
+            elif result["status"] == "ok":  # an engine bug behind it is one mismatch-probe works around
+                bug = bugs.get((name, column))
+                cells.append(f"ok, [engine bug worked around]({bug})" if bug else "ok")
             else:  # refused, or runs with log-probs that are not the model's
                 key = f"{COLUMNS[column]}: {result['reason']}"
                 if result.get("detail"):
                     key += f"; measured: {result['detail']}"
-                cells.append(f"{result['status']} [{notes.setdefault(key, len(notes) + 1)}]")
+                cell = f"{result['status']} [{notes.setdefault(key, len(notes) + 1)}]"
+                if (name, column) in bugs:
+                    cell += f", [engine bug]({bugs[(name, column)]})"
+                cells.append(cell)
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     lines += [f"{n}. {key}" for key, n in notes.items()]

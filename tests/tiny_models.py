@@ -258,3 +258,11 @@ def build(family: str, out_dir: Path, *, seed: int = 0) -> Path:
 
 def build_all(root: Path, families: list[str] | None = None) -> dict[str, Path]:
     return {name: build(name, root / f"tiny-{name}") for name in families or FAMILIES}
+
+
+if __name__ == "__main__":  # python tests/tiny_models.py FAMILY OUT_DIR: one checkpoint (docs/engine-findings/)
+    import sys
+
+    if len(sys.argv) != 3 or sys.argv[1] not in FAMILIES:
+        raise SystemExit(f"usage: python tests/tiny_models.py FAMILY OUT_DIR  (FAMILY: {', '.join(FAMILIES)})")
+    print(build(sys.argv[1], Path(sys.argv[2])))

@@ -112,3 +112,30 @@ def test_reasons_lose_paths_addresses_and_pids():
         normalize("cannot open /tmp/pytest-of-root/zoo0/tiny-gemma2/config.json\nmore") == "cannot open <tiny-gemma2>"
     )
     assert normalize("object at 0x7f3a9c pid=1234 in /var/tmp/x") == "object at 0x… pid … in <tmp>"
+
+
+def test_a_cell_an_engine_bug_explains_links_its_finding():
+    mod = _script()
+    table = {
+        "families": {
+            "a": {
+                "quirks": "x",
+                "results": {"vllm": {"status": "differs", "reason": "r1"}, "sglang": {"status": "ok"}},
+            }
+        }
+    }
+    bugs = {("a", "vllm"): "docs/engine-findings/one.md", ("a", "sglang"): "docs/engine-findings/two.md"}
+    row = mod.render(table, bugs).splitlines()[2]
+    assert "differs [1], [engine bug](docs/engine-findings/one.md)" in row
+    assert "ok, [engine bug worked around](docs/engine-findings/two.md)" in row
+
+
+def test_every_finding_names_cells_of_the_table_and_exists_once():
+    cells = _script().findings()
+    docs = sorted((ROOT / "docs" / "engine-findings").glob("*.md"))
+    linked = set(cells.values())
+    for doc in docs:
+        if doc.name != "README.md":
+            assert doc.relative_to(ROOT).as_posix() in linked, f"{doc.name} names no cell of the table"
+    for path in linked:
+        assert (ROOT / path).is_file()
