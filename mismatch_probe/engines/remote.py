@@ -843,6 +843,10 @@ class SGLangDialect(_Dialect):
     """SGLang's native ``/generate`` (token ids in and out)."""
 
     generate_path = "/generate"
+    routes_hint = (
+        "every SGLang server (python -m sglang.launch_server) has the weight-update routes; a router in front of "
+        "workers may not: point --engine-url at one worker"
+    )
 
     def __init__(self, model_path: Path) -> None:
         from mismatch_probe.engines.sglang import text_vocab_size
@@ -857,11 +861,6 @@ class SGLangDialect(_Dialect):
         from mismatch_probe.engines.sglang import last_id_workaround
 
         return last_id_workaround(self.last_id, self.last_id_restored)
-
-    routes_hint = (
-        "every SGLang server (python -m sglang.launch_server) has the weight-update routes; a router in front of "
-        "workers may not: point --engine-url at one worker"
-    )
 
     def sync_check(self, client: Client, server: ServerInfo, sync: SyncSpec) -> dict:
         info = _first_found(client, ("/server_info", "/get_server_info"))
