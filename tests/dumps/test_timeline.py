@@ -1,7 +1,7 @@
 """``mismatch-probe timeline`` on 200-step synthetic runs in every dump format, with drift injected
-at a known step (synthetic_run.py): the change is found where it was put, the stationary twin
-raises no alarm, every format's rows equal the generic format's, a killed import resumes to the same steps.parquet, new steps of a live run are
-picked up alone, and the gate checks every step."""
+at a known step (synthetic_run.py): the change is found where it was put, every format's rows equal
+the generic format's, the stationary twin raises no alarm, a killed import resumes to the same
+steps.parquet, new steps of a live run are picked up alone, and the gate checks every step."""
 
 from __future__ import annotations
 
