@@ -47,9 +47,23 @@ def infer_turns(model_mask: np.ndarray) -> np.ndarray:
     """Assistant-turn index of every token from the mask alone: each run of model tokens is one
     turn (0 = the first), everything else -1. A tool's output between two runs ends a turn."""
     mask = np.asarray(model_mask, dtype=bool)
+    return np.where(mask, runs_begun(mask) - 1, -1).astype(np.int16)
+
+
+def runs_begun(model_mask: np.ndarray) -> np.ndarray:
+    """Per token, how many runs of model tokens have begun up to and including it (int64: over
+    many samples' masks laid end to end it counts past int16)."""
+    mask = np.asarray(model_mask, dtype=bool)
     starts = mask & ~np.concatenate([[False], mask[:-1]])
-    turn = np.cumsum(starts, dtype=np.int64) - 1
-    return np.where(mask, turn, -1).astype(np.int16)
+    return np.cumsum(starts, dtype=np.int64)
+
+
+def sampled_logp_ok(on: np.ndarray) -> bool:
+    """The rule for the log-probs of sampled tokens: every one finite and <= 0 (to LOGP_ROUNDING)."""
+    if not len(on):
+        return True
+    low, high = on.min(), on.max()  # NaN propagates to both
+    return bool(np.isfinite(low) and high <= LOGP_ROUNDING)
 
 
 def prompt_key(token_ids: np.ndarray, model_mask: np.ndarray) -> str:
@@ -178,8 +192,8 @@ def to_rollout(
 
 def _checked_logp(full: np.ndarray, mask: np.ndarray, where: str, side: str) -> np.ndarray:
     on = full[mask]
-    bad = ~np.isfinite(on) | (on > LOGP_ROUNDING)
-    if bad.any():
+    if not sampled_logp_ok(on):
+        bad = ~np.isfinite(on) | (on > LOGP_ROUNDING)  # where: the first one the rule refuses
         k = int(np.flatnonzero(bad)[0])
         position = int(np.flatnonzero(mask)[k])
         raise ConfigError(

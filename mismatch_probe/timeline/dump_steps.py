@@ -15,7 +15,7 @@ import numpy as np
 
 from mismatch_probe.analysis.timeline import StepTokens
 from mismatch_probe.dumps import get_format, open_dump
-from mismatch_probe.dumps.samples import LOGP_ROUNDING, DumpSample, to_rollout
+from mismatch_probe.dumps.samples import DumpSample, runs_begun, sampled_logp_ok, scatter_to_full, to_rollout
 from mismatch_probe.errors import ConfigError
 
 # without --model a token id is checked only against what a table can hold
@@ -173,9 +173,7 @@ class _Chunk:
         sample_id = np.repeat(np.fromiter((k for k, _ in self.samples), np.int64, len(self.samples)), counts)
         # each run of model tokens is a turn (infer_turns): the runs begun in the sample so far, less one
         # (a sample's first token is never a model token, so a run never spans two samples)
-        begins = mask.copy()
-        begins[1:] &= ~mask[:-1]
-        runs = np.cumsum(begins[at])
+        runs = runs_begun(mask)[at]
         some = counts > 0
         first = (np.cumsum(counts) - counts)[some]
         turn = runs - np.repeat(runs[first], counts[some])
@@ -183,26 +181,18 @@ class _Chunk:
 
 
 def _full_length(values, mask: np.ndarray) -> np.ndarray | None:
-    """Log-probs as ``to_rollout`` reads them (``scatter_to_full``): float64, one per token, given
-    so or one per model token; None for any other count."""
-    v = np.asarray(values, dtype=np.float64).reshape(-1)
-    if len(v) == len(mask):
-        return v
-    if len(v) == np.count_nonzero(mask):
-        full = np.full(len(mask), np.nan)
-        full[mask] = v
-        return full
-    return None
+    """Log-probs as ``to_rollout`` reads them (``scatter_to_full``); None for a count it refuses
+    (``to_rollout`` then says so)."""
+    try:
+        return scatter_to_full(values, mask, "log-probs", "")
+    except ConfigError:
+        return None
 
 
 def _checked_logp(v: np.ndarray) -> np.ndarray | None:
     """float32 of ``min(logp, 0)``, as ``to_rollout`` stores a sampled token's log-prob; None
-    unless every one is finite and <= LOGP_ROUNDING."""
-    if len(v):
-        low, high = v.min(), v.max()  # NaN propagates to both
-        if not (np.isfinite(low) and high <= LOGP_ROUNDING):
-            return None
-    return np.minimum(v, 0.0).astype(np.float32)
+    unless every one passes its rule (``sampled_logp_ok``)."""
+    return np.minimum(v, 0.0).astype(np.float32) if sampled_logp_ok(v) else None
 
 
 def _one_sample(k: int, sample: DumpSample, vocab_size: int, fmt: str, step: int) -> ModelTokens:
