@@ -849,18 +849,13 @@ class SGLangDialect(_Dialect):
     )
 
     def __init__(self, model_path: Path) -> None:
-        from mismatch_probe.engines.sglang import text_vocab_size
+        from mismatch_probe.engines.sglang import PrefillLogprobs
 
-        # the checkpoint the server must serve (check_served_model): its last vocabulary id is
-        # the one SGLang reports as 0 in a prefill (engines/sglang.py, LAST_ID_WORKAROUND)
-        vocab_size = text_vocab_size(model_path)
-        self.last_id = None if vocab_size is None else vocab_size - 1
-        self.last_id_restored = 0
+        # of the checkpoint the server must serve (check_served_model)
+        self.prefill_reader = PrefillLogprobs(model_path)
 
     def workarounds(self) -> dict:
-        from mismatch_probe.engines.sglang import last_id_workaround
-
-        return last_id_workaround(self.last_id, self.last_id_restored)
+        return self.prefill_reader.workarounds()
 
     def sync_check(self, client: Client, server: ServerInfo, sync: SyncSpec) -> dict:
         info = _first_found(client, ("/server_info", "/get_server_info"))
@@ -1075,16 +1070,13 @@ class SGLangDialect(_Dialect):
         }
 
     def prefill(self, answer: dict, request: ScoreRequest, where: str) -> np.ndarray:
-        from mismatch_probe.engines.sglang import finish_reason, restore_last_id, sampled_logprobs
+        from mismatch_probe.engines.sglang import finish_reason
 
         meta = answer.get("meta_info") or {}
         try:
             finish_reason(meta, where)
             entries = meta.get("input_token_logprobs")
-            scored = request.token_ids[request.start :]
-            entries, restored = restore_last_id(entries[1:] if entries else entries, scored, self.last_id)
-            self.last_id_restored += restored
-            return sampled_logprobs(entries, scored)
+            return self.prefill_reader.read(entries[1:] if entries else entries, request.token_ids[request.start :])
         except RuntimeError as exc:
             raise EngineError(str(exc)) from None
 

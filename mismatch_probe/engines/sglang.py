@@ -198,9 +198,7 @@ class SGLangEngine:
         spec = spec if spec.logprobs_mode else spec.model_copy(update={"logprobs_mode": "processed"})
         self.spec = spec
         self.model_path = Path(model_path)
-        vocab_size = text_vocab_size(self.model_path)
-        self.last_id = None if vocab_size is None else vocab_size - 1  # see LAST_ID_WORKAROUND
-        self.last_id_restored = 0
+        self.prefill_reader = PrefillLogprobs(self.model_path)
         self.device = spec.device if spec.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError(
@@ -347,7 +345,7 @@ class SGLangEngine:
             if self.device == "cpu"
             else "expert ids from SGLang (return_routed_experts) are not recorded yet",
             "versions": versions,
-            "workarounds": last_id_workaround(self.last_id, self.last_id_restored),
+            "workarounds": self.prefill_reader.workarounds(),
         }
 
     def generate(
@@ -415,10 +413,7 @@ class SGLangEngine:
                 r = requests[i]
                 finish_reason(out["meta_info"], f"prefill request {i}")
                 entries = out["meta_info"].get("input_token_logprobs")
-                scored = r.token_ids[r.start :]
-                entries, restored = restore_last_id(entries[1:] if entries else entries, scored, self.last_id)
-                self.last_id_restored += restored
-                result[i] = sampled_logprobs(entries, scored)
+                result[i] = self.prefill_reader.read(entries[1:] if entries else entries, r.token_ids[r.start :])
         if on_progress:
             on_progress(len(requests))
         return result
@@ -755,6 +750,27 @@ def last_id_workaround(last_id: int | None, restored: int) -> dict:
     if last_id is None:
         return {}
     return {"last_vocab_id_reported_as_0": {"what": LAST_ID_WORKAROUND, "token_id": last_id, "restored": restored}}
+
+
+class PrefillLogprobs:
+    """Reads SGLang's prefill log-probs of a checkpoint, for the in-process adapter and the remote
+    engine's ``sglang`` dialect alike: :data:`LAST_ID_WORKAROUND` applied and counted, every other
+    id checked (:func:`sampled_logprobs`)."""
+
+    def __init__(self, model_path: Path) -> None:
+        vocab_size = text_vocab_size(model_path)
+        self.last_id = None if vocab_size is None else vocab_size - 1
+        self.restored = 0
+
+    def read(self, entries, token_ids: np.ndarray) -> np.ndarray:
+        """The log-prob of each of ``token_ids`` from the entries that score them (SGLang's
+        ``input_token_logprobs`` less its first, which has none)."""
+        entries, restored = restore_last_id(entries, token_ids, self.last_id)
+        self.restored += restored
+        return sampled_logprobs(entries, token_ids)
+
+    def workarounds(self) -> dict:
+        return last_id_workaround(self.last_id, self.restored)
 
 
 def restore_last_id(entries, token_ids: np.ndarray, last_id: int | None) -> tuple[list | None, int]:

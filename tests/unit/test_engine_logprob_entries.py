@@ -58,6 +58,14 @@ def test_a_prefill_entry_sglang_reports_as_token_0_at_the_last_vocabulary_id_is_
     record = sglang.last_id_workaround(1023, 2)["last_vocab_id_reported_as_0"]
     assert record["restored"] == 2 and record["token_id"] == 1023 and "engine-findings" in record["what"]
     assert sglang.last_id_workaround(None, 0) == {}
+    # what both SGLang adapters read prefills with: restored, counted over calls, recorded
+    (tmp_path / "config.json").write_text('{"vocab_size": 1024}')
+    reader = sglang.PrefillLogprobs(tmp_path)
+    for _ in range(2):
+        np.testing.assert_array_equal(
+            reader.read(entries, tokens), np.array([-0.5, -2.0, -0.1, -3.0, -0.7], np.float32)
+        )
+    assert reader.workarounds()["last_vocab_id_reported_as_0"]["restored"] == 4
 
 
 def test_sglang_finish_reasons_and_an_abort_that_is_not_a_sample():
