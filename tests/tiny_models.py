@@ -238,13 +238,14 @@ FAMILIES: dict[str, Family] = {f.name: f for f in FAMILY_LIST}
 MOE_FAMILIES = [f.name for f in FAMILY_LIST if f.moe]
 
 
-def build(family: str, out_dir: Path, *, seed: int = 0) -> Path:
-    """Write the tiny checkpoint of ``family`` to ``out_dir`` (fp32 safetensors, fixture tokenizer)."""
+def build(family: str, out_dir: Path, *, seed: int = 0, **overrides) -> Path:
+    """Write the tiny checkpoint of ``family`` to ``out_dir`` (fp32 safetensors, fixture tokenizer);
+    ``overrides``: config values over the family's (docs/engine-findings/ varies one)."""
     import torch
     import transformers
 
     fam = FAMILIES[family]
-    config = getattr(transformers, fam.config_class)(**{**COMMON, **fam.kwargs})
+    config = getattr(transformers, fam.config_class)(**{**COMMON, **fam.kwargs, **overrides})
     model_class: Callable = getattr(transformers, fam.model_class)
     torch.manual_seed(seed)
     model = model_class(config).float().eval()

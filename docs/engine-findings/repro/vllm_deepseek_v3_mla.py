@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -55,26 +54,14 @@ VARIANTS = {
 }
 
 
-def build_checkpoint(repo: Path, family: str, dense: bool, out_dir: Path, seed: int = 0) -> Path:
-    """tests/tiny_models.build(family, out_dir), with an optional all-dense deepseek_v3."""
+def build_checkpoint(repo: Path, family: str, dense: bool, out_dir: Path) -> Path:
+    """The family suite's tiny checkpoint (tests/tiny_models.py), every layer dense with ``dense``."""
     sys.path.insert(0, str(repo / "tests"))
-    import tiny_models as tm  # tests/ has no __init__.py
-    import torch
-    import transformers
+    import tiny_models  # tests/ has no __init__.py
 
-    fam = tm.FAMILIES[family]
-    kwargs = {**tm.COMMON, **fam.kwargs}
-    if dense:
-        kwargs["first_k_dense_replace"] = kwargs["num_hidden_layers"]
-    config = getattr(transformers, fam.config_class)(**kwargs)
-    torch.manual_seed(seed)
-    model = getattr(transformers, fam.model_class)(config).float().eval()
-    model.config.dtype = "float32"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    for name in tm.TOKENIZER_FILES:
-        shutil.copyfile(tm.FIXTURE / name, out_dir / name)
-    return out_dir
+    layers = tiny_models.FAMILIES[family].kwargs["num_hidden_layers"]
+    overrides = {"first_k_dense_replace": layers} if dense else {}
+    return tiny_models.build(family, out_dir, **overrides)
 
 
 def child(a: argparse.Namespace) -> None:
