@@ -645,7 +645,7 @@ class MetricsAccumulator:
         """(key, cells, size) of a group whose turns fall in ``classes``: the whole group and, with
         ``buckets`` and :attr:`bucket_quantiles`, each of its p_infer buckets (cell = class * buckets
         + bucket; without them, cell = class)."""
-        counts = sum((self._cells[t].p_buckets[0] for t in self._turns_of(group)), np.zeros(N_P_BUCKETS))
+        counts = self._bucket_counts(group)
         if not self.bucket_quantiles:
             return [((group, None), classes, int(counts.sum()))]
         out: list[_Request] = [
@@ -655,9 +655,13 @@ class MetricsAccumulator:
             out += [((group, b), [c * N_P_BUCKETS + b for c in classes], int(counts[b])) for b in range(N_P_BUCKETS)]
         return out
 
+    def _bucket_counts(self, group: Group) -> np.ndarray:
+        """Tokens of a group per p_infer bucket."""
+        return sum((self._cells[t].p_buckets[0] for t in self._turns_of(group)), np.zeros(N_P_BUCKETS))
+
     def _bucket_requests(self, group: Group) -> list[_Request]:
         """A group's p_infer buckets, asked for apart (:meth:`_quantiles`): its turns as one class."""
-        counts = sum((self._cells[t].p_buckets[0] for t in self._turns_of(group)), np.zeros(N_P_BUCKETS))
+        counts = self._bucket_counts(group)
         return [((group, b), [b], int(counts[b])) for b in range(N_P_BUCKETS)]
 
     def _select(self, requests: list, cell_of_turn: dict[int, int], n_turn_cells: int, by_bucket: bool = True) -> dict:
