@@ -283,6 +283,9 @@ class RunRecord(Section):
     imported_from: dict[str, Any] | None = None
     resumed: dict[str, int] | None = None
     tokenization_check: dict[str, Any] | None = None
+    # a server that renders chat messages itself (swift rollout): its prompt ids against ours
+    # (rollout/multiturn.py: ServerTemplateCheck)
+    server_template_check: dict[str, Any] | None = None
     timings: dict[str, float] = Field(default_factory=dict)
     # metric sections: keys are the metric registry's (analysis/metric_docs.py)
     decode_vs_prefill: Metrics | None = None  # or {"skipped": why}

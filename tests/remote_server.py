@@ -2,7 +2,8 @@
 
     python tests/remote_server.py --port 0 [--fail-attempts N] [--hang-attempts N --hang-s S]
         [--throttle-attempts N] [--die-after N] [--api-key KEY] [--model NAME] [--root PATH]
-        [--text-only] [--swift] [--sglang-router] [--tls-cert PEM --tls-key PEM] [--latency-s S]
+        [--text-only] [--swift [--swift-tokenizer DIR] [--swift-default-system TEXT]
+        [--swift-multi-turn-scheduler]] [--sglang-router] [--tls-cert PEM --tls-key PEM] [--latency-s S]
 
 It prints ``PORT <n>`` once it listens. It speaks the parts of vLLM's API the remote engine uses
 (``/v1/models``, ``/version``, ``/v1/completions`` with token-id prompts, ``return_token_ids``,
@@ -97,6 +98,84 @@ def sglang_generate(body: dict) -> dict:
     }
 
 
+def swift_infer(body: dict, tokenizer, default_system: str | None) -> list[dict]:
+    """ms-swift's ``POST /infer/`` (swift/pipelines/infer/rollout.py: SwiftRolloutDeploy.infer), field
+    for field as its protocol classes (swift/infer_engine/protocol.py: RolloutInferRequest and
+    RequestConfig in, a list of RolloutOutput out): each request's messages rendered with the chat
+    template (as ``--template_backend jinja``; ``default_system`` as a swift template's own default
+    system prompt, added when the chat has none), then the same deterministic answers as /v1/completions."""
+    config = body.get("request_config") or {}
+    outputs = []
+    for request in body["infer_requests"]:
+        messages = request["messages"]
+        if default_system is not None and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": default_system}, *messages]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prompt = tokenizer.encode(text, add_special_tokens=False)
+        as_openai = {
+            "prompt": prompt,
+            "max_tokens": config.get("max_tokens") or 16,
+            "stop_token_ids": [tokenizer.convert_tokens_to_ids("<|im_end|>")],
+            "seed": config.get("seed"),
+            "temperature": config.get("temperature"),
+        }
+        choice = completion(as_openai, False)["choices"][0]
+        tokens, logprobs = choice["token_ids"], choice["logprobs"]["token_logprobs"]
+        details = bool(config.get("return_details"))
+        response = {
+            "model": "tiny-qwen2",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {
+                        "role": "assistant",
+                        "content": tokenizer.decode(tokens, skip_special_tokens=True),
+                        "tool_calls": None,
+                        "reasoning_content": None,
+                    },
+                    "finish_reason": choice["finish_reason"],
+                    "logprobs": {
+                        "content": [
+                            {
+                                "token": tokenizer.decode([t]),
+                                "logprob": lp,
+                                "bytes": list(tokenizer.decode([t]).encode()),
+                            }
+                            for t, lp in zip(tokens, logprobs)
+                        ]
+                    }
+                    if config.get("logprobs")
+                    else None,
+                    "token_ids": tokens if details else None,
+                    "routed_experts": None,
+                }
+            ],
+            "usage": {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": len(tokens),
+                "total_tokens": len(prompt) + len(tokens),
+            },
+            "id": "0",
+            "object": "chat.completion",
+            "created": 1760000000,
+            "prompt_token_ids": prompt if details else None,
+            "prompt_logprobs": None,
+            "images_size": None,
+        }
+        outputs.append(
+            {
+                "response": response,
+                "messages": None,
+                "response_token_ids": [],
+                "response_loss_mask": [],
+                "rollout_infos": {},
+                "rollout_logprobs": [],
+                "prompt_logprobs": None,
+            }
+        )
+    return outputs
+
+
 class State:
     def __init__(self, args):
         self.args = args
@@ -105,6 +184,11 @@ class State:
         self.answered = 0
         self.total_attempts = 0
         self.auth_failures = 0
+        self.tokenizer = None
+        if args.swift_tokenizer:  # what renders a swift server's chat messages
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(args.swift_tokenizer)
 
     def attempt(self, body: dict) -> int:
         key = json.dumps(body, sort_keys=True)
@@ -155,6 +239,8 @@ def make_handler(state: State):
             if args.swift:  # ms-swift's `swift rollout`: its own routes, no OpenAI ones
                 if path == "/get_world_size/":
                     self._send(200, {"world_size": 1})
+                elif path == "/health/":
+                    self._send(200, {"status": "ok"})
                 else:
                     self._send(404, {"detail": "Not Found"})
                 return
@@ -174,6 +260,27 @@ def make_handler(state: State):
             if args.sglang_router and self.path == "/generate":
                 state.attempt(body)
                 self._send(200, sglang_generate(body))
+                return
+            if args.swift:
+                path = self.path.split("?")[0]
+                if path == "/get_engine_type/":
+                    multi = args.swift_multi_turn_scheduler
+                    self._send(
+                        200,
+                        {
+                            "engine_type": "AsyncLLMEngine" if multi else "LLMEngine",
+                            "enable_multi_turn": multi,
+                            "use_gym_env": False,
+                            "enable_lora": False,
+                        },
+                    )
+                elif path == "/infer/" and state.tokenizer is not None:
+                    state.attempt(body)
+                    with state.lock:
+                        state.answered += 1
+                    self._send(200, swift_infer(body, state.tokenizer, args.swift_default_system))
+                else:
+                    self._send(404, {"detail": "Not Found"})
                 return
             if self.path != "/v1/completions":
                 self._send(404, {"detail": "Not Found"})
@@ -218,6 +325,9 @@ def main() -> None:
     parser.add_argument("--latency-s", type=float, default=0.0)
     parser.add_argument("--text-only", action="store_true")
     parser.add_argument("--swift", action="store_true", help="answer as ms-swift's `swift rollout` server")
+    parser.add_argument("--swift-tokenizer", default=None, help="answer /infer/, rendering with this tokenizer")
+    parser.add_argument("--swift-default-system", default=None, help="a system prompt the template adds")
+    parser.add_argument("--swift-multi-turn-scheduler", action="store_true", help="say it runs a scheduler")
     parser.add_argument("--sglang-router", action="store_true", help="answer /generate as an SGLang router")
     parser.add_argument("--tls-cert", default=None, help="serve HTTPS with this certificate (PEM)")
     parser.add_argument("--tls-key", default=None, help="its private key (PEM)")

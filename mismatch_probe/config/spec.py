@@ -133,9 +133,11 @@ LOGPROBS_MODES: tuple[str, ...] = typing.get_args(LogprobsMode)
 # does), "processed" (temperature, top-k, top-p)
 ReferenceLogprobs = Literal["engine", "raw", "temperature", "processed"]
 ExecutorBackend = Literal["mp", "ray", "uni", "external_launcher"]  # vLLM 0.32's ParallelConfig choices
-RemoteApi = Literal["openai", "sglang"]  # openai: /v1/completions (vllm serve); sglang: SGLang's /generate
+# openai: /v1/completions (vllm serve); sglang: SGLang's /generate; swift: ms-swift's `swift rollout` (/infer/)
+RemoteApi = Literal["openai", "sglang", "swift"]
 # what each engine returns when nobody asks: SGLang's sampler gives log_softmax(logits / T)
-ENGINE_DEFAULT_LOGPROBS_MODE = {"sglang": "processed", "remote-sglang": "processed"}
+# and ms-swift's rollout server forces vLLM's processed_logprobs (swift/pipelines/infer/rollout.py: get_infer_engine)
+ENGINE_DEFAULT_LOGPROBS_MODE = {"sglang": "processed", "remote-sglang": "processed", "remote-swift": "processed"}
 
 # help panels of the CLI
 INPUTS, ENGINE, LAYOUT, REMOTE, SAMPLING, REFERENCE, CORRECTIONS, SYNC = (
@@ -484,7 +486,8 @@ class EngineSpec(_Settings):
     )
     api: RemoteApi = setting(
         "openai",
-        "The server's API: openai (vllm serve: /v1/completions) or sglang (/generate).",
+        "The server's API: openai (vllm serve: /v1/completions), sglang (/generate) or swift "
+        "(ms-swift's swift rollout: /infer/, chat messages in).",
         flag="--engine-api",
         affects="rollouts",
         engines=("remote",),

@@ -26,6 +26,9 @@ def batch_seed(seed: int, batch_key: int | str) -> int:
 class GenerationRequest:
     prompt_token_ids: np.ndarray  # int32
     max_tokens: int
+    # the chat the ids were rendered from (the prompt's messages, then each turn so far), for a
+    # server that takes messages and renders them itself (ms-swift's swift rollout); None: ids only
+    messages: list[dict] | None = None
 
 
 @dataclass

@@ -257,9 +257,10 @@ class Client:
             else:
                 if reply.status_code < 400:
                     answer = _parse(reply)
-                    if not isinstance(answer, dict):
-                        raise RequestFailed(f"{what}: the server's answer is not a JSON object: {str(answer)[:200]}")
-                    return answer
+                    # an object; ms-swift's /infer/ answers with a list, one entry per request
+                    if not isinstance(answer, (dict, list)):
+                        raise RequestFailed(f"{what}: the server's answer is not JSON: {str(answer)[:200]}")
+                    return answer  # type: ignore[return-value]
                 reason = f"HTTP {reply.status_code}: {_message(_parse(reply))}"
                 if reply.status_code not in RETRY_STATUS and reply.status_code < 500:
                     raise RequestFailed(f"{what}: {self.redact(reason)}", status=reply.status_code)

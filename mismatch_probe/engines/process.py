@@ -113,6 +113,7 @@ class EngineProcess:
             expect="started",
         )
         self.supports_prefill = bool(started.header.get("prefill"))
+        self.prefill_unavailable: str | None = started.header.get("prefill_unavailable")
         self.supports_digest = bool(started.header.get("digest"))
 
     # ---- Engine protocol -----------------------------------------------------------------

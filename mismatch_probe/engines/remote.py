@@ -4,20 +4,25 @@ RL setups that sample out of process (slime, ms-swift's external mode, a server 
 talk to a vLLM or SGLang server, and that server, with its own flags, build and GPU, is what
 causes the mismatch. This adapter probes it as it runs instead of re-creating it in process.
 
-Two dialects (``engine.api``):
+Three dialects (``engine.api``):
 
 * ``openai``: ``POST /v1/completions`` (``vllm serve``, any OpenAI-compatible server that returns
-  token ids and log-probs; ms-swift's ``swift rollout`` is not one: it takes chat messages). The prompt goes out as a list of token ids; the
+  token ids and log-probs). The prompt goes out as a list of token ids; the
   sampled ids come back in ``token_ids`` (``return_token_ids``) and as ``token_id:N`` in the
   log-prob entries (``return_tokens_as_token_ids``), which must agree; the log-prob of each sampled
   token is ``token_logprobs``. The prefill re-score asks for ``prompt_logprobs`` over prompt +
   response, each entry looked up by the token's id.
+* ``swift``: ms-swift's ``swift rollout`` (``POST /infer/``): chat messages in, as its GRPO
+  trainer sends them; the server renders them with its own template and answers with the prompt
+  ids it rendered, which are checked against ours (``rollout/multiturn.py: ServerTemplateCheck``: a
+  difference is a finding, and the probe scores what the server saw), the sampled ids and their
+  processed log-probs. No prefill re-score and no weight sync (its updates travel by NCCL).
 * ``sglang``: SGLang's native ``POST /generate`` with ``input_ids``; the answer's
   ``meta_info.output_token_logprobs`` carries ``(logprob, token_id, text)`` per sampled token;
   the prefill re-score uses ``logprob_start_len`` and ``input_token_logprobs``.
 
-Nothing is re-tokenized: a server that answers with text only is refused with the option that
-turns ids on. The server's settings are read back wherever it exposes them (vLLM: ``/version``,
+Nothing is re-tokenized (a swift server's prompt ids are its own): a server that answers with
+text only is refused with the option that turns ids on. The server's settings are read back wherever it exposes them (vLLM: ``/version``,
 ``/v1/models``, ``/metrics``' ``vllm:cache_config_info``, and ``/server_info`` when started with
 ``VLLM_SERVER_DEV_MODE=1``; SGLang: ``/server_info`` and ``/model_info``); every setting it
 does not expose is recorded as unknown, with what would expose it, never guessed. The served
@@ -61,6 +66,7 @@ from mismatch_probe.engines.http_client import (
     api_key_from,
     redact_url,
 )
+from mismatch_probe.engines.routed_experts import MoeLayout
 from mismatch_probe.errors import ConfigError, EngineError, ProbeError
 from mismatch_probe.modeling.logprobs import LogprobSemantics, engine_semantics
 
@@ -95,6 +101,7 @@ VLLM_SERVER_INFO = {
     "cudagraph_mode": ("compilation_config", "cudagraph_mode"),
     "attention_backend": ("attention_config", "backend"),
     "device": ("device_config", "device"),
+    "return_routed_experts": ("aux_output_config", "enable_return_routed_experts"),
 }
 # what vLLM's /metrics exposes without dev mode (vllm:cache_config_info's labels)
 VLLM_CACHE_LABELS = {
@@ -144,6 +151,7 @@ SGLANG_SERVER_INFO = {
     "skip_tokenizer_init": "skip_tokenizer_init",
     "model_path": "model",
     "served_model_name": "served_model_name",
+    "enable_return_routed_experts": "return_routed_experts",
 }
 LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
@@ -196,6 +204,17 @@ NCCL_REFUSAL = (
     "+ /update_weights_from_distributed; vLLM: /init_weight_transfer_engine + /update_weights with "
     "--weight-transfer-config), which mismatch-probe does not drive"
 )
+# ms-swift 4.5 / 4.6 (swift/pipelines/infer/rollout.py: SwiftRolloutDeploy, WeightSyncWorkerExtension)
+SWIFT_SYNC_REFUSAL = (
+    "its weight-update routes (/update_flattened_params/, /update_named_param/) only announce tensors that "
+    "then arrive by an NCCL broadcast from a trainer rank in the server's process group (/init_communicator/ "
+    "-> PyNcclCommunicator), which mismatch-probe does not drive (and which needs a GPU on both sides)"
+)
+SWIFT_SYNC_HINT = "probe the sync through vllm serve or an SGLang server started with the same settings"
+SWIFT_MULTI_TURN_REFUSAL = (
+    "it runs its own multi-turn scheduler (--multi_turn_scheduler / gym), whose environment turns come back as "
+    "messages without their token ids (RolloutOutput.messages), so the sequence it sampled cannot be scored"
+)
 VLLM_DEV_MODE_HINT = "restart vllm serve with VLLM_SERVER_DEV_MODE=1 in its environment (its development routes)"
 # what a server answers when it cannot read the checkpoint the probe wrote (a path it does not have
 # is then taken for a Hugging Face repo id)
@@ -208,6 +227,8 @@ PATH_NOT_READ = re.compile(
 def check_sync(sync: SyncSpec, api: str) -> None:
     """What a remote server cannot do of a [sync] table whatever it runs; raises
     :class:`ConfigError` before any request (what depends on the server is checked once it is read)."""
+    if api == "swift":
+        raise ConfigError(f"[sync] through swift rollout: {SWIFT_SYNC_REFUSAL}", hint=SWIFT_SYNC_HINT)
     server = "vllm serve" if api == "openai" else "an SGLang server"
     if sync.transfer == "nccl":
         raise ConfigError(
@@ -249,7 +270,16 @@ class RemoteEngine:
         self.spec = spec
         self.model_path = Path(model_path)
         self.trust_remote_code = trust_remote_code
-        self.dialect: _Dialect = OpenAIDialect() if spec.api == "openai" else SGLangDialect(self.model_path)
+        self.dialect: _Dialect = (
+            OpenAIDialect()
+            if spec.api == "openai"
+            else SwiftDialect()
+            if spec.api == "swift"
+            else SGLangDialect(self.model_path)
+        )
+        # why the server cannot re-score the sampled ids with its prefill (None: it can)
+        self.prefill_unavailable = self.dialect.prefill_unavailable
+        self.supports_prefill = self.prefill_unavailable is None
         self.client = Client(
             url=spec.url,
             api_key=api_key_from(spec.api_key_env),
@@ -276,6 +306,20 @@ class RemoteEngine:
             )
         # what the server offers for the sync, read (GET only) before anything is changed
         self.sync_server = self.dialect.sync_check(self.client, self.server, self.sync) if self.sync else {}
+        self.routing_unavailable = self._routing(spec) if spec.record_routing else None
+
+    def _routing(self, spec: EngineSpec) -> str | None:
+        """Ask the server for the routed experts of an MoE checkpoint when it returns them (the
+        dialect then reads them with every answer); otherwise why not."""
+        from mismatch_probe.engines.routed_experts import checkpoint_config, moe_layout
+
+        layout = moe_layout(checkpoint_config(self.model_path, trust_remote_code=self.trust_remote_code))
+        if layout is None:
+            return None  # a dense model: nothing to record
+        why = self.dialect.routing_unavailable(self.server, self.client)
+        if why is None:
+            self.dialect.routing = layout
+        return why
 
     # ---- settings ------------------------------------------------------------------------
     def _check_declared(self) -> str:
@@ -341,10 +385,11 @@ class RemoteEngine:
                 "ca_bundle": self.spec.ca_bundle,
                 "api_key": "from $" + self.spec.api_key_env if self.spec.api_key_env else None,
             },
-            "routing": None,
-            "routing_unavailable": "expert ids are not read from a remote server yet",
+            "routing": self.dialect.routing.describe() if self.dialect.routing is not None else None,
+            **({"routing_unavailable": self.routing_unavailable} if self.routing_unavailable else {}),
             "versions": {s.software: s.version} if s.software and s.version else {},
             "workarounds": self.dialect.workarounds(),
+            **({"renders_prompts": self.dialect.renders_prompts} if self.dialect.renders_prompts else {}),
         }
 
     def generate(
@@ -557,6 +602,24 @@ class ServerInfo:
 
 class _Dialect:
     generate_path: str
+    # the server takes chat messages and renders them itself (what to call it in messages); None: token ids
+    renders_prompts: str | None = None
+    prefill_unavailable: str | None = None  # why it cannot re-score given ids; None: it can
+    routing: MoeLayout | None = None  # set when the server returns the routed experts of each answer
+
+    def routing_unavailable(self, server: ServerInfo, client: Client) -> str | None:
+        """Why this server's answers cannot carry routed experts (None: they can; ask for them)."""
+        returns = server.settings.get("return_routed_experts")
+        if returns:
+            return None
+        if returns is None:
+            return (
+                f"the server at {client.where('')} does not say whether it returns routed experts "
+                f"({self.routing_settings_hint})"
+            )
+        return f"the server at {client.where('')} runs without --enable-return-routed-experts (restart it with it)"
+
+    routing_settings_hint = ""
 
     def read_server(self, client: Client, served_model: str | None) -> ServerInfo:
         raise NotImplementedError
@@ -604,6 +667,10 @@ class OpenAIDialect(_Dialect):
 
     generate_path = "/v1/completions"
     routes_hint = VLLM_DEV_MODE_HINT
+    routing_settings_hint = (
+        "vllm serve tells only at /server_info, with VLLM_SERVER_DEV_MODE=1; restart it so, with "
+        "--enable-return-routed-experts"
+    )
 
     def sync_check(self, client: Client, server: ServerInfo, sync: SyncSpec) -> dict:
         if server.software != "vllm":
@@ -675,9 +742,8 @@ class OpenAIDialect(_Dialect):
             if status == 404 and client.get("/get_world_size/")[0] == 200:
                 raise ConfigError(
                     f"{client.where('')} is ms-swift's `swift rollout` server: it takes chat messages (it applies "
-                    "the chat template itself) rather than token ids, and returns no prompt log-probs",
-                    hint="probe its engine as `vllm serve` started with the same settings (README: Probe the "
-                    "rollout server you train with), or sample in process with --engine vllm",
+                    "the chat template itself), not the OpenAI API",
+                    hint="pass --engine-api swift",
                 )
             raise ConfigError(
                 f"{client.where('/v1/models')} answered HTTP {status}: not an OpenAI-compatible server",
@@ -767,9 +833,20 @@ class OpenAIDialect(_Dialect):
         }
         if seed is not None:
             body["seed"] = seed
+        if self.routing is not None:  # from the last prompt position: the input behind the first sampled token
+            body["routed_experts_prompt_start"] = len(r.prompt_token_ids) - 1
         return body
 
     def completion(self, answer: dict, request: GenerationRequest, where: str) -> Completion:
+        completion = self._completion(answer, request, where)
+        if self.routing is not None:
+            from mismatch_probe.engines.routed_experts import decode_vllm_npy_b64
+
+            raw = _first_choice(answer, where).get("routed_experts")
+            completion.experts = _routed_rows(self.routing, raw, decode_vllm_npy_b64, request, completion, where)
+        return completion
+
+    def _completion(self, answer: dict, request: GenerationRequest, where: str) -> Completion:
         choice = _first_choice(answer, where)
         logprobs = choice.get("logprobs")
         if not isinstance(logprobs, dict) or not isinstance(logprobs.get("token_logprobs"), list):
@@ -843,6 +920,7 @@ class SGLangDialect(_Dialect):
     """SGLang's native ``/generate`` (token ids in and out)."""
 
     generate_path = "/generate"
+    routing_settings_hint = "its /server_info is not there (a router?): point --engine-url at one SGLang worker"
     routes_hint = (
         "every SGLang server (python -m sglang.launch_server) has the weight-update routes; a router in front of "
         "workers may not: point --engine-url at one worker"
@@ -1039,7 +1117,10 @@ class SGLangDialect(_Dialect):
         }
         if seed is not None:
             params["sampling_seed"] = seed  # honored with --enable-deterministic-inference
-        return {"input_ids": [int(t) for t in r.prompt_token_ids], "sampling_params": params, "return_logprob": True}
+        body = {"input_ids": [int(t) for t in r.prompt_token_ids], "sampling_params": params, "return_logprob": True}
+        if self.routing is not None:  # from the last prompt position: the input behind the first sampled token
+            body.update(return_routed_experts=True, routed_experts_start_len=len(r.prompt_token_ids) - 1)
+        return body
 
     def completion(self, answer: dict, request: GenerationRequest, where: str) -> Completion:
         from mismatch_probe.engines.sglang import finish_reason, sampled_logprobs
@@ -1052,13 +1133,21 @@ class SGLangDialect(_Dialect):
         tokens = np.asarray(answer["output_ids"], dtype=np.int32)
         meta = answer.get("meta_info") or {}
         try:
-            return Completion(
+            completion = Completion(
                 token_ids=tokens,
                 logprobs=sampled_logprobs(meta.get("output_token_logprobs"), tokens),
                 finish_reason=finish_reason(meta, where),
             )
         except RuntimeError as exc:
             raise EngineError(str(exc)) from None
+        if (layout := self.routing) is not None:
+            from mismatch_probe.engines.routed_experts import decode_sglang_int32_b64
+
+            def decode(raw, what):
+                return decode_sglang_int32_b64(raw, layout.num_hidden_layers, layout.top_k, what=what)
+
+            completion.experts = _routed_rows(layout, meta.get("routed_experts"), decode, request, completion, where)
+        return completion
 
     def prefill_body(self, model, r) -> dict:
         return {
@@ -1081,9 +1170,151 @@ class SGLangDialect(_Dialect):
             raise EngineError(str(exc)) from None
 
 
+class SwiftDialect(_Dialect):
+    """ms-swift's rollout server (``swift rollout``, its external GRPO mode), as its GRPO trainer
+    calls it (ms-swift 4.5 / 4.6: ``swift/rlhf_trainers/vllm_client.py: VLLMClient.infer``,
+    ``swift/rlhf_trainers/rollout_mixin.py``): ``POST /infer/`` with ``{infer_requests:
+    [RolloutInferRequest], request_config: RequestConfig}``, one ``RolloutOutput`` per request.
+    The server renders the chat messages with its own template (``--template_backend``) and
+    returns the prompt ids it fed vLLM (``response.prompt_token_ids``, with ``return_details``),
+    the sampled ids (``choices[0].token_ids``) and their log-probs (``choices[0].logprobs.content
+    [i].logprob``, vLLM's processed log-probs: the server forces ``logprobs_mode=processed_logprobs``).
+    What it exposes of itself: ``/health/``, ``/get_world_size/`` (tensor x data parallel) and
+    ``POST /get_engine_type/``; every other setting is in its log only."""
+
+    generate_path = "/infer/"
+    renders_prompts = "swift rollout"
+    prefill_unavailable = (
+        "swift rollout takes chat messages and renders them itself, so it cannot be asked to prefill exactly "
+        "the sampled token ids (its prompt_logprobs would score its own rendering of the conversation)"
+    )
+    routes_hint = SWIFT_SYNC_HINT
+
+    def routing_unavailable(self, server: ServerInfo, client: Client) -> str | None:
+        return (
+            "not read from swift rollout: its answers carry routed experts (choices[i].routed_experts) only when "
+            "its vLLM was started with enable_return_routed_experts (--vllm_engine_kwargs), which it does not "
+            "expose, and always from the first prompt position"
+        )
+
+    def read_server(self, client: Client, served_model: str | None) -> ServerInfo:
+        status, world = client.get("/get_world_size/")
+        if status != 200 or not isinstance(world, dict) or "world_size" not in world:
+            raise ConfigError(
+                f"{client.where('/get_world_size/')} answered HTTP {status}: not ms-swift's swift rollout server",
+                hint="check --engine-url; for vllm serve pass --engine-api openai, for SGLang --engine-api sglang",
+            )
+        status, engine_type = client.post("/get_engine_type/", None)
+        if status != 200 or not isinstance(engine_type, dict):
+            raise ConfigError(
+                f"{client.where('/get_engine_type/')} answered HTTP {status}; ms-swift 3.5 or later answers it",
+                hint="upgrade ms-swift on the server (pip install -U ms-swift)",
+            )
+        if engine_type.get("enable_multi_turn") or engine_type.get("use_gym_env"):
+            raise ConfigError(
+                f"the swift rollout server at {client.where('')}: {SWIFT_MULTI_TURN_REFUSAL}",
+                hint="restart swift rollout without --multi_turn_scheduler / --use_gym_env; mismatch-probe then "
+                "drives the turns itself, one /infer/ call per turn, as ms-swift's trainer does with such a server",
+            )
+        info = ServerInfo(model=served_model or "", names=set(), software="ms-swift", version=None)
+        info.raw["get_world_size"] = world
+        info.raw["get_engine_type"] = engine_type
+        info.settings["world_size"] = int(world["world_size"])
+        info.settings["engine_type"] = engine_type.get("engine_type")
+        info.settings["lora"] = bool(engine_type.get("enable_lora"))
+        why = (
+            "swift rollout exposes only its world size (tensor x data parallel) and engine type; its arguments "
+            "(--vllm_*, --torch_dtype, --template, ...) are printed in its log ('args: ...')"
+        )
+        for name in (
+            "dtype",
+            "max_model_len",
+            "tensor_parallel_size",
+            "data_parallel_size",
+            "enforce_eager",
+            "prefix_caching",
+            "version",
+            "template",
+        ):
+            info.unknown[name] = why
+        info.unknown["logprobs_mode"] = (
+            "not exposed; ms-swift forces vLLM's processed_logprobs (swift/pipelines/infer/rollout.py: "
+            "get_infer_engine, vLLM >= 0.10.2), which engine.logprobs_mode defaults to for swift"
+        )
+        info.unknown["model"] = (
+            "swift rollout names no model before it answers (response.model); its prompt ids are checked"
+        )
+        return info
+
+    def generate_body(self, model, r, sampling, stops, seed) -> dict:
+        if r.messages is None:
+            raise ConfigError(
+                "swift rollout takes chat messages, but this request has token ids only",
+                hint='give the prompts as "messages" in the prompts file',
+            )
+        # RolloutInferRequest and RequestConfig (swift/infer_engine/protocol.py) as the GRPO trainer
+        # fills them (swift/rlhf_trainers/rollout_mixin.py: _prepare_request_config); unset fields
+        # take their defaults
+        return {
+            "infer_requests": [{"messages": r.messages}],
+            "request_config": {
+                "max_tokens": int(r.max_tokens),
+                "temperature": sampling.temperature,
+                "top_k": sampling.top_k if sampling.top_k > 0 else -1,
+                "top_p": sampling.top_p,
+                "min_p": 0.0,
+                "repetition_penalty": 1.0,
+                "seed": seed,
+                "stream": False,
+                "logprobs": True,
+                "n": 1,
+                "return_details": True,  # the sampled ids and the prompt ids the server rendered
+            },
+        }
+
+    def completion(self, answer, request: GenerationRequest, where: str) -> Completion:
+        outputs = answer if isinstance(answer, list) else None
+        if not outputs or len(outputs) != 1 or not isinstance(outputs[0], dict):
+            raise EngineError(f"{where}: expected a list of one RolloutOutput, got {str(answer)[:200]}")
+        output = outputs[0]
+        if output.get("response_token_ids") or output.get("rollout_logprobs"):
+            raise EngineError(f"{where}: the server ran several turns itself ({SWIFT_MULTI_TURN_REFUSAL})")
+        response = output.get("response") if isinstance(output.get("response"), dict) else output
+        choice = _first_choice(response, where)
+        ids, prompt = choice.get("token_ids"), response.get("prompt_token_ids")
+        if ids is None or prompt is None:
+            raise ConfigError(
+                f"{where}: the answer has no token_ids / prompt_token_ids (request_config.return_details = true "
+                "was sent)",
+                hint="use ms-swift 3.5 or later on the server, whose rollout answers carry them",
+            )
+        entries = (choice.get("logprobs") or {}).get("content")
+        if not isinstance(entries, list):
+            raise EngineError(f"{where}: the answer has no log-probs (request_config.logprobs = true was sent)")
+        if len(entries) != len(ids):
+            raise EngineError(f"{where}: {len(ids)} sampled tokens but {len(entries)} log-probs")
+        values = [e.get("logprob") if isinstance(e, dict) else None for e in entries]
+        if any(v is None for v in values):
+            raise EngineError(f"{where}: the server returned no log-prob for a sampled token")
+        return Completion(
+            token_ids=np.asarray(ids, dtype=np.int32),
+            logprobs=np.asarray(values, dtype=np.float64).astype(np.float32),
+            finish_reason=_finish(choice.get("finish_reason"), where),
+            prompt_token_ids=np.asarray(prompt, dtype=np.int32),
+        )
+
+    def prefill_body(self, model, r) -> dict:
+        raise ConfigError(self.prefill_unavailable or "", hint="--no-prefill-check")
+
+    def prefill(self, answer, request, where) -> np.ndarray:
+        raise ConfigError(self.prefill_unavailable or "", hint="--no-prefill-check")
+
+
 # settings of a server that change what it samples, as info() records them
 SAMPLING_SETTINGS = (
     "dtype",
+    "world_size",
+    "engine_type",
     "logprobs_mode",
     "tensor_parallel_size",
     "pipeline_parallel_size",
@@ -1205,6 +1436,27 @@ def _first_found(client: Client, paths: Sequence[str]) -> dict | None:
         if status == 200 and isinstance(answer, dict):
             return answer
     return None
+
+
+def _routed_rows(layout: MoeLayout, raw, decode, request: GenerationRequest, completion: Completion, where: str):
+    """The routing behind each sampled token from a server's routed experts (asked for from the
+    last prompt position), in the probe's rows; a server that returns none is an error: it said it would."""
+    from mismatch_probe.engines.routed_experts import rows_for_generated
+
+    if raw is None:
+        raise EngineError(f"{where}: the answer has no routed experts, though the server runs with them on")
+    what = f"{where}: the server"
+    n_prompt = len(request.prompt_token_ids)
+    return rows_for_generated(
+        decode(raw, what=what),
+        n_prompt,
+        n_prompt - 1,
+        len(completion.token_ids),
+        layout.moe_layers,
+        top_k=layout.top_k,
+        num_experts=layout.num_experts,
+        what=what,
+    )
 
 
 def _first_choice(answer: dict, where: str) -> dict:

@@ -83,13 +83,19 @@ def requests_to_table(requests: list[GenerationRequest]) -> pa.Table:
         {
             "prompt_token_ids": _lists([r.prompt_token_ids for r in requests], np.int32),
             "max_tokens": pa.array([r.max_tokens for r in requests], pa.int32()),
+            "messages": pa.array(
+                [None if r.messages is None else json.dumps(r.messages) for r in requests], pa.string()
+            ),
         }
     )
 
 
 def table_to_requests(table: pa.Table) -> list[GenerationRequest]:
     ids = _unlist(table.column("prompt_token_ids"), np.int32)
-    return [GenerationRequest(p, int(m)) for p, m in zip(ids, table.column("max_tokens").to_pylist())]
+    return [
+        GenerationRequest(p, int(m), None if chat is None else json.loads(chat))
+        for p, m, chat in zip(ids, table.column("max_tokens").to_pylist(), table.column("messages").to_pylist())
+    ]
 
 
 def completions_to_table(completions: list[Completion]) -> pa.Table:

@@ -73,7 +73,8 @@ def serve(requests, replies) -> bool:
                     replies,
                     {
                         "op": "started",
-                        "prefill": hasattr(engine, "prefill_logprobs"),
+                        "prefill": getattr(engine, "supports_prefill", hasattr(engine, "prefill_logprobs")),
+                        "prefill_unavailable": getattr(engine, "prefill_unavailable", None),
                         "digest": hasattr(engine, "weight_digest"),
                     },
                 )

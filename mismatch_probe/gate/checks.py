@@ -40,6 +40,7 @@ def metric_paths() -> set[str]:
     paths |= {f"corrections.{k}" for k in corrections}
     paths |= {f"corrections_by_turn.{g}.{k}" for g in ("first", "later") for k in corrections}
     paths |= {"routing.tokens_with_flip_share", "tokenization_check.n_differing"}
+    paths |= {"server_template_check.share_differing", "server_template_check.n_differing"}
     return paths
 
 

@@ -27,12 +27,24 @@ from mismatch_probe.table.tokens import (
 )
 
 # what a run that adopts another's rollouts takes from that run's record
-ADOPTED_FIELDS = ("engine", "engine_process", "decode_vs_prefill", "tokenization_check", "imported_from")
+ADOPTED_FIELDS = (
+    "engine",
+    "engine_process",
+    "decode_vs_prefill",
+    "tokenization_check",
+    "server_template_check",
+    "imported_from",
+)
 
 
 def sample_shards(ctx: RunContext, engine: Engine, missing: list[int]) -> None:
     """Sample the missing rollout shards (and re-score them with the engine's prefill)."""
-    from mismatch_probe.rollout.multiturn import RetokenizationCheck, ToolTurnTemplate, roll_out
+    from mismatch_probe.rollout.multiturn import (
+        RetokenizationCheck,
+        ServerTemplateCheck,
+        ToolTurnTemplate,
+        roll_out,
+    )
 
     if ctx.inputs is None:
         raise ConfigError(
@@ -43,8 +55,19 @@ def sample_shards(ctx: RunContext, engine: Engine, missing: list[int]) -> None:
     rollout_dir, tokenizer = ctx.out / ROLLOUTS_DIR, ctx.tokenizer
     semantics = engine.semantics(spec.sampling)
     s = spec.sampling
-    prefill_skip = prefill_skip_reason(spec, engine, semantics)
     info = engine.info()
+    prefill_skip = prefill_skip_reason(spec, engine, semantics)
+    renders = info.get("renders_prompts")  # the server renders chat messages itself (swift rollout)
+    if renders:
+        no_chat = next(
+            (prompts[x.prompt_index] for shard in shards for x in shard if not prompts[x.prompt_index].messages), None
+        )
+        if no_chat is not None:
+            raise ConfigError(
+                f"prompt {no_chat.id!r} (line {no_chat.line}) has no chat messages, but {renders} takes chat "
+                "messages only and renders them with its own template",
+                hint='give every prompt as "messages" in the prompts file',
+            )
     sampled_before = len(missing) < len(shards) or (rollout_dir / RECEIVED_DIR).is_dir()
     # what an earlier invocation of this run worked around (engine.workarounds): counts add up
     worked_around = dict(
@@ -73,6 +96,8 @@ def sample_shards(ctx: RunContext, engine: Engine, missing: list[int]) -> None:
         progress.stage("prefill", sum(len(shards[i]) for i in missing))
     replay = any(prompts[x.prompt_index].recorded for shard in shards for x in shard)
     check, previous_check = RetokenizationCheck(), record.tokenization_check
+    server_check = ServerTemplateCheck() if renders else None
+    previous_server_check = record.server_template_check if sampled_before else None
     template = ToolTurnTemplate.from_tokenizer(tokenizer) if spec.max_turns > 1 or replay else None
     for i in missing:
         shard = shards[i]
@@ -89,6 +114,8 @@ def sample_shards(ctx: RunContext, engine: Engine, missing: list[int]) -> None:
                 tokenizer=tokenizer,
                 template=template,
                 recorded=[prompts[x.prompt_index].recorded for x in shard],
+                messages=[prompts[x.prompt_index].messages for x in shard] if renders else None,
+                server_template=server_check,
                 on_progress=lambda k: progress.advance("generate", k),
             )
         rollouts = [to_rollout(x, prompts[x.prompt_index], c) for x, c in zip(shard, conversations)]
@@ -96,7 +123,7 @@ def sample_shards(ctx: RunContext, engine: Engine, missing: list[int]) -> None:
             for x, c in zip(shard, conversations):
                 check.add(c, prompts[x.prompt_index].messages, tokenizer)
         if prefill_skip is None:
-            n_prompt = [len(prompts[x.prompt_index].token_ids) for x in shards[i]]
+            n_prompt = [len(c.ids[0]) for c in conversations]  # the prompt as the engine saw it
             with timed(ctx.timings, "prefill_s"):
                 scored = engine.prefill_logprobs(  # type: ignore[attr-defined]  # supports_prefill said so
                     [ScoreRequest(r.token_ids, n) for r, n in zip(rollouts, n_prompt)],
@@ -112,6 +139,9 @@ def sample_shards(ctx: RunContext, engine: Engine, missing: list[int]) -> None:
         write_table_atomic(rollouts_to_table(rollouts), rollout_dir / shard_name(i))
         if template is not None:
             record.tokenization_check = check.merge(previous_check)
+        if server_check is not None:
+            record.server_template_check = server_check.merge(previous_server_check)
+        if template is not None or server_check is not None:
             ctx.save()
     if info.get("workarounds"):  # how often each applied, this invocation's added to the earlier ones'
         done = engine.info().get("workarounds") or {}
@@ -127,6 +157,8 @@ def prefill_skip_reason(spec: ProbeSpec, engine: Engine, semantics: LogprobSeman
     if not spec.engine.prefill_check:
         return "turned off (engine.prefill_check = false)"
     if not getattr(engine, "supports_prefill", hasattr(engine, "prefill_logprobs")):
+        if why := getattr(engine, "prefill_unavailable", None):
+            return why
         return f"the {spec.engine.name} engine cannot re-score sequences with its own prefill"
     if semantics.transforms_logits:
         return (

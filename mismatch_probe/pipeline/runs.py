@@ -39,6 +39,7 @@ CARRIED_SECTIONS = (
     "logprob_semantics",
     "decode_vs_prefill",
     "tokenization_check",
+    "server_template_check",
 )
 
 

@@ -459,6 +459,12 @@ def notes(record: RunRecord) -> list[str]:
             "when their chat is re-rendered and re-tokenized"
             + (" (a trainer that re-tokenizes would score different tokens)" if check["n_differing"] else "")
         )
+    if (server := record.server_template_check) and server.get("n_differing"):
+        out.append(
+            f"{NOTE}the rollout server renders the chat itself, and {server_template_summary(server)}: the probe "
+            "scores the ids the server sampled from, but a trainer that renders the prompt with the checkpoint's "
+            "chat template trains on other tokens than the server saw"
+        )
     if record.prefill_skipped:
         out.append(f"decode vs prefill: not measured, {record.prefill_skipped}")
     out += import_notes(record)
@@ -484,3 +490,20 @@ def import_notes(record: RunRecord) -> list[str]:
         out.append(f"{NOTE}assumed, not read from the dump: {', '.join(defaults)} (flags of `import` set them)")
     out += [f"{NOTE}{line}" for line in imported.get("notes") or []]
     return out
+
+
+def server_template_summary(check: dict) -> str:
+    """A rollout server's prompt ids against the checkpoint's chat template (``server_template_check``)."""
+    text = (
+        f"{check.get('n_differing', 0)} of {check.get('n_turns', 0)} contexts "
+        f"({pct(check.get('share_differing'))}) differ from the checkpoint's chat template"
+    )
+    if check.get("n_cut"):
+        text += f"; {check['n_cut']} conversations ended before a later turn whose context differed"
+    if first := (check.get("examples") or [None])[0]:
+        text += (
+            f"; first difference at token {first['first_difference_at']} (sample {first['sample_id']}, "
+            f"turn {first['turn']}): ours {first.get('ours_text', first['ours'])!r}, "
+            f"the server's {first.get('server_text', first['server'])!r}"
+        )
+    return text

@@ -604,6 +604,8 @@ def _run_rows(record: RunRecord) -> list[tuple[str, str]]:
     ]
     if record.tokenization_check:
         rows.append(("re-tokenization", ", ".join(f"{k} {v}" for k, v in record.tokenization_check.items())))
+    if check := record.server_template_check:
+        rows.append(("server's chat template", labels.server_template_summary(check)))
     return rows
 
 

@@ -131,6 +131,8 @@ def roll_out(
     tokenizer=None,
     template: ToolTurnTemplate | None = None,
     recorded: Sequence[list[list[dict]] | None] | None = None,
+    messages: Sequence[list[dict] | None] | None = None,
+    server_template: ServerTemplateCheck | None = None,
     on_progress: Callable[[int], None] | None = None,
 ) -> list[Conversation]:
     """Sample the assistant turns of every conversation (one turn needs no tokenizer).
@@ -138,8 +140,14 @@ def roll_out(
     A live conversation runs its tool calls for up to ``max_turns`` turns. A recorded one
     (``recorded[i]``: the message blocks between its assistant turns) gets its recorded blocks
     instead, whatever the generated turn said, for as many turns as it recorded.
+
+    ``messages[i]``: the chat prompt ``i``'s ids were rendered from; each request then carries it
+    with the turns so far. ``server_template``: the engine renders the messages itself (ms-swift's
+    rollout server), so the context it reports is what it sampled from: it is checked against ours
+    there, and a conversation continues from the engine's ids.
     """
     convs = [Conversation.start(sid, p) for sid, p in zip(sample_ids, prompts)]
+    chats = list(messages) if messages is not None else [None] * len(convs)
     recorded = list(recorded) if recorded is not None else [None] * len(convs)
     limits = [len(r) + 1 if r else max_turns for r in recorded]
     live = list(range(len(convs)))
@@ -155,7 +163,12 @@ def roll_out(
         # server's answers arrive one by one); before that, a conversation counts once it ends
         last = all(turn == limits[i] - 1 for i in live)
         if live:
-            requests = [GenerationRequest(convs[i].token_ids(), budget[i]) for i in live]
+            requests = [
+                GenerationRequest(
+                    convs[i].token_ids(), budget[i], None if chats[i] is None else chats[i] + convs[i].messages
+                )
+                for i in live
+            ]
             # turn 0 keeps the single-turn seed, so a one-turn probe draws what it always drew
             completions = engine.generate(
                 requests,
@@ -165,6 +178,8 @@ def roll_out(
                 on_progress=on_progress if last else None,
             )
             for i, request, c in zip(live, requests, completions):
+                if server_template is not None and not server_template.add(convs[i], request, c, turn, tokenizer):
+                    continue  # the engine sampled this turn from a context other than the transcript
                 if _extend(convs[i], request, c, turn, turn == limits[i] - 1, stops, tokenizer, template, recorded[i]):
                     next_live.append(i)
         if on_progress:
@@ -187,7 +202,11 @@ def _extend(
     recorded: list[list[dict]] | None,
 ) -> bool:
     """Append one sampled turn (and the tool response it asks for); True if the conversation goes on."""
-    if c.prompt_token_ids is not None and not np.array_equal(c.prompt_token_ids, request.prompt_token_ids):
+    if (
+        c.prompt_token_ids is not None
+        and not np.array_equal(c.prompt_token_ids, request.prompt_token_ids)
+        and not np.array_equal(c.prompt_token_ids, conv.token_ids())  # the server's rendering, adopted
+    ):
         raise DataError(
             f"sample {conv.sample_id}: the engine reports different token ids for turn {turn}'s "
             "context than it was given; the two sides would score different sequences"
@@ -224,6 +243,80 @@ def _extend(
     conv.add(template.token_ids(tokenizer, result), turn, None)
     conv.messages.append({"role": "tool", "content": result})
     return True
+
+
+@dataclass
+class ServerTemplateCheck:
+    """The prompt ids a server that renders chat messages itself (ms-swift's ``swift rollout``,
+    its own template) reports against ours (the checkpoint's chat template, as a trainer that
+    re-encodes the prompt renders it). A difference is a mismatch source of its own, so it is a
+    finding, not an error: the probe scores what the server saw. In a conversation's first turn
+    the server's ids replace ours; in a later turn (the server re-renders the whole conversation,
+    earlier turns decoded to text) a different context ends the conversation before that turn, as
+    the turn's tokens were not sampled after the transcript both sides score."""
+
+    n_turns: int = 0  # contexts compared
+    n_differing: int = 0
+    n_prompts: int = 0  # first turns compared
+    n_prompts_differing: int = 0
+    n_cut: int = 0  # conversations ended before a later turn whose context differed
+    examples: list[dict] = field(default_factory=list)
+
+    def add(self, conv: Conversation, request: GenerationRequest, c, turn: int, tokenizer) -> bool:
+        """Check one turn's context; False: the conversation ends before this turn."""
+        ours, theirs = request.prompt_token_ids, c.prompt_token_ids
+        if theirs is None:
+            raise DataError(f"sample {conv.sample_id}: the server did not report the prompt ids it rendered")
+        self.n_turns += 1
+        self.n_prompts += turn == 0
+        same = np.array_equal(ours, theirs)
+        if not same:
+            self.n_differing += 1
+            self.n_prompts_differing += turn == 0
+            if len(self.examples) < 5:
+                self.examples.append(_first_difference(conv.sample_id, turn, ours, theirs, tokenizer))
+        if same or turn > 0:
+            if not same:
+                self.n_cut += 1
+                conv.finish_reason = "context_differs"
+            return same
+        n = len(theirs)  # the first turn: the server's rendering is the prompt
+        conv.ids[0] = theirs.astype(np.int32)
+        conv.turn[0] = np.full(n, -1, np.int16)
+        conv.model[0] = np.zeros(n, bool)
+        conv.logp[0] = np.full(n, np.nan, np.float32)
+        return True
+
+    def merge(self, previous: dict | None) -> dict:
+        """run.json's ``server_template_check``: this invocation's counts added to an earlier one's."""
+        prev = previous or {}
+        out = {
+            key: getattr(self, key) + int(prev.get(key, 0))
+            for key in ("n_turns", "n_differing", "n_prompts", "n_prompts_differing", "n_cut")
+        }
+        out["share_differing"] = out["n_differing"] / out["n_turns"] if out["n_turns"] else None
+        out["examples"] = ((prev.get("examples") or []) + self.examples)[:5]
+        return out
+
+
+def _first_difference(sample_id: int, turn: int, ours: np.ndarray, theirs: np.ndarray, tokenizer) -> dict:
+    n = min(len(ours), len(theirs))
+    diff = np.flatnonzero(ours[:n] != theirs[:n])
+    at = int(diff[0]) if len(diff) else n
+    example = {
+        "sample_id": sample_id,
+        "turn": turn,
+        "first_difference_at": at,
+        "tokens_ours": len(ours),
+        "tokens_server": len(theirs),
+        "ours": [int(t) for t in ours[at : at + 8]],
+        "server": [int(t) for t in theirs[at : at + 8]],
+    }
+    if tokenizer is not None:  # what a person reads: the text from a little before the difference
+        lo = max(0, at - 4)
+        example["ours_text"] = tokenizer.decode(ours[lo : at + 8].tolist(), skip_special_tokens=False)
+        example["server_text"] = tokenizer.decode(theirs[lo : at + 8].tolist(), skip_special_tokens=False)
+    return example
 
 
 @dataclass

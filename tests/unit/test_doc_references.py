@@ -12,8 +12,8 @@ from conftest import ROOT
 
 REFERENCE = re.compile(r"([a-z_][a-z0-9_/]*\.py): ([A-Za-z_][A-Za-z0-9_]*)")
 CODE_DIRS = ("mismatch_probe", "tests", "scripts", "benchmarks", "examples")
-# the top directories of the engines' sources (sglang's as ``srt/...`` too): not this repository's
-ENGINE_SOURCES = ("vllm", "sglang", "srt")
+# the top directories of the engines' sources (sglang's as ``srt/...`` too) and ms-swift's: not this repository's
+ENGINE_SOURCES = ("vllm", "sglang", "srt", "swift")
 
 
 def defined_names(path: Path) -> set[str]:

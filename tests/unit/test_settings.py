@@ -86,7 +86,7 @@ def test_the_variant_patches_are_their_sections():
         assert set(patch.model_fields) == set(section.model_fields)
 
 
-FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*[a-z0-9]")
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9_-]*[a-z0-9]")  # ms-swift's flags have underscores
 # flags of other programs that messages tell people to pass: the program each belongs to
 FOREIGN_FLAGS = {
     "--headless": "vllm serve",
@@ -108,6 +108,11 @@ FOREIGN_FLAGS = {
     "--nproc-per-node": "torchrun",
     "--save-debug-rollout-data": "slime",
     "--dump-details": "slime",
+    "--multi_turn_scheduler": "swift rollout",
+    "--use_gym_env": "swift rollout",
+    "--vllm": "swift rollout (its --vllm_* arguments)",
+    "--torch_dtype": "swift rollout",
+    "--template": "swift rollout",
 }
 
 
