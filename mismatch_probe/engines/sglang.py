@@ -28,7 +28,14 @@ import numpy as np
 from mismatch_probe.config.spec import LAYOUT_SETTINGS, EngineSpec, SamplingSpec, SyncSpec
 from mismatch_probe.engines.base import Completion, GenerationRequest, ScoreRequest, batch_seed, check_extra_args
 from mismatch_probe.engines.cpu_threads import cpu_thread_binding
-from mismatch_probe.errors import ConfigError
+from mismatch_probe.engines.routed_experts import (
+    MoeLayout,
+    checkpoint_config,
+    decode_sglang_int32_b64,
+    moe_layout,
+    rows_for_generated,
+)
+from mismatch_probe.errors import ConfigError, EngineError
 from mismatch_probe.modeling.logprobs import LogprobSemantics
 
 # EngineSpec field -> (ServerArgs field, spec value -> ServerArgs value)
@@ -108,6 +115,28 @@ ROUTING_UNAVAILABLE_CPU = (
     "SGLang's CPU engine cannot return expert ids: enable_return_routed_experts pins its capture buffer with "
     "torch.cuda.cudart().cudaHostRegister, and the engine dies at start ('Torch not compiled with CUDA enabled')"
 )
+# SGLang sizes its routed-experts capture buffer by chunked_prefill_size (state_capturer/routed_experts.py:
+# RoutedExpertsCapturer.__init__, max(chunked_prefill_size, max_running_requests) x dp rows); with chunked
+# prefill off (-1) a prefill of more tokens than max_running_requests overflows it (sgl-project/sglang#26860)
+ROUTING_UNCHUNKED = (
+    "SGLang sizes its routed-experts capture buffer by chunked_prefill_size (srt/state_capturer/routed_experts.py: "
+    "RoutedExpertsCapturer.__init__), and with chunked prefill off a longer prefill overflows it "
+    "(sgl-project/sglang#26860); engine.chunked_prefill is false"
+)
+
+
+def routing_refusal(spec: EngineSpec, *, device: str, version: str, known: set[str]) -> str | None:
+    """Why this SGLang cannot return the routed experts of this engine (``enable_return_routed_experts``),
+    or None when it can; the model is MoE (the caller checked)."""
+    if device == "cpu":
+        return ROUTING_UNAVAILABLE_CPU
+    if "enable_return_routed_experts" not in known:
+        return f"SGLang {version} has no server argument enable_return_routed_experts (sgl-project/sglang#12162)"
+    if spec.chunked_prefill is False or spec.extra_args.get("chunked_prefill_size") == -1:
+        return ROUTING_UNCHUNKED
+    return None
+
+
 CPU_MAX_TOTAL_TOKENS = 32768
 # Set by the adapter where the spec leaves them open: SGLang's CPU defaults need sgl-kernel's CPU ops.
 CPU_DEFAULTS = {"attention_backend": "torch_native", "disable_cuda_graph": True}
@@ -236,6 +265,23 @@ class SGLangEngine:
         self.requested, self.defaults_applied = self._server_args(spec, trust_remote_code)
         if self.sync is not None:
             self.requested.update(self._sync_args(spec))
+        # the routed experts of each token (Completion.experts), where this SGLang can return them
+        self.routing: MoeLayout | None = None
+        self.routing_unavailable: str | None = ROUTING_UNAVAILABLE_CPU if self.device == "cpu" else None
+        if "enable_return_routed_experts" in spec.extra_args:
+            raise ConfigError(
+                "engine.extra_args sets enable_return_routed_experts, which mismatch-probe sets from engine.record_routing",
+                hint="drop it from [engine.extra_args]; --no-record-routing turns the capture off",
+            )
+        layout = moe_layout(checkpoint_config(self.model_path, trust_remote_code=trust_remote_code))
+        if spec.record_routing and layout is not None:
+            from sglang.srt.server_args import ServerArgs
+
+            known = set(inspect.signature(ServerArgs).parameters)
+            self.routing_unavailable = routing_refusal(spec, device=self.device, version=self.version, known=known)
+            if self.routing_unavailable is None:
+                self.routing = layout
+                self.requested["enable_return_routed_experts"] = True
         try:
             self.engine = sglang.Engine(**self.requested)
         except (ValueError, TypeError) as exc:  # SGLang validates its arguments with these
@@ -340,10 +386,8 @@ class SGLangEngine:
                 }
             ),
             "env": {k: os.environ[k] for k in ENV_RECORDED if k in os.environ},
-            "routing": None,
-            "routing_unavailable": ROUTING_UNAVAILABLE_CPU
-            if self.device == "cpu"
-            else "expert ids from SGLang (return_routed_experts) are not recorded yet",
+            "routing": self.routing.describe() if self.routing is not None else None,
+            **({"routing_unavailable": self.routing_unavailable} if self.routing_unavailable else {}),
             "versions": versions,
             "workarounds": self.prefill_reader.workarounds(),
         }
@@ -373,13 +417,18 @@ class SGLangEngine:
             }
             for i, r in enumerate(requests)
         ]
+        # SGLang takes one routed_experts_start_len for the whole batch: the shortest prompt's last
+        # position, so that every request's answer covers the input behind each of its generated tokens
+        start = min(len(r.prompt_token_ids) for r in requests) - 1
+        routing = {"return_routed_experts": True, "routed_experts_start_len": start} if self.routing is not None else {}
         outputs = self.engine.generate(
             input_ids=[r.prompt_token_ids.tolist() for r in requests],
             sampling_params=params,
             return_logprob=True,
+            **routing,
         )
         completions = []
-        for i, out in enumerate(outputs):
+        for i, (r, out) in enumerate(zip(requests, outputs)):
             tokens = np.asarray(out["output_ids"], dtype=np.int32)
             meta = out["meta_info"]
             completions.append(
@@ -387,11 +436,45 @@ class SGLangEngine:
                     token_ids=tokens,
                     logprobs=sampled_logprobs(meta.get("output_token_logprobs"), tokens),
                     finish_reason=finish_reason(meta, f"sampling request {i}"),
+                    experts=self._experts(meta, len(r.prompt_token_ids), start, len(tokens), i),
                 )
             )
         if on_progress:
             on_progress(len(requests))
         return completions
+
+    def _experts(self, meta: dict, prompt_len: int, start: int, n_generated: int, i: int) -> np.ndarray | None:
+        """``meta_info["routed_experts"]`` (base64 int32, [positions from ``start``, num_hidden_layers,
+        top_k] flat) as ``Completion.experts``; None when routing is not recorded."""
+        layout = self.routing
+        if layout is None:
+            return None
+        what = f"SGLang {self.version} (sampling request {i})"
+        value = meta.get("routed_experts")
+        if value is None:
+            if prompt_len + n_generated - 1 - start == 0:
+                return np.zeros((0, len(layout.moe_layers), layout.top_k), np.int16)
+            raise EngineError(f"{what} returned no routed experts (enable_return_routed_experts is on)")
+        if isinstance(value, str | bytes):
+            routed = decode_sglang_int32_b64(value, layout.num_hidden_layers, layout.top_k, what=what)
+        else:  # a tensor or array, where a build hands it over unencoded
+            flat = np.asarray(value.numpy() if hasattr(value, "numpy") else value)
+            if flat.size % (layout.num_hidden_layers * layout.top_k):
+                raise EngineError(
+                    f"{what} returned {flat.size} routed expert ids, not whole rows of "
+                    f"{layout.num_hidden_layers} layers x top-{layout.top_k}"
+                )
+            routed = flat.reshape(-1, layout.num_hidden_layers, layout.top_k)
+        return rows_for_generated(
+            routed,
+            prompt_len,
+            start,
+            n_generated,
+            layout.moe_layers,
+            top_k=layout.top_k,
+            num_experts=layout.num_experts,
+            what=what,
+        )
 
     def prefill_logprobs(
         self, requests: Sequence[ScoreRequest], on_progress: Callable[[int], None] | None = None

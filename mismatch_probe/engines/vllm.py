@@ -25,7 +25,8 @@ import numpy as np
 from mismatch_probe.config.spec import EngineSpec, SamplingSpec, SyncSpec
 from mismatch_probe.engines.base import Completion, GenerationRequest, ScoreRequest, batch_seed, check_extra_args
 from mismatch_probe.engines.cpu_threads import cpu_thread_binding
-from mismatch_probe.errors import ConfigError
+from mismatch_probe.engines.routed_experts import MoeLayout, checkpoint_config, moe_layout, rows_for_generated
+from mismatch_probe.errors import ConfigError, EngineError
 from mismatch_probe.modeling.logprobs import LogprobSemantics, engine_semantics
 
 LOGPROBS_MODE = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
@@ -71,6 +72,52 @@ ROUTING_UNAVAILABLE_CPU = (
     "needs Triton's GPU backends ('Model Runner V2 requires Triton; using the V1 model runner instead', then "
     "'AuxOutput Connector requires Model Runner V2')"
 )
+# what vLLM 0.32 requires of enable_return_routed_experts beyond the platform (vllm/config/vllm.py:
+# VllmConfig._verify_aux_output_compatibility), checked before the engine starts
+ROUTING_SOURCE = "vllm/config/vllm.py: VllmConfig._verify_aux_output_compatibility"
+
+
+def routing_refusal(spec: EngineSpec, *, on_cpu: bool, version: str, known: set[str], env: dict) -> str | None:
+    """Why this vLLM cannot return the routed experts of this engine (``enable_return_routed_experts``),
+    or None when it can; the model is MoE (the caller checked). The requirement that fails is named."""
+    if on_cpu:
+        return ROUTING_UNAVAILABLE_CPU
+    if "enable_return_routed_experts" not in known:
+        return f"vLLM {version} has no engine argument enable_return_routed_experts (vllm-project/vllm#28284)"
+    extra = spec.extra_args
+    if env.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower() in ("0", "false"):
+        return (
+            "vLLM returns routed experts only from its V2 model runner ('AuxOutput Connector requires Model Runner "
+            f"V2', {ROUTING_SOURCE}), and VLLM_USE_V2_MODEL_RUNNER=0 selects the V1 runner"
+        )
+    if spec.prefix_caching is False or extra.get("enable_prefix_caching") is False:
+        return (
+            "vLLM returns routed experts only with prefix caching on: it keeps them per KV-cache block ('AuxOutput "
+            f"Connector requires prefix caching.', {ROUTING_SOURCE}), and engine.prefix_caching is false"
+        )
+    if spec.pipeline_parallel_size > 1:
+        return (
+            "vLLM returns routed experts only without pipeline parallelism ('--enable-return-routed-experts is "
+            f"incompatible with pipeline parallelism (PP > 1).', {ROUTING_SOURCE}); pipeline_parallel_size is "
+            f"{spec.pipeline_parallel_size}"
+        )
+    for key in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if int(extra.get(key) or 1) > 1:
+            return (
+                "vLLM returns routed experts only without context parallelism ('--enable-return-routed-experts is "
+                f"incompatible with context parallelism (DCP/PCP > 1).', {ROUTING_SOURCE}); {key} is {extra[key]}"
+            )
+    return None
+
+
+def _routing_refused_by(exc: Exception) -> str | None:
+    """vLLM's own line when its configuration check refused enable_return_routed_experts, else None."""
+    for line in str(exc).splitlines():
+        if "AuxOutput" in line or "routed-experts" in line.lower() or "routed_experts" in line:
+            return line.split(" [type=")[0].strip().removeprefix("Value error, ")  # pydantic's suffix dropped
+    return None
+
+
 ENV_RECORDED = (
     "VLLM_BATCH_INVARIANT",
     "VLLM_CPU_OMP_THREADS_BIND",
@@ -371,6 +418,24 @@ class VLLMEngine:
         self.quantized = bool(spec.quantization or read_config(self.model_path).get("quantization_config"))
         self.kv_cache_sizing = self._default_kv_cache(spec) if on_cpu else None
         self.requested = self._engine_args(spec, trust_remote_code)
+        # the routed experts of each token (Completion.experts), where this vLLM can return them
+        self.routing: MoeLayout | None = None
+        self.routing_unavailable: str | None = ROUTING_UNAVAILABLE_CPU if on_cpu else None
+        layout = moe_layout(checkpoint_config(self.model_path, trust_remote_code=trust_remote_code))
+        if "enable_return_routed_experts" in spec.extra_args:
+            raise ConfigError(
+                "engine.extra_args sets enable_return_routed_experts, which mismatch-probe sets from engine.record_routing",
+                hint="drop it from [engine.extra_args]; --no-record-routing turns the capture off",
+            )
+        if spec.record_routing and layout is not None:
+            from vllm.engine.arg_utils import EngineArgs
+
+            self.routing_unavailable = routing_refusal(
+                spec, on_cpu=on_cpu, version=self.version, known=set(EngineArgs.__dataclass_fields__), env=os.environ
+            )
+            if self.routing_unavailable is None:
+                self.routing = layout
+                self.requested["enable_return_routed_experts"] = True
         if self.sync is not None or self.quantized:
             from mismatch_probe.engines.vllm_sync import TARGET
 
@@ -385,7 +450,7 @@ class VLLMEngine:
             self.requested["enable_sleep_mode"] = True
         if self.kv_cache_sizing is not None:
             self.requested["kv_cache_memory_bytes"] = self.kv_cache_sizing["kv_cache_memory_bytes"]
-        self.llm = vllm.LLM(**self.requested)  # a memory refusal is named in our terms by EngineProcess
+        self.llm = self._start(vllm)
         self.config = self.llm.llm_engine.vllm_config
         self.effective = self._effective()
         if self.quantized:
@@ -393,9 +458,47 @@ class VLLMEngine:
                 self.llm.collective_rpc("probe_quantization")[0]
             )
         self._check_effective(spec)
+        self._check_routing()
         if on_cpu and spec.pipeline_parallel_size > 1 and self.effective.get("compilation_mode") == "NONE":
             # enforce_eager is refused before the start; a compilation mode set in extra_args lands here
             raise cpu_eager_pipeline_refusal(self.version)
+
+    def _start(self, vllm):
+        """``vllm.LLM`` with the requested arguments. Where vLLM's configuration check refuses
+        enable_return_routed_experts for a reason not checked beforehand (its V2 runner does not
+        support a feature this model or platform needs, a speculative or KV-transfer setting), the
+        engine starts without the capture and the run records vLLM's reason."""
+        try:
+            return vllm.LLM(**self.requested)  # a memory refusal is named in our terms by EngineProcess
+        except ValueError as exc:  # pydantic's ValidationError is one
+            why = _routing_refused_by(exc) if self.routing is not None else None
+            if why is None:
+                raise
+        self.routing = None
+        self.routing_unavailable = f"vLLM {self.version} refused enable_return_routed_experts: {why}"
+        del self.requested["enable_return_routed_experts"]
+        return vllm.LLM(**self.requested)
+
+    def _check_routing(self) -> None:
+        """The capture vLLM built: on, and of the layers and width the checkpoint's config says."""
+        if self.routing is None:
+            return
+        aux = getattr(self.config, "aux_output_config", None)
+        if not getattr(aux, "enable_return_routed_experts", False):
+            self.routing, self.routing_unavailable = (
+                None,
+                f"vLLM {self.version} started with enable_return_routed_experts off although it was asked for",
+            )
+            return
+        mc = self.config.model_config
+        built = (mc.get_total_num_hidden_layers(), mc.get_num_experts_per_tok())
+        if built != (self.routing.num_hidden_layers, self.routing.top_k):
+            self.routing_unavailable = (
+                f"vLLM {self.version} captures routed experts for {built[0]} layers x top-{built[1]}, where the "
+                f"checkpoint's config has {self.routing.num_hidden_layers} layers x top-{self.routing.top_k}: its rows "
+                "cannot be matched to the reference's MoE layers"
+            )
+            self.routing = None
 
     # ---- settings ------------------------------------------------------------------------
     def _engine_args(self, spec: EngineSpec, trust_remote_code: bool) -> dict:
@@ -510,10 +613,8 @@ class VLLMEngine:
             ),
             "env": {k: os.environ[k] for k in ENV_RECORDED if k in os.environ},
             **({"kv_cache_sizing": self.kv_cache_sizing} if self.kv_cache_sizing else {}),
-            "routing": None,
-            "routing_unavailable": ROUTING_UNAVAILABLE_CPU
-            if self.platform == "cpu"
-            else "expert ids from vLLM (enable_return_routed_experts, its V2 model runner) are not recorded yet",
+            "routing": self.routing.describe() if self.routing is not None else None,
+            **({"routing_unavailable": self.routing_unavailable} if self.routing_unavailable else {}),
             "versions": {"vllm": self.version, "torch": torch.__version__, "transformers": transformers.__version__},
         }
 
@@ -542,13 +643,15 @@ class VLLMEngine:
                 detokenize=False,
                 skip_special_tokens=False,
                 flat_logprobs=True,
+                # routing from the last prompt position on: the input behind each generated token
+                **({"routed_experts_prompt_start": len(r.prompt_token_ids) - 1} if self.routing is not None else {}),
             )
             for i, r in enumerate(requests)
         ]
         prompts = [{"prompt_token_ids": r.prompt_token_ids.tolist()} for r in requests]
         outputs = self.llm.generate(prompts, params, use_tqdm=_progress_bar(on_progress))
         completions = []
-        for r, out in zip(requests, outputs):
+        for i, (r, out) in enumerate(zip(requests, outputs)):
             c = out.outputs[0]
             tokens = np.asarray(c.token_ids, dtype=np.int32)
             completions.append(
@@ -557,9 +660,34 @@ class VLLMEngine:
                     logprobs=sampled_logprobs(c.logprobs, tokens),
                     finish_reason=c.finish_reason or "length",
                     prompt_token_ids=np.asarray(out.prompt_token_ids, dtype=np.int32),
+                    experts=self._experts(c, len(r.prompt_token_ids), len(tokens), i),
                 )
             )
         return completions
+
+    def _experts(self, c, prompt_len: int, n_generated: int, i: int) -> np.ndarray | None:
+        """``CompletionOutput.routed_experts`` ([positions from the last prompt one, num_hidden_layers,
+        top_k], uint8/uint16) as ``Completion.experts``; None when routing is not recorded."""
+        layout = self.routing
+        if layout is None:
+            return None
+        routed = getattr(c, "routed_experts", None)
+        if routed is None:
+            if n_generated == 0:
+                return np.zeros((0, len(layout.moe_layers), layout.top_k), np.int16)
+            raise EngineError(
+                f"vLLM {self.version} returned no routed experts for request {i} (enable_return_routed_experts is on)"
+            )
+        return rows_for_generated(
+            routed,
+            prompt_len,
+            prompt_len - 1,
+            n_generated,
+            layout.moe_layers,
+            top_k=layout.top_k,
+            num_experts=layout.num_experts,
+            what=f"vLLM {self.version} (request {i})",
+        )
 
     def prefill_logprobs(
         self, requests: Sequence[ScoreRequest], on_progress: Callable[[int], None] | None = None
@@ -568,10 +696,17 @@ class VLLMEngine:
 
         limit = self.effective.get("max_model_len") or 0
         todo = [i for i, r in enumerate(requests) if not limit or len(r.token_ids) < limit]
-        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False, flat_logprobs=True)
+
+        def params(n: int):
+            # with routing captured, none is asked back: the start at the prompt's end leaves 0 rows
+            skip = {"routed_experts_prompt_start": n} if self.routing is not None else {}
+            return SamplingParams(
+                max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False, flat_logprobs=True, **skip
+            )
+
         outputs = self.llm.generate(
             [{"prompt_token_ids": requests[i].token_ids.tolist()} for i in todo],
-            params,
+            [params(len(requests[i].token_ids)) for i in todo],
             use_tqdm=_progress_bar(on_progress),
         )
         # a sequence the engine cannot prefill (already max_model_len long) stays NaN

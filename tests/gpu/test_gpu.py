@@ -1,6 +1,7 @@
 """On a CUDA GPU: the `hf` engine and the reference as a GPU run has them (the lent H100/H200 image:
 torch with CUDA and transformers, no vLLM or SGLang). Every test here skips without CUDA
-(tests/conftest.py); ``pytest -m gpu`` runs them on the GPU machine (benchmarks/gpu_check.sh)."""
+(tests/conftest.py); ``pytest -m gpu`` runs them on the GPU machine (benchmarks/gpu_check.sh). The
+vLLM and SGLang routing tests also skip where that engine is not installed (their markers)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import DENSE, SINGLE_TURN, cli
+from conftest import DENSE, MOE, SGLANG_PYTHON, SINGLE_TURN, cli
 
 from mismatch_probe.config.spec import EngineSpec, ReferenceSpec, SamplingSpec
 from mismatch_probe.engines.base import GenerationRequest
@@ -150,3 +151,62 @@ def test_gpt_oss_reference_with_flex_attention_matches_eager(zoo):
     assert flex.info()["attn_implementation"] == "flex_attention"
     delta = np.abs(scored(flex, rollouts).astype(np.float64) - scored(eager, rollouts))
     assert delta.max() < 1e-3, delta.max()
+
+
+# ---- the engines' own routing (enable_return_routed_experts) ------------------------------------
+
+
+def routing_run(tmp_path, engine: str, *extra: str) -> tuple[dict, str]:
+    """compare on the MoE fixture (4 MoE layers, top-2 of 8) with the engine's routing recorded:
+    bfloat16 rollouts against a float32 reference on the GPU."""
+    run = tmp_path / engine
+    proc = cli(
+        *("compare", "--model", str(MOE), "--prompts", str(SINGLE_TURN), "--out", str(run)),
+        *("--engine", engine, "--engine-dtype", "bfloat16", "--record-routing", *extra),
+        *("--train-dtype", "float32", "--logits-fp32", "--train-device", "cuda"),
+        *("--max-prompts", "16", "--n", "2", "--max-tokens", "48", "--temperature", "1.0", "--seed", "3"),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((run / "run.json").read_text()), (run / "report.md").read_text()
+
+
+def check_routing_agreement(rec: dict, report: str) -> None:
+    """The engine returned the experts behind every model token, aligned with the reference's: a
+    bf16 engine against an fp32 reference keeps most tokens' expert sets in every layer (routing
+    one position off would agree on about 1 token in 28, the chance two top-2-of-8 sets match)."""
+    eng = rec["engine"]
+    assert "routing_unavailable" not in eng, eng.get("routing_unavailable")
+    assert eng["routing"] == {"moe_layers": [0, 1, 2, 3], "top_k": 2, "num_experts": 8}
+    routing = rec["routing"]
+    assert routing["n_tokens"] == rec["metrics"]["n_model_tokens"] > 0
+    assert routing["moe_layers"] == [0, 1, 2, 3] and len(routing["set_agreement_by_layer"]) == 4
+    assert min(routing["set_agreement_by_layer"]) > 0.7, routing["set_agreement_by_layer"]
+    assert routing["flipped"]["n_tokens"] + routing["agreed"]["n_tokens"] == routing["n_tokens"]
+    assert "MoE routing agreement" in report and "Routing agreement by layer" in report
+    assert "not measured" not in report.split("MoE routing agreement", 1)[1][:400]
+
+
+@pytest.mark.vllm
+def test_vllm_returns_its_routed_experts_on_cuda(tmp_path):
+    """vLLM's V2 model runner captures each token's experts (enable_return_routed_experts, per request
+    routed_experts_prompt_start = the last prompt position); the run reports routing agreement."""
+    rec, report = routing_run(tmp_path, "vllm", "--gpu-memory-utilization", "0.4")
+    assert rec["engine"]["requested"]["enable_return_routed_experts"] is True
+    check_routing_agreement(rec, report)
+
+
+@pytest.mark.vllm
+def test_vllm_without_prefix_caching_says_why_routing_is_not_measured(tmp_path):
+    rec, report = routing_run(tmp_path, "vllm", "--gpu-memory-utilization", "0.4", "--no-prefix-caching")
+    assert rec["engine"]["routing"] is None and "prefix caching" in rec["engine"]["routing_unavailable"]
+    assert "not measured: vLLM returns routed experts only with prefix caching on" in report
+
+
+@pytest.mark.sglang
+def test_sglang_returns_its_routed_experts_on_cuda(tmp_path):
+    """SGLang's capturer (enable_return_routed_experts; per request return_routed_experts, one
+    routed_experts_start_len per batch: the shortest prompt's last position)."""
+    assert SGLANG_PYTHON is not None
+    rec, report = routing_run(tmp_path, "sglang", "--engine-python", SGLANG_PYTHON)
+    assert rec["engine"]["requested"]["enable_return_routed_experts"] is True
+    check_routing_agreement(rec, report)
