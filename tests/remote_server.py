@@ -3,7 +3,7 @@
     python tests/remote_server.py --port 0 [--fail-attempts N] [--hang-attempts N --hang-s S]
         [--throttle-attempts N] [--die-after N] [--api-key KEY] [--model NAME] [--root PATH]
         [--text-only] [--swift [--swift-tokenizer DIR] [--swift-default-system TEXT]
-        [--swift-multi-turn-scheduler]] [--sglang-router] [--tls-cert PEM --tls-key PEM] [--latency-s S]
+        [--swift-multi-turn-scheduler]] [--trl-serve] [--sglang-router] [--tls-cert PEM --tls-key PEM] [--latency-s S]
 
 It prints ``PORT <n>`` once it listens. It speaks the parts of vLLM's API the remote engine uses
 (``/v1/models``, ``/version``, ``/v1/completions`` with token-id prompts, ``return_token_ids``,
@@ -236,7 +236,7 @@ def make_handler(state: State):
             if args.sglang_router:
                 self._send(200, {}) if path == "/health" else self._send(404, {"detail": "Not Found"})
                 return
-            if args.swift:  # ms-swift's `swift rollout`: its own routes, no OpenAI ones
+            if args.swift or args.trl_serve:  # ms-swift's `swift rollout`, TRL's `trl vllm-serve`: no OpenAI routes
                 if path == "/get_world_size/":
                     self._send(200, {"world_size": 1})
                 elif path == "/health/":
@@ -260,6 +260,9 @@ def make_handler(state: State):
             if args.sglang_router and self.path == "/generate":
                 state.attempt(body)
                 self._send(200, sglang_generate(body))
+                return
+            if args.trl_serve:  # its /generate/ and weight routes only: no /get_engine_type/
+                self._send(404, {"detail": "Not Found"})
                 return
             if args.swift:
                 path = self.path.split("?")[0]
@@ -328,6 +331,7 @@ def main() -> None:
     parser.add_argument("--swift-tokenizer", default=None, help="answer /infer/, rendering with this tokenizer")
     parser.add_argument("--swift-default-system", default=None, help="a system prompt the template adds")
     parser.add_argument("--swift-multi-turn-scheduler", action="store_true", help="say it runs a scheduler")
+    parser.add_argument("--trl-serve", action="store_true", help="answer as TRL's `trl vllm-serve` server")
     parser.add_argument("--sglang-router", action="store_true", help="answer /generate as an SGLang router")
     parser.add_argument("--tls-cert", default=None, help="serve HTTPS with this certificate (PEM)")
     parser.add_argument("--tls-key", default=None, help="its private key (PEM)")

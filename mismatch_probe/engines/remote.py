@@ -740,10 +740,19 @@ class OpenAIDialect(_Dialect):
         status, models = client.get("/v1/models")
         if status != 200 or not isinstance(models, dict) or not isinstance(models.get("data"), list):
             if status == 404 and client.get("/get_world_size/")[0] == 200:
+                # both ms-swift's `swift rollout` and TRL's `trl vllm-serve` answer /get_world_size/;
+                # only ms-swift's has POST /get_engine_type/ (swift/pipelines/infer/rollout.py)
+                if client.post("/get_engine_type/", None)[0] == 200:
+                    raise ConfigError(
+                        f"{client.where('')} is ms-swift's `swift rollout` server: it takes chat messages (it "
+                        "applies the chat template itself), not the OpenAI API",
+                        hint="pass --engine-api swift",
+                    )
                 raise ConfigError(
-                    f"{client.where('')} is ms-swift's `swift rollout` server: it takes chat messages (it applies "
-                    "the chat template itself), not the OpenAI API",
-                    hint="pass --engine-api swift",
+                    f"{client.where('')} answers /get_world_size/ but has no /v1/models: TRL's `trl vllm-serve` "
+                    "(its own /generate/ route, not the OpenAI API), which mismatch-probe has no dialect for yet",
+                    hint="probe its engine as `vllm serve` started with the flags you give trl vllm-serve "
+                    "(docs/frameworks/trl.md), or sample in process with --engine vllm",
                 )
             raise ConfigError(
                 f"{client.where('/v1/models')} answered HTTP {status}: not an OpenAI-compatible server",

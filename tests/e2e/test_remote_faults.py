@@ -166,7 +166,14 @@ def test_servers_that_cannot_give_token_ids_are_refused(tmp_path):
     assert "returns sampled tokens as text, not ids" in proc.stderr and "--return-tokens-as-token-ids" in proc.stderr
     with scripted_server(tmp_path, "--swift") as server:
         proc = compare(spec, server.url, tmp_path / "swift", prompts=2)
-    assert proc.returncode == 2 and "ms-swift's `swift rollout` server" in proc.stderr
+    assert (
+        proc.returncode == 2
+        and "ms-swift's `swift rollout` server" in proc.stderr
+        and "--engine-api swift" in proc.stderr
+    )
+    with scripted_server(tmp_path, "--trl-serve") as server:
+        proc = compare(spec, server.url, tmp_path / "trl", prompts=2)
+    assert proc.returncode == 2 and "TRL's `trl vllm-serve`" in proc.stderr
     proc = compare(spec, "http://127.0.0.1:9", tmp_path / "nothing", prompts=2)
     assert proc.returncode == 2 and "cannot reach the rollout server at http://127.0.0.1:9/v1/models" in proc.stderr
 
