@@ -20,9 +20,11 @@ from mismatch_probe.analysis.metrics import (
     GROUP_TURNS,
     CorrectionThresholds,
     MetricsAccumulator,
+    ReplayAccumulator,
     RoutingAccumulator,
     compare_routing,
     segment_starts,
+    token_terms,
 )
 from mismatch_probe.analysis.sequences import SequenceCollector
 from mismatch_probe.table.tokens import iter_model_tokens
@@ -36,7 +38,9 @@ def analyze(
     sequences: SequenceCollector | None = None,
 ) -> dict:
     """``metrics``, ``metrics_by_turn`` (first / later), ``metrics_by_turn_index``, ``corrections``, ``breakdowns``, ``routing`` for MoE runs whose
-    table has expert ids (``routing`` describes the layers, as the engine recorded them), and
+    table has expert ids (``routing`` describes the layers, as the engine recorded them; with
+    ``routing.replay``, the routing replay what-if, where the reference also scored with the
+    engine's routing forced: ``logp_train_replay``), and
     ``decode_vs_prefill``: the same metrics with the engine's prefill log-probs in the reference's
     place (``delta = logp_prefill - logp_infer``), where the table has them; and ``trainer`` for a
     re-scored imported dump that carried its trainer's log-probs: ``engine_vs_trainer`` (what the
@@ -47,6 +51,7 @@ def analyze(
     thresholds = thresholds or CorrectionThresholds()
     acc = MetricsAccumulator(thresholds)  # all, first, later and each turn index, in one pass
     router_acc: dict[str, RoutingAccumulator] = {}
+    replay_acc: dict[str, ReplayAccumulator] = {}  # the routing replay (R3) what-if, per turn group
     # decode vs prefill: the engine's sampled log-prob against its own full-sequence prefill
     prefill = MetricsAccumulator(thresholds)
     n_unscored = 0
@@ -83,6 +88,14 @@ def analyze(
             cmp = compare_routing(ei, et, n_layers, top_k)  # once per shard, shared by the groups
             for name, keep in _turn_groups(turn):
                 router_acc.setdefault(name, RoutingAccumulator(n_layers, top_k)).add(cmp, terms=done.terms, keep=keep)
+            if (lr := shard["logp_train_replay"]) is not None and (replayed := ~np.isnan(lr)).any():
+                replay_terms = token_terms(lr, li)  # the same tokens: engine vs the reference replaying its routing
+                flipped = np.asarray(~cmp.same.all(axis=-1))
+                for name, keep in _turn_groups(turn):
+                    keep = replayed if keep is None else keep & replayed
+                    replay_acc.setdefault(name, ReplayAccumulator()).add(
+                        done.terms, replay_terms, flipped, None if keep.all() else keep
+                    )
     out: dict[str, Any] = {
         "metrics": acc.metrics(),
         "metrics_by_turn": {name: acc.metrics(name) for name in GROUP_TURNS},
@@ -109,6 +122,11 @@ def analyze(
             "by_turn": {name: router_acc[name].result(layers) for name in GROUP_TURNS if name in router_acc},
             "num_experts": routing.get("num_experts"),
         }
+        if "all" in replay_acc:  # the reference also scored with the engine's routing replayed
+            out["routing"]["replay"] = replay_acc["all"].result()
+            for name, group in out["routing"]["by_turn"].items():
+                if name in replay_acc:
+                    group["replay"] = replay_acc[name].result()
     return out
 
 

@@ -751,6 +751,17 @@ class ReferenceSpec(_Settings):
         affects="run",
         group=REFERENCE,
     )
+    # the routing replay (R3) what-if: a second reference forward of MoE runs whose engine recorded
+    # its routing. since=5: at its default it is in no fingerprint, so earlier runs still resume.
+    routing_replay: bool = setting(
+        True,
+        "MoE runs with the engine's routing: the reference scores the tokens a second time with the routing "
+        "behind each model token forced to the engine's experts (R3), for the routing replay what-if.",
+        flag="--routing-replay/--no-routing-replay",
+        affects="run",
+        group=REFERENCE,
+        since=5,
+    )
 
     @model_validator(mode="after")
     def _sequence_parallel(self) -> ReferenceSpec:

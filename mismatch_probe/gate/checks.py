@@ -41,6 +41,8 @@ def metric_paths() -> set[str]:
     paths |= {f"corrections_by_turn.{g}.{k}" for g in ("first", "later") for k in corrections}
     paths |= {"routing.tokens_with_flip_share", "tokenization_check.n_differing"}
     paths |= {"server_template_check.share_differing", "server_template_check.n_differing"}
+    # the routing replay (R3) what-if (analysis/metrics.py: ReplayAccumulator)
+    paths |= {f"routing.replay.{k}" for k in ("k3_free", "k3_replayed", "gap_closed_share")}
     return paths
 
 

@@ -260,6 +260,7 @@ def _sample_synced(ctx: RunContext, missing: list[int]) -> None:
 def score(ctx: RunContext) -> None:
     """The reference scores the missing token shards, the exact ids the engine sampled."""
     from mismatch_probe.reference import open_reference_scorer
+    from mismatch_probe.reference.scorer import replay_info
 
     missing = ctx.missing(TOKENS_DIR)
     if not missing:
@@ -274,19 +275,25 @@ def score(ctx: RunContext) -> None:
             log_path=out / REFERENCE_LOG,
         )
     try:
-        record.update_sections({"reference": scorer.info()})
-        ctx.save()
         routing = record.engine.routing if record.engine is not None else None
+        replay = routing_replay(ctx, scorer) if routing else None
+        record.update_sections({"reference": scorer.info() | replay_info(replay)})
+        ctx.save()
         width = (len(routing.moe_layers), routing.top_k) if routing else None
+        options = {"replay": True} if replay is True else {}  # only the in-process scorer takes it
         progress.stage("score", sum(len(ctx.shards[i]) for i in missing))
         with timed(ctx.timings, "scoring_s"):
             for i in missing:
                 rollouts = read_rollout_shard(out / ROLLOUTS_DIR / shard_name(i), width)
-                scores = scorer.score(rollouts, semantics, on_progress=lambda k: progress.advance("score", k))
+                scores = scorer.score(
+                    rollouts, semantics, on_progress=lambda k: progress.advance("score", k), **options
+                )
                 trainer = [r.logp_trainer for r in rollouts]  # an imported dump's, kept beside ours
-                table = token_table(rollouts, scores.logp, scores.entropy, scores.experts, trainer)
+                table = token_table(
+                    rollouts, scores.logp, scores.entropy, scores.experts, trainer, logp_replay=scores.logp_replay
+                )
                 write_table_atomic(table, out / TOKENS_DIR / shard_name(i))
-        info, peaks = scorer.info(), scorer.peak_memory()
+        info, peaks = scorer.info() | replay_info(replay), scorer.peak_memory()
         if "parallel" in info:
             info["parallel"]["peak_memory_per_rank"] = peaks
         else:
@@ -295,6 +302,21 @@ def score(ctx: RunContext) -> None:
         ctx.save()
     finally:
         scorer.close()
+
+
+def routing_replay(ctx: RunContext, scorer) -> bool | str | None:
+    """Whether the reference also scores with the engine's routing replayed (R3) in an MoE run
+    whose engine recorded its routing: True, or why not (a string); None when the spec turns it off."""
+    if not ctx.spec.reference.routing_replay:
+        return None
+    from mismatch_probe.reference.scorer import ReferenceScorer
+
+    if not isinstance(scorer, ReferenceScorer):  # rank processes: sequence or tensor parallel, FSDP
+        return (
+            "the reference runs as rank processes (Ulysses SP, TP or FSDP), which routing replay does not "
+            "support yet; it needs a single-process reference"
+        )
+    return scorer.routing_replay_unavailable() or True
 
 
 def reference_semantics(ctx: RunContext) -> LogprobSemantics:

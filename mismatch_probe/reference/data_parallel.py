@@ -51,6 +51,7 @@ def score_data_parallel(ctx: Any, launch: Launch, semantics: LogprobSemantics) -
     import torch.distributed as dist
 
     from mismatch_probe.reference.launch import on_lead, split_by_tokens
+    from mismatch_probe.reference.scorer import replay_info
 
     out, record, progress = ctx.out, ctx.record, ctx.progress
     lead = launch.is_lead
@@ -67,6 +68,11 @@ def score_data_parallel(ctx: Any, launch: Launch, semantics: LogprobSemantics) -
     try:
         routing = record.engine.routing if record.engine is not None else None
         width = (len(routing.moe_layers), routing.top_k) if routing else None
+        # the routing replay (R3) what-if, as the single-process score stage runs it (pipeline/stages.py)
+        replay = (
+            (scorer.routing_replay_unavailable() or True) if routing and ctx.spec.reference.routing_replay else None
+        )
+        options = {"replay": True} if replay is True else {}
         if lead:
             progress.stage("score", sum(len(ctx.shards[i]) for i in missing))
         t0 = time.perf_counter()
@@ -85,10 +91,15 @@ def score_data_parallel(ctx: Any, launch: Launch, semantics: LogprobSemantics) -
                     default=0,
                 )
             if todo or forwards:
-                scores = scorer.score(todo, semantics, min_forwards=forwards)
+                scores = scorer.score(todo, semantics, min_forwards=forwards, **options)
                 if todo and parallel.leads_dp_group:
                     table = token_table(
-                        todo, scores.logp, scores.entropy, scores.experts, [r.logp_trainer for r in todo]
+                        todo,
+                        scores.logp,
+                        scores.entropy,
+                        scores.experts,
+                        [r.logp_trainer for r in todo],
+                        logp_replay=scores.logp_replay,
                     )
                     write_table_atomic(table, pieces_dir / names[parallel.dp_rank])
             scored += sum(not d for d in done)
@@ -100,7 +111,7 @@ def score_data_parallel(ctx: Any, launch: Launch, semantics: LogprobSemantics) -
         peaks: list = [None] * launch.world_size
         dist.all_gather_object(peaks, peak_memory(parallel.device))
         if lead:
-            info = scorer.info()
+            info = scorer.info() | replay_info(replay)
             info["parallel"]["pieces"] = {"scored": scored, "reused_from_an_earlier_launch": reused}
             info["parallel"]["peak_memory_per_rank"] = peaks
             record.update_sections({"reference": info})

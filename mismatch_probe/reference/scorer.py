@@ -19,6 +19,7 @@ rank processes that :func:`mismatch_probe.reference.open_reference_scorer` start
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -37,7 +38,7 @@ from mismatch_probe.modeling.loading import (
     resolve_device,
 )
 from mismatch_probe.modeling.logprobs import LogprobSemantics, entropy_from_logprobs, logprobs_under
-from mismatch_probe.modeling.routing import RouterRecorder
+from mismatch_probe.modeling.routing import ForcedRouting, RouterRecorder, check_forced_routing
 from mismatch_probe.modeling.sharded_loading import METHOD as SHARDED_LOADING
 from mismatch_probe.modeling.sharded_loading import NeedsFullLoad, build_on_meta, check_loadable, load_local_shards
 from mismatch_probe.modeling.varlen_attention import register as register_varlen_sdpa
@@ -69,6 +70,9 @@ class Scores:
     logp: list[np.ndarray]
     entropy: list[np.ndarray]
     experts: list[np.ndarray | None] | None = None  # int16 [model tokens, moe layers, k], MoE only
+    # routing replay (R3): the log-probs with the routing behind each model token forced to the
+    # engine's experts (``Rollout.experts_infer``), every other position routing freely; full length
+    logp_replay: list[np.ndarray] | None = None
 
 
 @dataclass
@@ -124,6 +128,9 @@ class ReferenceScorer:
         self._logits_scaling = getattr(cfg, "logits_scaling", None)  # Granite divides
         self._head_fp32: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.routing = RouterRecorder(self.model)
+        self.replay = ForcedRouting(self.model)
+        self._replay_unavailable: str | None = None
+        self._replay_checked = False
         self.layout: dict = {}
         if parallel:
             self.layout = check_layout(read_config(self.model_path), parallel.sp, parallel.tp)
@@ -313,6 +320,24 @@ class ReferenceScorer:
             self.model.config, embeds, attention_mask=None, past_key_values=None, position_ids=position_ids
         )
 
+    def routing_replay_unavailable(self) -> str | None:
+        """Why this scorer cannot also score with the engine's routing replayed (None: it can).
+        The first call checks the mechanism on the model once (:func:`check_forced_routing`)."""
+        if not self.routing.active:
+            return "the reference model has no MoE routers"
+        p = self.parallel
+        if p is not None and (p.sp > 1 or p.tp > 1 or self.fsdp):
+            return (
+                "the reference runs as a sharded training layout (Ulysses SP, TP or FSDP), which routing "
+                "replay does not support yet; it needs a single-process reference"
+            )
+        if not self._replay_checked:
+            vocab = self.lm_head.weight.shape[0]
+            ids = torch.arange(3, 19, device=self.device)[None] % vocab
+            self._replay_unavailable = self._with_all_weights(lambda: check_forced_routing(self.model, ids))
+            self._replay_checked = True
+        return self._replay_unavailable
+
     # ---- scoring ---------------------------------------------------------------------------
 
     def micro_batches(self, rollouts: Sequence[Rollout]) -> Iterator[list[int]]:
@@ -337,31 +362,39 @@ class ReferenceScorer:
         on_progress: Callable[[int], None] | None = None,
         *,
         min_forwards: int = 0,
+        replay: bool = False,
     ) -> Scores:
         """Score every model token of ``rollouts``; routing too when the engine recorded it.
 
         ``min_forwards``: run filler forwards (scores discarded) up to that many, so this rank
-        joins as many collectives as a data-parallel peer with more to score (FSDP)."""
+        joins as many collectives as a data-parallel peer with more to score (FSDP).
+        ``replay``: where the engine recorded routing, score the tokens a second time with the
+        routing behind each model token forced to the engine's experts (``Scores.logp_replay``;
+        :meth:`routing_replay_unavailable` says where it cannot)."""
         record = self.routing.active and all(r.experts_infer is not None for r in rollouts) and bool(rollouts)
+        replay = replay and record
+        if replay and (why := self.routing_replay_unavailable()):
+            raise ConfigError(f"routing replay: {why}", hint="turn it off: reference.routing_replay = false")
         if not record:
             scores = self._score(rollouts, semantics, on_progress, None)
         else:
             with self.routing:
-                scores = self._score(rollouts, semantics, on_progress, self.routing)
+                scores = self._score(rollouts, semantics, on_progress, self.routing, replay)
         if min_forwards:
             for _ in range(min_forwards - sum(1 for _ in self.micro_batches(rollouts))):
                 self._score([FILLER], semantics, None, None)
         return scores
 
-    def _score(self, rollouts, semantics, on_progress, routing: RouterRecorder | None) -> Scores:
+    def _score(self, rollouts, semantics, on_progress, routing: RouterRecorder | None, replay=False) -> Scores:
         # FSDP2 writes the gathered weights into buffers made outside inference mode, which it forbids
         with torch.no_grad() if self.fsdp else torch.inference_mode():
-            return self._score_all(rollouts, semantics, on_progress, routing)
+            return self._score_all(rollouts, semantics, on_progress, routing, replay)
 
-    def _score_all(self, rollouts, semantics, on_progress, routing: RouterRecorder | None) -> Scores:
+    def _score_all(self, rollouts, semantics, on_progress, routing: RouterRecorder | None, replay=False) -> Scores:
         logps = [np.full(len(r.token_ids), np.nan, dtype=np.float32) for r in rollouts]
         ents = [np.full(len(r.token_ids), np.nan, dtype=np.float32) for r in rollouts]
         experts: list[np.ndarray | None] = [None] * len(rollouts)
+        replayed = [np.full(len(r.token_ids), np.nan, dtype=np.float32) for r in rollouts] if replay else None
         for idx in self.micro_batches(rollouts):
             group = [rollouts[i] for i in idx]
             for r in group:
@@ -371,12 +404,13 @@ class ReferenceScorer:
                         "but nothing precedes it to predict it"
                     )
             if self._fsdp_root is None:
-                parts = self._micro_batch(group, semantics, routing)
+                parts = self._micro_batch(group, semantics, routing, replay)
             else:  # FSDP gathers the root's weights for the call, the layers' as each runs
-                parts = self._fsdp_root(lambda group=group: self._micro_batch(group, semantics, routing))
+                parts = self._fsdp_root(lambda group=group: self._micro_batch(group, semantics, routing, replay))
                 self._head_fp32 = None  # a copy of weights that are sharded again
             lp, ent = parts[0].cpu().numpy(), parts[1].cpu().numpy()
             group_experts = parts[2].cpu().numpy().astype(np.int16) if routing else None
+            lp_replay = parts[3].cpu().numpy() if replay else None
             start = 0
             for i, r in zip(idx, group):
                 k = int(r.is_model_token.sum())
@@ -384,14 +418,19 @@ class ReferenceScorer:
                 ents[i][r.is_model_token] = ent[start : start + k]
                 if group_experts is not None:
                     experts[i] = group_experts[start : start + k]
+                if replayed is not None and lp_replay is not None:
+                    replayed[i][r.is_model_token] = lp_replay[start : start + k]
                 start += k
             if on_progress:
                 on_progress(len(group))
-        return Scores(logps, ents, experts if routing else None)
+        return Scores(logps, ents, experts if routing else None, replayed)
 
-    def _micro_batch(self, group: list[Rollout], semantics, routing: RouterRecorder | None) -> list[torch.Tensor]:
+    def _micro_batch(
+        self, group: list[Rollout], semantics, routing: RouterRecorder | None, replay: bool = False
+    ) -> list[torch.Tensor]:
         """One micro-batch through the decoder and the LM head: its scored tokens' log-probs and
-        entropies (and routing), in order, on every rank of the layout."""
+        entropies (and routing; and with ``replay`` the log-probs again, with the engine's routing
+        forced), in order, on every rank of the layout."""
         fwd = self._forward_packed(group) if self.spec.packing else self._forward_padded(group)
         # the routing of the scored rows: the inputs whose hidden states give each token's logits
         group_experts = routing.take().index_select(0, fwd.src).to(torch.int32) if routing else None
@@ -400,25 +439,51 @@ class ReferenceScorer:
         parts = [*self._score_hidden(fwd.hidden, fwd.src, target_ids, semantics)]
         if group_experts is not None:
             parts.append(group_experts.to(self.device))
+        if replay and routing is not None:
+            parts.append(self._score_replayed(group, semantics, routing, target_ids))
         if fwd.counts is not None:  # sequence-parallel: every rank scored its slice of the row
             parts = gather_rows(parts, fwd.counts, self.parallel.sp_group)
         return parts
 
-    def _forward_packed(self, group: list[Rollout]) -> _Forward:
+    def _score_replayed(
+        self, group: list[Rollout], semantics, routing: RouterRecorder, target_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The scored tokens' log-probs from a forward whose routing behind each model token (the
+        row of the input before it) is forced to the engine's recorded experts; other rows route
+        freely. The recorder checks that every MoE layer routed the forced rows as told."""
+        try:  # the engine's ids must fit the reference's MoE layers (ForcedRouting.force checks them)
+            forced = torch.from_numpy(np.concatenate([r.experts_infer for r in group]).astype(np.int64))
+            forced = forced.to(self.device)
+            fwd = self._forward_packed(group, forced) if self.spec.packing else self._forward_padded(group, forced)
+        except ValueError as exc:
+            raise DataError(f"routing replay: {exc}") from None
+        took = routing.take().index_select(0, fwd.src).to(torch.int64)
+        if not torch.equal(took, forced.sort(dim=-1).values):
+            raise RuntimeError("routing replay: the MoE layers did not route the forced rows to the engine's experts")
+        return self._score_hidden(fwd.hidden, fwd.src, target_ids, semantics)[0]
+
+    def _forcing(self, src: np.ndarray, forced: torch.Tensor | None):
+        """Forwards in this block route rows ``src`` to ``forced`` (None: a free forward)."""
+        return nullcontext() if forced is None else self.replay.force(self._tensor(src), forced)
+
+    def _forward_packed(self, group: list[Rollout], forced: torch.Tensor | None = None) -> _Forward:
+        """The micro-batch as one packed row; ``forced``: the experts of each scored row (routing replay)."""
         lengths = np.array([len(r.token_ids) for r in group])
         offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
         ids = np.concatenate([r.token_ids for r in group]).astype(np.int64)
         pos = np.concatenate([np.arange(n) for n in lengths])
         src = np.concatenate([off + np.flatnonzero(r.is_model_token) - 1 for off, r in zip(offsets, group)])
         if self.ulysses is not None:
+            assert forced is None, "routing replay runs on a single-process reference"
             return self._forward_packed_ulysses(ids, pos, lengths, src)
         position_ids = self._tensor(pos)[None]
         extra = self._packed_kwargs(lengths) if self.varlen else {}
         if self.packed_masks == "precomputed":
             extra["attention_mask"] = self._packed_attention_mask(position_ids)
-        hidden = self.decoder(
-            input_ids=self._tensor(ids)[None], position_ids=position_ids, use_cache=False, **extra
-        ).last_hidden_state[0]
+        with self._forcing(src, forced):
+            hidden = self.decoder(
+                input_ids=self._tensor(ids)[None], position_ids=position_ids, use_cache=False, **extra
+            ).last_hidden_state[0]
         return _Forward(hidden, self._tensor(src))
 
     def _forward_packed_ulysses(self, ids, pos, lengths, src) -> _Forward:
@@ -455,17 +520,20 @@ class ReferenceScorer:
             "max_length_k": int(max(lengths)),
         }
 
-    def _forward_padded(self, group: list[Rollout]) -> _Forward:
+    def _forward_padded(self, group: list[Rollout], forced: torch.Tensor | None = None) -> _Forward:
+        """The micro-batch as right-padded rows; ``forced``: the experts of each scored row (routing replay)."""
         width = max(len(r.token_ids) for r in group)
         ids = torch.zeros((len(group), width), dtype=torch.long)
         mask = torch.zeros((len(group), width), dtype=torch.long)
         for i, r in enumerate(group):  # right padding: a trainer's layout
             ids[i, : len(r.token_ids)] = torch.from_numpy(r.token_ids.astype(np.int64))
             mask[i, : len(r.token_ids)] = 1
-        hidden = self.decoder(
-            input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False
-        ).last_hidden_state
+        # the routers see the batch flattened row-major: row i, position t is row i * width + t
         src = np.concatenate([i * width + np.flatnonzero(r.is_model_token) - 1 for i, r in enumerate(group)])
+        with self._forcing(src, forced):
+            hidden = self.decoder(
+                input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False
+            ).last_hidden_state
         return _Forward(hidden.reshape(-1, hidden.shape[-1]), self._tensor(src))
 
     def _score_hidden(
@@ -486,3 +554,11 @@ class ReferenceScorer:
         del self.model, self.decoder, self.lm_head
         self._head_fp32 = None
         free_accelerator_memory()
+
+
+def replay_info(replay: bool | str | None) -> dict:
+    """The reference section's ``routing_replay``: what the score stage did about the routing
+    replay what-if (True: run; a string: why not; None: turned off or not an MoE run with routing)."""
+    if replay is None:
+        return {}
+    return {"routing_replay": "the engine's experts forced (R3)" if replay is True else f"not run: {replay}"}

@@ -307,6 +307,9 @@ def routing_tables(record: RunRecord) -> tuple[str, list[Table]]:
         f"({r.get('num_experts')} experts). A token flips when any layer picks another set; "
         f"{pct(r['tokens_with_flip_share'])} of tokens flipped."
     )
+    replay, replay_table = routing_replay_view(record)
+    if replay:
+        lead += f" {replay}"
     keys = ("abs_delta_mean", "prob_diff_mean", "prob_diff_max", "k3_mean")
     tokens = Table(
         "routing",
@@ -325,7 +328,54 @@ def routing_tables(record: RunRecord) -> tuple[str, list[Table]]:
             for layer, a, o in zip(r["moe_layers"], r["set_agreement_by_layer"], r["overlap_by_layer"])
         ],
     )
-    return lead, [tokens, layers]
+    return lead, [tokens, *([replay_table] if replay_table else []), layers]
+
+
+def replay_sentence(replay: dict) -> str:
+    """The routing replay what-if in one sentence: K3 with free routing, then replayed."""
+    closed = replay.get("gap_closed_share")
+    return f"Routing replay (R3): K3 free {fmt(replay.get('k3_free'))} -> replayed {fmt(replay.get('k3_replayed'))}" + (
+        f" ({pct(closed)} of the gap closed)." if closed is not None else "."
+    )
+
+
+def routing_replay_view(record: RunRecord) -> tuple[str, Table | None]:
+    """The routing replay (R3) what-if: a sentence for the routing lead and its table, per turn
+    group and for the tokens whose routing flipped; or why it was not run (no table)."""
+    r = record.routing or {}
+    replay = r.get("replay")
+    if not replay or not replay.get("n_tokens"):
+        why = (record.reference.to_dict() if record.reference else {}).get("routing_replay")
+        return (f"Routing replay (R3): {why}." if isinstance(why, str) and why.startswith("not run") else ""), None
+    groups = [("all tokens", replay)]
+    if labels.has_later_turns(record):
+        by_turn = r.get("by_turn") or {}
+        groups += [
+            (label, (by_turn.get(key) or {}).get("replay") or {})
+            for key, label in (("first", labels.FIRST_TURN), ("later", labels.LATER_TURNS))
+        ]
+    groups.append(("tokens whose routing flipped", replay.get("flipped") or {}))
+    table = Table(
+        "routing_replay",
+        "Routing replay (R3) what-if",
+        [Column("tokens", "text"), Column("count"), Column("K3 free"), Column("K3 replayed")]
+        + [Column("gap closed"), Column("mean |Δp| free"), Column("mean |Δp| replayed")],
+        [
+            Row(
+                [name, fmt(g.get("n_tokens")), fmt(g.get("k3_free")), fmt(g.get("k3_replayed"))]
+                + [pct(g.get("gap_closed_share")), fmt(g.get("prob_diff_mean_free"))]
+                + [fmt(g.get("prob_diff_mean_replayed"))]
+            )
+            for name, g in groups
+        ],
+        lead=(
+            "The engine against the reference routing freely, and against the reference with the routing behind "
+            "each model token forced to the engine's experts (the router's own weights at them), over the same "
+            "tokens: what turning on routing replay in the trainer would leave of the mismatch. "
+            + replay_sentence(replay)
+        ),
+    )
+    return replay_sentence(replay), table
 
 
 SYNC_NAMES_SHOWN = 4  # differing parameters named in a sync's row (all of them are in run.json)

@@ -54,6 +54,10 @@ TOKEN_SCHEMA = pa.schema(
         # imported runs (dumps/): the training framework's own log-prob of the token, when the run
         # was re-scored by the reference (logp_train) and the dump had the trainer's; else null
         pa.field("logp_trainer", pa.float32()),
+        # MoE runs whose engine recorded routing (reference.routing_replay): the reference's log-prob
+        # with the routing behind each model token forced to the engine's experts (R3: the row of
+        # the input before it, in every MoE layer; other positions route freely); else null
+        pa.field("logp_train_replay", pa.float32()),
     ]
 )
 
@@ -196,9 +200,12 @@ def token_table(
     entropy_train: list[np.ndarray],
     experts_train: list[np.ndarray | None] | None = None,
     logp_trainer: list[np.ndarray | None] | None = None,
+    *,
+    logp_replay: list[np.ndarray] | None = None,
 ) -> pa.Table:
     """Explode scored rollouts into the per-token table (vectorized over the whole shard).
-    ``logp_trainer``: a dump's trainer log-probs beside the reference's (None: a null column)."""
+    ``logp_trainer``: a dump's trainer log-probs beside the reference's (None: a null column);
+    ``logp_replay``: the reference's with the engine's routing replayed (``Scores.logp_replay``)."""
     lengths = np.array([len(r.token_ids) for r in rollouts], dtype=np.int64)
     total = int(lengths.sum())
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(lengths) else np.zeros(0, np.int64)
@@ -225,6 +232,7 @@ def token_table(
         ],
         np.float32,
     )
+    replay = cat(logp_replay, np.float32) if logp_replay is not None else np.full(len(model), np.nan, np.float32)
     prompt_ids = pa.DictionaryArray.from_arrays(
         pa.array(np.repeat(np.arange(len(rollouts), dtype=np.int32), lengths)),
         pa.array([r.prompt_id for r in rollouts], pa.string()),
@@ -244,6 +252,7 @@ def token_table(
             _experts_column([r.experts_infer for r in rollouts], model),
             _experts_column(experts_train or [None] * len(rollouts), model),
             pa.array(trainer, mask=np.isnan(trainer) | ~model),
+            pa.array(replay, mask=np.isnan(replay) | ~model),
         ],
         schema=TOKEN_SCHEMA,
     )
@@ -291,9 +300,11 @@ MODEL_TOKEN_COLUMNS = (
     "experts_infer",
     "experts_train",
     "logp_trainer",
+    "logp_train_replay",
 )
-# absent from older tables: logp_prefill before schema version 2, logp_trainer before imports
-OPTIONAL_COLUMNS = ("logp_prefill", "logp_trainer")
+# absent from older tables: logp_prefill before schema version 2, logp_trainer before imports,
+# logp_train_replay before routing replay
+OPTIONAL_COLUMNS = ("logp_prefill", "logp_trainer", "logp_train_replay")
 EXPERT_COLUMNS = ("experts_infer", "experts_train")
 
 

@@ -133,6 +133,7 @@ def write_run(run_dir, lengths, worst_at, prompt_len=10):
                     pa.nulls(n, pa.binary()),
                     pa.nulls(n, pa.binary()),
                     pa.nulls(n, pa.float32()),  # logp_trainer
+                    pa.nulls(n, pa.float32()),  # logp_train_replay
                 ],
                 schema=TOKEN_SCHEMA,
             )
