@@ -43,6 +43,8 @@ def findings() -> dict[tuple[str, str], str]:
     for doc in sorted(d for d in FINDINGS.glob("*.md") if d.name != "README.md"):
         for match in CELLS.finditer(doc.read_text()):
             for cell in match.group(1).split():
+                if cell == "none":  # an engine bug no cell of the table shows (its own text says why)
+                    continue
                 family, _, column = cell.partition(":")
                 if family not in FAMILIES or column not in COLUMNS:
                     raise SystemExit(f"{doc}: {cell!r} is no family:column of the table")

@@ -135,7 +135,8 @@ def test_every_finding_names_cells_of_the_table_and_exists_once():
     docs = sorted((ROOT / "docs" / "engine-findings").glob("*.md"))
     linked = set(cells.values())
     for doc in docs:
-        if doc.name != "README.md":
+        # a finding no cell shows says so explicitly (<!-- cells: none -->) rather than by omission
+        if doc.name != "README.md" and "<!-- cells: none -->" not in doc.read_text():
             assert doc.relative_to(ROOT).as_posix() in linked, f"{doc.name} names no cell of the table"
     for path in linked:
         assert (ROOT / path).is_file()
