@@ -135,6 +135,13 @@ def test_moe_at_tensor_parallel_2(tmp_path):
     assert eng["tensor_parallel_size"] == 2 and eng["dtype"] == "bfloat16" and eng["platform"] == "cpu"
     assert eng["requested"]["tensor_parallel_size"] == 2
     assert "VLLM_CPU_OMP_THREADS_BIND" in eng["env"]
+    # this build cannot return routed experts: the run says exactly why, and so does the report
+    from mismatch_probe.engines.vllm import ROUTING_UNAVAILABLE_CPU
+
+    assert eng["routing"] is None and eng["routing_unavailable"] == ROUTING_UNAVAILABLE_CPU
+    assert rec["routing"] is None and "routing_replay" not in rec["reference"]
+    report = " ".join((tmp_path / "run" / "report.md").read_text().split())
+    assert "not measured: vLLM's CPU build cannot return expert ids" in report
     m = rec["metrics"]
     assert all(np.isfinite(m[k]) for k in ("k3_kl", "prob_diff_max", "seq_max_mismatch_mean"))
     assert 0 < m["k3_kl"] < 0.05
