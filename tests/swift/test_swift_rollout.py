@@ -72,3 +72,11 @@ def test_a_real_swift_rollout_is_probed(tmp_path, swift_rollout):
     assert rec["logprob_semantics"]["engine"]["mode"] == "processed" and rec["logprob_semantics"]["matched"]
     report = (out / "report.md").read_text()
     assert "server's chat template" in report and "8 of 8 contexts (100%) differ" in report
+    # the gate reads the share
+    gate = tmp_path / "gate.toml"
+    gate.write_text(
+        '[[checks]]\nname = "template"\nmetric = "server_template_check.share_differing"\nop = "<="\n'
+        'threshold = 0\nseverity = "fail"\n'
+    )
+    proc = cli("gate", str(out), "--thresholds", str(gate))
+    assert proc.returncode == 1 and "template" in proc.stdout, proc.stdout + proc.stderr

@@ -97,3 +97,41 @@ def test_the_template_check_adopts_a_first_turns_rendering_and_ends_a_later_turn
         [1, 7],
     )
     assert (cut["turn"], cut["first_difference_at"], cut["ours"], cut["server"]) == (1, 5, [12], [13, 14])
+
+
+class _ScriptedRoutes:
+    """A client whose GET/POST answers are given (orchestration only: what read_server does with them)."""
+
+    def __init__(self, answers: dict):
+        self.answers = answers
+
+    def where(self, path: str) -> str:
+        return "http://server" + path
+
+    def get(self, path, params=None):
+        return self.answers.get(("GET", path), (404, {"detail": "Not Found"}))
+
+    def post(self, path, body, params=None, attempts=3):
+        return self.answers.get(("POST", path), (404, {"detail": "Not Found"}))
+
+
+def test_what_a_swift_server_exposes_is_read_and_what_it_cannot_do_is_refused():
+    from mismatch_probe.config.spec import SyncSpec
+    from mismatch_probe.engines.remote import check_sync
+
+    engine_type = {"engine_type": "LLMEngine", "enable_multi_turn": False, "use_gym_env": False, "enable_lora": False}
+    routes = {("GET", "/get_world_size/"): (200, {"world_size": 4}), ("POST", "/get_engine_type/"): (200, engine_type)}
+    info = SwiftDialect().read_server(_ScriptedRoutes(routes), None)
+    assert (
+        info.software == "ms-swift" and info.settings["world_size"] == 4 and info.settings["engine_type"] == "LLMEngine"
+    )
+    assert "logprobs_mode" in info.unknown and "dtype" in info.unknown
+    scheduler = {**routes, ("POST", "/get_engine_type/"): (200, {**engine_type, "enable_multi_turn": True})}
+    with pytest.raises(ConfigError, match="its own multi-turn scheduler") as caught:
+        SwiftDialect().read_server(_ScriptedRoutes(scheduler), None)
+    assert "--multi_turn_scheduler" in caught.value.hint
+    with pytest.raises(ConfigError, match="not ms-swift's swift rollout server"):
+        SwiftDialect().read_server(_ScriptedRoutes({}), None)
+    for transfer in ("disk", "tensor", "nccl"):
+        with pytest.raises(ConfigError, match="NCCL broadcast from a trainer rank"):
+            check_sync(SyncSpec(start_from="perturbed", transfer=transfer), "swift")
