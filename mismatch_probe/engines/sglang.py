@@ -115,6 +115,20 @@ ROUTING_UNAVAILABLE_CPU = (
     "SGLang's CPU engine cannot return expert ids: enable_return_routed_experts pins its capture buffer with "
     "torch.cuda.cudart().cudaHostRegister, and the engine dies at start ('Torch not compiled with CUDA enabled')"
 )
+# Where SGLang 0.5.23 chooses that allocator: BaseHostCache (srt/state_capturer/base.py) calls
+# ALLOC_MEMORY_FUNCS[device](..., pin_memory=True), a defaultdict (srt/mem_cache/pool_host/common.py)
+# without a "cpu" entry, so "cpu" gets the default, alloc_with_host_register.
+CAPTURE_ALLOCATORS = "sglang.srt.state_capturer.base"
+HOST_REGISTER = "sglang.srt.mem_cache.pool_host.common"
+# tests/sglang-cpu's import hook (mismatch_probe_sglang_cpu.py) gives that table a "cpu" entry that
+# allocates the buffer as SGLang does, without registering it; its function carries this attribute
+UNPINNED_MARK = "unpinned_on_cpu"
+UNPINNED_CAPTURE_WORKAROUND = (
+    "SGLang's routed-experts host buffer is allocated unpinned on CPU: tests/sglang-cpu's import hook maps 'cpu' "
+    "in srt/state_capturer/base.py's ALLOC_MEMORY_FUNCS to alloc_with_host_register with pin_memory=False, "
+    "because its cudaHostRegister kills the CPU engine at start; pinning only serves asynchronous "
+    "device-to-host copies, which a CPU engine never makes"
+)
 # SGLang sizes its routed-experts capture buffer by chunked_prefill_size (state_capturer/routed_experts.py:
 # RoutedExpertsCapturer.__init__, max(chunked_prefill_size, max_running_requests) x dp rows); with chunked
 # prefill off (-1) a prefill of more tokens than max_running_requests overflows it (sgl-project/sglang#26860)
@@ -125,16 +139,61 @@ ROUTING_UNCHUNKED = (
 )
 
 
-def routing_refusal(spec: EngineSpec, *, device: str, version: str, known: set[str]) -> str | None:
+def cpu_capture_allocator() -> str:
+    """How this SGLang allocates the routed-experts host buffer for device "cpu", read from the table
+    :data:`CAPTURE_ALLOCATORS` holds (without adding an entry to it; importing it costs nothing the
+    engine's own import does not): ``"host_register"`` (SGLang's default, cudaHostRegister: the CPU
+    engine dies at start), ``"unpinned"`` (tests/sglang-cpu's import hook is in place), ``"other"``
+    (an allocator of this SGLang's own), or ``"unknown: ..."`` when the table is not where SGLang 0.5.23
+    has it."""
+    import importlib
+
+    try:
+        capturer = importlib.import_module(CAPTURE_ALLOCATORS)
+        register = getattr(importlib.import_module(HOST_REGISTER), "alloc_with_host_register", None)
+    except ImportError as exc:
+        return f"unknown: {exc}"
+    table = getattr(capturer, "ALLOC_MEMORY_FUNCS", None)
+    if table is None or not hasattr(table, "get"):
+        return f"unknown: {CAPTURE_ALLOCATORS} has no ALLOC_MEMORY_FUNCS"
+    alloc = table.get("cpu")
+    if alloc is None and getattr(table, "default_factory", None) is not None:
+        alloc = table.default_factory()
+    if alloc is None:
+        return f"unknown: {CAPTURE_ALLOCATORS}.ALLOC_MEMORY_FUNCS has no allocator for 'cpu'"
+    if getattr(alloc, UNPINNED_MARK, False):
+        return "unpinned"
+    return "host_register" if alloc is register else "other"
+
+
+def routing_refusal(
+    spec: EngineSpec, *, device: str, version: str, known: set[str], cpu_allocator: str | None = None
+) -> str | None:
     """Why this SGLang cannot return the routed experts of this engine (``enable_return_routed_experts``),
-    or None when it can; the model is MoE (the caller checked)."""
+    or None when it can; the model is MoE (the caller checked). ``cpu_allocator``: what
+    :func:`cpu_capture_allocator` found, on CPU (None: not read, SGLang's own default assumed)."""
     if device == "cpu":
-        return ROUTING_UNAVAILABLE_CPU
+        if cpu_allocator in (None, "host_register"):
+            return ROUTING_UNAVAILABLE_CPU
+        if cpu_allocator.startswith("unknown"):
+            return (
+                f"SGLang {version}'s CPU engine: mismatch-probe cannot tell how it allocates its routed-experts "
+                f"capture buffer ({cpu_allocator.removeprefix('unknown: ')}), and SGLang 0.5.23's allocation "
+                "(cudaHostRegister) kills the CPU engine at start"
+            )
     if "enable_return_routed_experts" not in known:
         return f"SGLang {version} has no server argument enable_return_routed_experts (sgl-project/sglang#12162)"
     if spec.chunked_prefill is False or spec.extra_args.get("chunked_prefill_size") == -1:
         return ROUTING_UNCHUNKED
     return None
+
+
+def unpinned_capture_workaround(cpu_allocator: str | None) -> dict:
+    """run.json's ``engine.workarounds`` entry for :data:`UNPINNED_CAPTURE_WORKAROUND`, where routing
+    is recorded through it."""
+    if cpu_allocator != "unpinned":
+        return {}
+    return {"routed_experts_host_buffer_unpinned_on_cpu": {"what": UNPINNED_CAPTURE_WORKAROUND}}
 
 
 CPU_MAX_TOTAL_TOKENS = 32768
@@ -267,7 +326,8 @@ class SGLangEngine:
             self.requested.update(self._sync_args(spec))
         # the routed experts of each token (Completion.experts), where this SGLang can return them
         self.routing: MoeLayout | None = None
-        self.routing_unavailable: str | None = ROUTING_UNAVAILABLE_CPU if self.device == "cpu" else None
+        self.routing_unavailable: str | None = None  # why not, for an MoE checkpoint (routing_refusal)
+        self.capture_workarounds: dict = {}  # how the routing capture runs here (unpinned_capture_workaround)
         if "enable_return_routed_experts" in spec.extra_args:
             raise ConfigError(
                 "engine.extra_args sets enable_return_routed_experts, which mismatch-probe sets from engine.record_routing",
@@ -278,10 +338,15 @@ class SGLangEngine:
             from sglang.srt.server_args import ServerArgs
 
             known = set(inspect.signature(ServerArgs).parameters)
-            self.routing_unavailable = routing_refusal(spec, device=self.device, version=self.version, known=known)
+            allocator = cpu_capture_allocator() if self.device == "cpu" else None
+            self.routing_unavailable = routing_refusal(
+                spec, device=self.device, version=self.version, known=known, cpu_allocator=allocator
+            )
             if self.routing_unavailable is None:
                 self.routing = layout
                 self.requested["enable_return_routed_experts"] = True
+                if self.device == "cpu":
+                    self.capture_workarounds = unpinned_capture_workaround(allocator)
         try:
             self.engine = sglang.Engine(**self.requested)
         except (ValueError, TypeError) as exc:  # SGLang validates its arguments with these
@@ -389,7 +454,7 @@ class SGLangEngine:
             "routing": self.routing.describe() if self.routing is not None else None,
             **({"routing_unavailable": self.routing_unavailable} if self.routing_unavailable else {}),
             "versions": versions,
-            "workarounds": self.prefill_reader.workarounds(),
+            "workarounds": {**self.prefill_reader.workarounds(), **self.capture_workarounds},
         }
 
     def generate(

@@ -147,7 +147,8 @@ def sample_shards(ctx: RunContext, engine: Engine, missing: list[int]) -> None:
         done = engine.info().get("workarounds") or {}
         for key, now in done.items():
             before = worked_around.get(key) or {}
-            done[key] = {**now, "restored": int(now.get("restored", 0)) + int(before.get("restored", 0))}
+            if "restored" in now:  # a count (a workaround of a setting has none)
+                done[key] = {**now, "restored": int(now["restored"]) + int(before.get("restored", 0))}
         record.update_sections({"engine": {**info, "workarounds": done}})
         ctx.save()
 

@@ -231,12 +231,15 @@ ENGINE_BOOKKEEPING = {
 
 def workaround_rows(record: RunRecord) -> list[tuple[str, str]]:
     """A row for the engine bugs the adapter worked around in this run (``engine.workarounds``),
-    each with how often it applied; none when none applied."""
+    each with how often it applied (a counted one that never applied is left out; one that holds
+    for the whole run, such as how a buffer is allocated, has no count); none when none applied."""
     done = (record.engine.settings().get("workarounds") if record.engine else None) or {}
-    applied = [w for w in done.values() if isinstance(w, dict) and w.get("restored")]
-    if not applied:
-        return []
-    return [("engine workarounds", "; ".join(f"{w['what']}: {w['restored']} entries" for w in applied))]
+    parts = [
+        w["what"] if "restored" not in w else f"{w['what']}: {w['restored']} entries"
+        for w in done.values()
+        if isinstance(w, dict) and w.get("what") and ("restored" not in w or w["restored"])
+    ]
+    return [("engine workarounds", "; ".join(parts))] if parts else []
 
 
 def setup_rows(record: RunRecord) -> list[tuple[str, str]]:

@@ -10,6 +10,8 @@ a start is ~15 s on 2 cores); the CLI tests start their own, as a user's run doe
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 
 import numpy as np
 import pytest
@@ -17,9 +19,10 @@ import torch
 from conftest import DENSE, ROOT, SGLANG_PYTHON, SINGLE_TURN, cli
 from engine_fixtures import CONFIGS, sglang_spec
 
-from mismatch_probe.config.spec import ProbeSpec, SamplingSpec
+from mismatch_probe.config.spec import EngineSpec, ProbeSpec, SamplingSpec
 from mismatch_probe.engines import get_entry
 from mismatch_probe.engines.process import EngineProcess
+from mismatch_probe.engines.sglang import ROUTING_UNAVAILABLE_CPU, routing_refusal
 from mismatch_probe.errors import ConfigError
 from mismatch_probe.pipeline import compare
 
@@ -164,3 +167,97 @@ def test_fp16_on_both_sides(tmp_path):
     rec = compare_cli(tmp_path, "--engine-dtype", "float16", "--train-dtype", "float16")
     assert rec["engine"]["dtype"] == "float16" and rec["spec"]["reference"]["dtype"] == "float16"
     assert 0 < rec["metrics"]["k3_kl"] < 1e-5
+
+
+def test_moe_routing_and_the_r3_what_if_from_sglang(tmp_path):
+    """An MoE checkpoint (the family suite's tiny Qwen3-MoE, untied: SGLang 0.5.23's
+    Qwen3MoeForCausalLM ignores tie_word_embeddings, docs/engine-findings/) sampled once by SGLang in
+    float32 with its routed experts (on CPU through tests/sglang-cpu's unpinned capture buffer,
+    recorded as a workaround), scored twice: by the float32 reference, which routes every token as
+    the engine did and leaves the R3 what-if nothing to close; then, from the same rollouts, by a
+    bfloat16 reference, where some tokens route differently and forcing the engine's experts
+    (R3) takes their K3 down by two orders of magnitude (measured on 2 CPU cores: 13 of 472 tokens
+    flip, their K3 5.6e-2 -> 1.4e-4)."""
+    import tiny_models
+
+    model = tiny_models.build("qwen3_moe", tmp_path / "tiny-qwen3-moe", tie_word_embeddings=False)
+    spec = ROOT / "probes" / "demo-sglang.toml"
+    common = ["--model", str(model), "--engine-python", SGLANG_PYTHON, "--max-prompts", "8", "--n", "2"]
+    common += ["--max-tokens", "32", "--seed", "3", "--engine-dtype", "float32"]
+    runs = {}
+    for name, extra in (
+        ("fp32", []),
+        ("bf16", ["--train-dtype", "bfloat16", "--rollouts-from", str(tmp_path / "fp32")]),
+    ):
+        proc = cli("compare", str(spec), "--out", str(tmp_path / name), *common, *extra)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = json.loads((tmp_path / name / "run.json").read_text())
+
+    same, flips = runs["fp32"], runs["bf16"]
+    eng = same["engine"]
+    assert eng["routing"] == {"moe_layers": [0, 1], "top_k": 2, "num_experts": 8}
+    assert "routing_unavailable" not in eng and eng["requested"]["enable_return_routed_experts"] is True
+    if eng["platform"] == "cpu":
+        assert "unpinned" in eng["workarounds"]["routed_experts_host_buffer_unpinned_on_cpu"]["what"]
+    for rec in (same, flips):
+        assert rec["reference"]["routing_replay"] == "the engine's experts forced (R3)"
+        routing = rec["routing"]
+        assert routing["n_tokens"] == rec["metrics"]["n_model_tokens"] > 100
+        assert len(routing["set_agreement_by_layer"]) == 2 and routing["replay"]["n_tokens"] == routing["n_tokens"]
+        report = (tmp_path / ("fp32" if rec is same else "bf16") / "report.md").read_text()
+        assert "## MoE routing agreement" in report and "## Routing replay (R3) what-if" in report
+
+    # float32 against float32: the same experts for every token, so replay changes nothing
+    r = same["routing"]
+    exact = eng["platform"] == "cpu"
+    assert r["set_agreement_by_layer"] == [1.0, 1.0] if exact else min(r["set_agreement_by_layer"]) > 0.98
+    if exact:
+        assert r["tokens_with_flip_share"] == 0 and r["replay"]["flipped"]["n_tokens"] == 0
+        assert r["replay"]["k3_replayed"] == pytest.approx(r["replay"]["k3_free"], rel=1e-6, abs=1e-12)
+    assert same["metrics"]["k3_kl"] < 1e-8
+
+    # a bfloat16 reference on the same tokens: some route differently, and R3 closes most of their gap
+    r = flips["routing"]
+    assert flips["engine"]["routing"] == eng["routing"]  # the engine's experts came with the rollouts
+    assert r["flipped"]["n_tokens"] > 0 and min(r["set_agreement_by_layer"]) < 1.0
+    flipped = r["replay"]["flipped"]
+    assert flipped["n_tokens"] == r["flipped"]["n_tokens"]
+    assert flipped["k3_replayed"] < 0.1 * flipped["k3_free"]
+    assert r["replay"]["k3_replayed"] < r["replay"]["k3_free"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="SGLang's CPU engine")
+def test_the_adapter_reads_whether_sglang_can_capture_routing_on_cpu():
+    """In the SGLang venv: the stock capture buffer (cudaHostRegister) fails on this torch as the
+    refusal says, and the adapter sees it; with tests/sglang-cpu's hook the same buffer is allocated
+    unpinned and the adapter asks for routing."""
+    code = """
+import json, sys
+import mismatch_probe_sglang_cpu as hook
+sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, hook._AfterCapturer)]  # stock SGLang
+from mismatch_probe.engines.sglang import cpu_capture_allocator
+stock = cpu_capture_allocator()
+from sglang.srt.state_capturer import base
+try:
+    base.BaseHostCache(8, 2, 2, name="t", device="cpu")
+    died = None
+except Exception as exc:
+    died = f"{type(exc).__name__}: {exc}"
+hook.patch_capturer(base)
+buffer = base.BaseHostCache(8, 2, 2, name="t", device="cpu").buffer
+print(json.dumps({"stock": stock, "died": died, "patched": cpu_capture_allocator(),
+                  "buffer": [list(buffer.shape), str(buffer.dtype), buffer.is_pinned(), int(buffer.abs().sum())]}))
+"""
+    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1"}
+    proc = subprocess.run([SGLANG_PYTHON, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["stock"] == "host_register" and got["died"] == "AssertionError: Torch not compiled with CUDA enabled"
+    assert got["patched"] == "unpinned" and got["buffer"] == [[8, 2, 2], "torch.int32", False, 0]
+    spec = EngineSpec(name="sglang")
+    known = {"enable_return_routed_experts"}
+    assert (
+        routing_refusal(spec, device="cpu", version="0.5.23", known=known, cpu_allocator=got["stock"])
+        == ROUTING_UNAVAILABLE_CPU
+    )
+    assert routing_refusal(spec, device="cpu", version="0.5.23", known=known, cpu_allocator=got["patched"]) is None

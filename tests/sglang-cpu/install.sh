@@ -10,8 +10,10 @@
 #   2. installs SGLang and torchvision with --no-deps, then the pure-Python requirements SGLang's
 #      CPU engine imports (requirements.txt, pinned);
 #   3. copies site-packages/ into the venv: a stand-in `sgl_kernel` with the two CPU helpers the
-#      engine calls (plain tensor code; anything else fails loudly), and an import hook that
-#      defines torchvision's nms/qnms op schemas so the CUDA torchvision's pure-Python part loads.
+#      engine calls (plain tensor code; anything else fails loudly), and import hooks that define
+#      torchvision's nms/qnms op schemas so the CUDA torchvision's pure-Python part loads, and that
+#      allocate the routed-experts capture buffer on CPU without cudaHostRegister (so the engine can
+#      return MoE routing here; engines/sglang.py records it as a workaround).
 # SGLang then runs its torch-native kernels (attention_backend=torch_native): dense models such
 # as Qwen2 and Llama work; fused MoE, speculative decoding and Mamba layers need the real kernels.
 set -euo pipefail

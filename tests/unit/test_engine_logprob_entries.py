@@ -135,3 +135,8 @@ def test_an_applied_workaround_has_a_row_of_its_own_in_the_report():
     assert name == "engine workarounds" and text.endswith(": 3 entries") and sglang.LAST_ID_FINDING in text
     settings = dict(setup_rows(record))["engine settings"]
     assert "workarounds" not in settings  # not repeated among the settings
+    # a workaround that holds for the whole run (how SGLang's CPU routing buffer is allocated) has no count
+    both = {**sglang.last_id_workaround(1023, 3), **sglang.unpinned_capture_workaround("unpinned")}
+    record.engine = EngineInfo.model_validate({"engine": "sglang", "workarounds": both})
+    ((_, text),) = workaround_rows(record)
+    assert ": 3 entries; " in text and text.endswith(sglang.UNPINNED_CAPTURE_WORKAROUND)

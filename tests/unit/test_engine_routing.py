@@ -59,16 +59,43 @@ def test_vllm_own_refusal_is_read_from_its_validation_error():
     assert vllm_adapter._routing_refused_by(ValueError("max_model_len is too large")) is None
 
 
-def test_sglang_asks_for_routing_off_cpu_with_chunked_prefill():
+def test_sglang_asks_for_routing_with_chunked_prefill_where_its_capture_buffer_can_be_allocated():
     known = {"enable_return_routed_experts"}
     spec = EngineSpec(name="sglang")
-    assert sglang_adapter.routing_refusal(spec, device="cuda", version="0.5.23", known=known) is None
-    cpu = sglang_adapter.routing_refusal(spec, device="cpu", version="0.5.23", known=known)
-    assert cpu == sglang_adapter.ROUTING_UNAVAILABLE_CPU
-    missing = sglang_adapter.routing_refusal(spec, device="cuda", version="0.5.0", known=set())
+
+    def refusal(device: str, cpu_allocator: str | None = None, spec=spec, known=known, version="0.5.23"):
+        return sglang_adapter.routing_refusal(
+            spec, device=device, version=version, known=known, cpu_allocator=cpu_allocator
+        )
+
+    assert refusal("cuda") is None
+    # on CPU, what cpu_capture_allocator found: SGLang's own host-registering allocator (a stock
+    # install; also what is assumed when nobody looked) refuses with its exact reason
+    assert refusal("cpu") == refusal("cpu", "host_register") == sglang_adapter.ROUTING_UNAVAILABLE_CPU
+    assert refusal("cpu", "unpinned") is None  # tests/sglang-cpu's hook in place
+    assert refusal("cpu", "other") is None  # an allocator of that SGLang's own: ask it
+    unknown = refusal("cpu", "unknown: No module named 'sglang.srt.state_capturer'", version="0.6.0")
+    assert "SGLang 0.6.0's CPU engine" in unknown and "No module named 'sglang.srt.state_capturer'" in unknown
+    # the other requirements still hold on CPU
+    assert "26860" in refusal("cpu", "unpinned", spec=EngineSpec(name="sglang", chunked_prefill=False))
+    missing = refusal("cuda", known=set(), version="0.5.0")
     assert "has no server argument enable_return_routed_experts" in missing
-    unchunked = EngineSpec(name="sglang", chunked_prefill=False)
-    assert "26860" in sglang_adapter.routing_refusal(unchunked, device="cuda", version="0.5.23", known=known)
+    assert "26860" in refusal("cuda", spec=EngineSpec(name="sglang", chunked_prefill=False))
+
+
+def test_sglang_records_the_unpinned_capture_buffer_only_where_it_is_used():
+    entry = sglang_adapter.unpinned_capture_workaround("unpinned")
+    assert list(entry) == ["routed_experts_host_buffer_unpinned_on_cpu"]
+    what = entry["routed_experts_host_buffer_unpinned_on_cpu"]["what"]
+    assert "pin_memory=False" in what and "cudaHostRegister" in what and "device-to-host" in what
+    for other in ("host_register", "other", None):
+        assert sglang_adapter.unpinned_capture_workaround(other) == {}
+
+
+def test_sglang_cpu_allocator_is_unknown_without_sglang():
+    if importlib.util.find_spec("sglang") is not None:
+        pytest.skip("SGLang is importable here (tests/engines/test_sglang_engine.py reads the real one)")
+    assert sglang_adapter.cpu_capture_allocator() == "unknown: No module named 'sglang'"
 
 
 def vllm_engine(layout: MoeLayout | None = LAYOUT) -> vllm_adapter.VLLMEngine:
@@ -179,3 +206,18 @@ def test_the_installed_sglang_has_the_fields_the_adapter_uses():
     )
     assert "enable_return_routed_experts" in (root / "arg_groups" / "fields" / "exec_.py").read_text()
     assert 'meta_info["routed_experts"]' in (root / "managers" / "tokenizer_manager.py").read_text()
+
+
+def test_the_installed_sglang_allocates_the_capture_buffer_where_the_cpu_hook_patches_it():
+    """tests/sglang-cpu's import hook and the adapter's cpu_capture_allocator read one table: the
+    allocator BaseHostCache takes from state_capturer/base.py's ALLOC_MEMORY_FUNCS, which for "cpu"
+    is the default, alloc_with_host_register (pool_host/common.py)."""
+    root = sglang_root() / "srt"
+    base = (root / "state_capturer" / "base.py").read_text()
+    assert "ALLOC_MEMORY_FUNCS,\n" in base and "alloc = ALLOC_MEMORY_FUNCS[device]" in base
+    assert "pin_memory=True," in base
+    common = (root / "mem_cache" / "pool_host" / "common.py").read_text()
+    table = common[common.index("ALLOC_MEMORY_FUNCS = defaultdict(") :]
+    table = table[: table.index("\n)\n")]
+    assert "lambda: alloc_with_host_register" in table and '"cpu"' not in table
+    assert "def alloc_with_host_register(" in common and "cudart = torch.cuda.cudart()" in common
