@@ -370,3 +370,40 @@ def test_server_without_the_routes_is_refused(tmp_path):
         assert "VLLM_SERVER_DEV_MODE=1" in caught.value.hint
     with scripted_server(tmp_path, "--sglang-router") as server, pytest.raises(ConfigError, match="no /server_info"):
         RemoteEngine(DENSE, EngineSpec(url=server.url, api="sglang", check_model=False), sync=sync)
+
+
+@pytest.mark.sglang
+def test_sglang_server_returns_its_moe_routing(tmp_path):
+    """An SGLang server started with --enable-return-routed-experts on an MoE checkpoint (the family
+    suite's tiny Qwen3-MoE, untied: docs/engine-findings/sglang-qwen3-moe-untied-lm-head.md): the
+    remote engine reads from /server_info that it returns them, asks for them from the last prompt
+    position, and reads each answer's meta_info.routed_experts into the routing behind each sampled
+    token, so the run compares the server's routing with the reference's and runs the R3 what-if.
+    On CPU the capture needs tests/sglang-cpu's unpinned buffer (engines/sglang.py)."""
+    import tiny_models
+
+    if SGLANG_PYTHON is None:
+        pytest.skip("SGLang is not installed (bash tests/sglang-cpu/install.sh .venv-sglang)")
+    model = tiny_models.build("qwen3_moe", tmp_path / "tiny-qwen3-moe", tie_word_embeddings=False)
+    port = free_port()
+    cmd = [
+        *(SGLANG_PYTHON, "-m", "sglang.launch_server", "--model-path", str(model)),
+        *("--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enable-return-routed-experts"),
+        *("--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"),
+        *("--max-total-tokens", "8192", "--sleep-on-idle", "--log-level", "warning"),
+    ]
+    with Server(cmd, log=tmp_path / "server.log", port=port, env={"SGLANG_USE_CPU_ENGINE": "1"}) as server:
+        server.wait_ready("/health_generate", timeout_s=600)
+        spec = ProbeSpec(model=str(model), prompts=str(SINGLE_TURN), out=str(tmp_path / "run"), max_prompts=8)
+        spec.engine = EngineSpec(url=server.url, api="sglang", dtype="float32", logprobs_mode="raw")
+        spec.sampling = SamplingSpec(temperature=1.0, max_tokens=24, n=2)
+        spec.reference.dtype = "float32"
+        rec = compare(spec).record
+    eng, routing = rec["engine"], rec["routing"]
+    assert eng["return_routed_experts"] is True and "routing_unavailable" not in eng
+    assert eng["routing"] == {"moe_layers": [0, 1], "top_k": 2, "num_experts": 8}
+    # float32 server, float32 reference: every sampled token routed as the reference routes it
+    assert routing["n_tokens"] == rec["metrics"]["n_model_tokens"] > 100
+    assert routing["set_agreement_by_layer"] == [1.0, 1.0] and routing["flipped"]["n_tokens"] == 0
+    assert rec["reference"]["routing_replay"] == "the engine's experts forced (R3)"
+    assert routing["replay"]["k3_replayed"] == pytest.approx(routing["replay"]["k3_free"], abs=1e-9)
