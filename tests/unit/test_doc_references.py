@@ -30,7 +30,7 @@ def defined_names(path: Path) -> set[str]:
 
 def test_every_path_and_name_reference_resolves():
     sources = {p: defined_names(p) for d in CODE_DIRS for p in (ROOT / d).rglob("*.py")}
-    texts = [ROOT / "ARCHITECTURE.md", ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
+    texts = [ROOT / "ARCHITECTURE.md", ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]
     texts += list((ROOT / "mismatch_probe").rglob("*.py"))
     checked, broken = 0, []
     for text in texts:
