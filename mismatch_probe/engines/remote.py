@@ -1450,22 +1450,11 @@ def _first_found(client: Client, paths: Sequence[str]) -> dict | None:
 def _routed_rows(layout: MoeLayout, raw, decode, request: GenerationRequest, completion: Completion, where: str):
     """The routing behind each sampled token from a server's routed experts (asked for from the
     last prompt position), in the probe's rows; a server that returns none is an error: it said it would."""
-    from mismatch_probe.engines.routed_experts import rows_for_generated
-
     if raw is None:
         raise EngineError(f"{where}: the answer has no routed experts, though the server runs with them on")
     what = f"{where}: the server"
     n_prompt = len(request.prompt_token_ids)
-    return rows_for_generated(
-        decode(raw, what=what),
-        n_prompt,
-        n_prompt - 1,
-        len(completion.token_ids),
-        layout.moe_layers,
-        top_k=layout.top_k,
-        num_experts=layout.num_experts,
-        what=what,
-    )
+    return layout.rows(decode(raw, what=what), n_prompt, n_prompt - 1, len(completion.token_ids), what=what)
 
 
 def _first_choice(answer: dict, where: str) -> dict:

@@ -107,6 +107,20 @@ class MoeLayout:
         """``engine.routing`` in run.json: the same keys as ``RouterRecorder.describe``."""
         return {"moe_layers": list(self.moe_layers), "top_k": self.top_k, "num_experts": self.num_experts}
 
+    def rows(self, routed: np.ndarray, prompt_len: int, start: int, n_generated: int, *, what: str) -> np.ndarray:
+        """:func:`rows_for_generated` of an engine's ``routed`` under this layout (its MoE layers,
+        top-k and expert count checked)."""
+        return rows_for_generated(
+            routed,
+            prompt_len,
+            start,
+            n_generated,
+            self.moe_layers,
+            top_k=self.top_k,
+            num_experts=self.num_experts,
+            what=what,
+        )
+
 
 def moe_layout(config: dict) -> MoeLayout | None:
     """The MoE layout of a config dict; None for a dense model (or one without a top-k)."""

@@ -33,7 +33,6 @@ from mismatch_probe.engines.routed_experts import (
     checkpoint_config,
     decode_sglang_int32_b64,
     moe_layout,
-    rows_for_generated,
 )
 from mismatch_probe.errors import ConfigError, EngineError
 from mismatch_probe.modeling.logprobs import LogprobSemantics
@@ -530,16 +529,7 @@ class SGLangEngine:
                     f"{layout.num_hidden_layers} layers x top-{layout.top_k}"
                 )
             routed = flat.reshape(-1, layout.num_hidden_layers, layout.top_k)
-        return rows_for_generated(
-            routed,
-            prompt_len,
-            start,
-            n_generated,
-            layout.moe_layers,
-            top_k=layout.top_k,
-            num_experts=layout.num_experts,
-            what=what,
-        )
+        return layout.rows(routed, prompt_len, start, n_generated, what=what)
 
     def prefill_logprobs(
         self, requests: Sequence[ScoreRequest], on_progress: Callable[[int], None] | None = None

@@ -25,7 +25,7 @@ import numpy as np
 from mismatch_probe.config.spec import EngineSpec, SamplingSpec, SyncSpec
 from mismatch_probe.engines.base import Completion, GenerationRequest, ScoreRequest, batch_seed, check_extra_args
 from mismatch_probe.engines.cpu_threads import cpu_thread_binding
-from mismatch_probe.engines.routed_experts import MoeLayout, checkpoint_config, moe_layout, rows_for_generated
+from mismatch_probe.engines.routed_experts import MoeLayout, checkpoint_config, moe_layout
 from mismatch_probe.errors import ConfigError, EngineError
 from mismatch_probe.modeling.logprobs import LogprobSemantics, engine_semantics
 
@@ -678,16 +678,7 @@ class VLLMEngine:
             raise EngineError(
                 f"vLLM {self.version} returned no routed experts for request {i} (enable_return_routed_experts is on)"
             )
-        return rows_for_generated(
-            routed,
-            prompt_len,
-            prompt_len - 1,
-            n_generated,
-            layout.moe_layers,
-            top_k=layout.top_k,
-            num_experts=layout.num_experts,
-            what=f"vLLM {self.version} (request {i})",
-        )
+        return layout.rows(routed, prompt_len, prompt_len - 1, n_generated, what=f"vLLM {self.version} (request {i})")
 
     def prefill_logprobs(
         self, requests: Sequence[ScoreRequest], on_progress: Callable[[int], None] | None = None
