@@ -260,7 +260,7 @@ def _sample_synced(ctx: RunContext, missing: list[int]) -> None:
 def score(ctx: RunContext) -> None:
     """The reference scores the missing token shards, the exact ids the engine sampled."""
     from mismatch_probe.reference import open_reference_scorer
-    from mismatch_probe.reference.scorer import replay_info
+    from mismatch_probe.reference.scorer import replay_info, routing_replay
 
     missing = ctx.missing(TOKENS_DIR)
     if not missing:
@@ -276,7 +276,7 @@ def score(ctx: RunContext) -> None:
         )
     try:
         routing = record.engine.routing if record.engine is not None else None
-        replay = routing_replay(ctx, scorer) if routing else None
+        replay = routing_replay(ctx.spec.reference.routing_replay, scorer) if routing else None
         record.update_sections({"reference": scorer.info() | replay_info(replay)})
         ctx.save()
         width = (len(routing.moe_layers), routing.top_k) if routing else None
@@ -302,21 +302,6 @@ def score(ctx: RunContext) -> None:
         ctx.save()
     finally:
         scorer.close()
-
-
-def routing_replay(ctx: RunContext, scorer) -> bool | str | None:
-    """Whether the reference also scores with the engine's routing replayed (R3) in an MoE run
-    whose engine recorded its routing: True, or why not (a string); None when the spec turns it off."""
-    if not ctx.spec.reference.routing_replay:
-        return None
-    from mismatch_probe.reference.scorer import ReferenceScorer
-
-    if not isinstance(scorer, ReferenceScorer):  # rank processes: sequence or tensor parallel, FSDP
-        return (
-            "the reference runs as rank processes (Ulysses SP, TP or FSDP), which routing replay does not "
-            "support yet; it needs a single-process reference"
-        )
-    return scorer.routing_replay_unavailable() or True
 
 
 def reference_semantics(ctx: RunContext) -> LogprobSemantics:

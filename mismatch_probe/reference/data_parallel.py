@@ -51,7 +51,7 @@ def score_data_parallel(ctx: Any, launch: Launch, semantics: LogprobSemantics) -
     import torch.distributed as dist
 
     from mismatch_probe.reference.launch import on_lead, split_by_tokens
-    from mismatch_probe.reference.scorer import replay_info
+    from mismatch_probe.reference.scorer import replay_info, routing_replay
 
     out, record, progress = ctx.out, ctx.record, ctx.progress
     lead = launch.is_lead
@@ -69,9 +69,7 @@ def score_data_parallel(ctx: Any, launch: Launch, semantics: LogprobSemantics) -
         routing = record.engine.routing if record.engine is not None else None
         width = (len(routing.moe_layers), routing.top_k) if routing else None
         # the routing replay (R3) what-if, as the single-process score stage runs it (pipeline/stages.py)
-        replay = (
-            (scorer.routing_replay_unavailable() or True) if routing and ctx.spec.reference.routing_replay else None
-        )
+        replay = routing_replay(ctx.spec.reference.routing_replay, scorer) if routing else None
         options = {"replay": True} if replay is True else {}
         if lead:
             progress.stage("score", sum(len(ctx.shards[i]) for i in missing))

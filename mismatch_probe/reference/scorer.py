@@ -556,6 +556,21 @@ class ReferenceScorer:
         free_accelerator_memory()
 
 
+def routing_replay(enabled: bool, scorer) -> bool | str | None:
+    """Whether the reference also scores with the engine's routing replayed (R3) in an MoE run
+    whose engine recorded its routing: True, or why not (a string); None when the spec turns it
+    off (``reference.routing_replay``). ``scorer``: a :class:`ReferenceScorer`, or the rank
+    processes' scorer (Ulysses SP, TP or FSDP), which cannot."""
+    if not enabled:
+        return None
+    if not isinstance(scorer, ReferenceScorer):  # rank processes: sequence or tensor parallel, FSDP
+        return (
+            "the reference runs as rank processes (Ulysses SP, TP or FSDP), which routing replay does not "
+            "support yet; it needs a single-process reference"
+        )
+    return scorer.routing_replay_unavailable() or True
+
+
 def replay_info(replay: bool | str | None) -> dict:
     """The reference section's ``routing_replay``: what the score stage did about the routing
     replay what-if (True: run; a string: why not; None: turned off or not an MoE run with routing)."""

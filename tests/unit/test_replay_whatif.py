@@ -80,17 +80,11 @@ def test_the_report_shows_the_what_if_or_why_it_was_not_run():
 
 
 def test_the_score_stage_replays_with_a_single_process_reference_only():
-    from types import SimpleNamespace
+    from mismatch_probe.config.spec import ProbeSpec
+    from mismatch_probe.reference.scorer import replay_info, routing_replay
 
-    from mismatch_probe.config.spec import ProbeSpec, ReferenceSpec
-    from mismatch_probe.pipeline.stages import routing_replay
-    from mismatch_probe.reference.scorer import replay_info
-
-    def ctx(on: bool):
-        return SimpleNamespace(spec=SimpleNamespace(reference=ReferenceSpec(routing_replay=on)))
-
-    assert routing_replay(ctx(False), object()) is None and replay_info(None) == {}
-    why = routing_replay(ctx(True), object())  # the rank processes' scorer (SP, TP, FSDP) stands here
+    assert routing_replay(False, object()) is None and replay_info(None) == {}
+    why = routing_replay(True, object())  # the rank processes' scorer (SP, TP, FSDP) stands here
     assert why.startswith("the reference runs as rank processes")
     assert replay_info(why) == {"routing_replay": f"not run: {why}"}
     assert replay_info(True) == {"routing_replay": "the engine's experts forced (R3)"}
