@@ -187,11 +187,15 @@ def corrections_table(record: RunRecord) -> Table:
 
     rows = [
         Row(
-            [name, what, ", ".join(f"{a.replace('_', ' ')} {tick(b)}" for a, b in (thresholds.get(key) or {}).items())]
+            [
+                doc.label,
+                doc.meaning,
+                ", ".join(f"{a.replace('_', ' ')} {tick(b)}" for a, b in (thresholds.get(key) or {}).items()),
+            ]
             + [cell for _, values in groups for cell in cells(values, key)],
             key=key,
         )
-        for key, (name, what) in CORRECTION_DOCS.items()
+        for key, doc in CORRECTION_DOCS.items()
     ]
     lead = "How much of this data each published correction would clip or drop at these thresholds, before you train with it"
     if kept:
@@ -763,8 +767,8 @@ def comparison_view(runs: list[RunData], title: str = "") -> ComparisonView:
         if any(v is not None for v in values):
             metric_rows.append(_ranked(label, f"{section}.{key}", METRIC_DOC[key].meaning, values, better))
     correction_rows = [
-        _ranked(name, key, what, [(r.record.corrections or {}).get(key) for r in runs], "lower", pct)
-        for key, (name, what) in CORRECTION_DOCS.items()
+        _ranked(doc.label, key, doc.meaning, [(r.record.corrections or {}).get(key) for r in runs], "lower", pct)
+        for key, doc in CORRECTION_DOCS.items()
     ]
 
     warnings = [

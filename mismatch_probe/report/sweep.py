@@ -240,7 +240,7 @@ def corrections_table(record: SweepRecord) -> Table:
         "corrections",
         "Does a correction rescue it? Share clipped or dropped → K3 of what it keeps",
         [Column("point", "text"), *(Column(a, "text") for a in axes), Column(METRIC_DOC["k3_kl"].label)]
-        + [Column(name) for name, _ in CORRECTION_DOCS.values()],
+        + [Column(doc.label) for doc in CORRECTION_DOCS.values()],
         rows,
         lead=f"Each correction at the spec's thresholds: the share of tokens (token corrections) or sequences "
         f"(sequence corrections) it clips or drops, and the K3 of what it keeps: {KEPT_K3_MEANING}. {within}."

@@ -114,7 +114,7 @@ def metric_label(key: str) -> str:
     if key in METRIC_DOC:
         return METRIC_DOC[key].label
     if key in CORRECTION_DOCS:
-        return f"{CORRECTION_DOCS[key][0]} share"
+        return f"{CORRECTION_DOCS[key].label} share"
     return ROUTING_LABELS.get(key, key)
 
 

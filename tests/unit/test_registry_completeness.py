@@ -31,7 +31,11 @@ def test_every_metric_has_a_doc_entry_and_every_doc_entry_is_a_metric():
     for doc in METRIC_DOCS:
         assert doc.label and doc.meaning, doc.key
         assert doc.better in ("lower", "higher", "zero", "one", None), doc.key
+        # the generated metrics page (docs/concepts/metrics.md) states each one's full definition
+        assert doc.formula.strip() and doc.estimates.strip() and doc.behaviour.strip(), doc.key
     assert set(CORRECTION_KEYS) == set(CORRECTION_DOCS)
+    for key, correction in CORRECTION_DOCS.items():
+        assert correction.label and correction.meaning and correction.formula.strip(), key
 
 
 @pytest.mark.parametrize("key", METRICS)

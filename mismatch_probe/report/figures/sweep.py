@@ -122,10 +122,10 @@ def rescue_plot(record: SweepRecord) -> Figure:
     if floor:
         ax.axvspan(min(floor), max(floor), color="#dde2ea", alpha=0.7, label="baseline repeats' K3")
     ax.scatter([p.metrics["k3_kl"] for p in rows], range(len(rows)), color="black", s=36, zorder=3, label="every token")
-    for (key, (name, _)), color, marker in zip(CORRECTION_DOCS.items(), RUN_COLORS[1:], CORRECTION_MARKERS):
+    for (key, doc), color, marker in zip(CORRECTION_DOCS.items(), RUN_COLORS[1:], CORRECTION_MARKERS):
         kept = [(i, float(v)) for i, p in enumerate(rows) if positive(v := p.corrections.get(KEPT_K3[key]))]
         if kept:
-            ax.scatter([v for _, v in kept], [i for i, _ in kept], color=color, marker=marker, s=22, label=name)
+            ax.scatter([v for _, v in kept], [i for i, _ in kept], color=color, marker=marker, s=22, label=doc.label)
     ax.set_xscale("log")
     ax.set_yticks(range(len(rows)), names)
     ax.set_ylim(len(rows) - 0.5, -0.5)
