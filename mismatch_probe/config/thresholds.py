@@ -81,22 +81,28 @@ class CheckSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
-    name: str = ""
+    name: str = Field(
+        default="", description="the check's name in the gate's output (default: derived from the metric)"
+    )
     metric: str | None = Field(
         default=None,
         description="a key of run.json's metrics, a dotted path, or a value derived from the sync section: "
         + ", ".join(SYNC_VALUES),
     )
-    sequence_metric: SequenceMetric | None = None
-    statistic: Statistic | None = None
+    sequence_metric: SequenceMetric | None = Field(
+        default=None, description="a column of sequences.parquet, bounded by a statistic over the sequences"
+    )
+    statistic: Statistic | None = Field(
+        default=None, description="with sequence_metric: the statistic over sequences that is compared"
+    )
     above: FiniteNumber | None = Field(default=None, description="the bound of statistic = share_above")
-    turns: Turns = "all"
-    op: Op
-    threshold: FiniteNumber | None = None
+    turns: Turns = Field(default="all", description="with sequence_metric: which turn group's sequences")
+    op: Op = Field(description="how the value compares with the bound for the check to pass")
+    threshold: FiniteNumber | None = Field(default=None, description="a fixed bound")
     baseline_factor: FiniteNumber | None = Field(default=None, gt=0, description="a bound relative to --baseline")
-    severity: Severity = "fail"
-    description: str = ""
-    source: str = ""
+    severity: Severity = Field(default="fail", description="fail: exit 1 when violated; warn: reported only")
+    description: str = Field(default="", description="why the bound is what it is, shown with the result")
+    source: str = Field(default="", description="where the bound comes from (a paper, a framework's default)")
 
     @model_validator(mode="after")
     def _consistent(self) -> CheckSpec:
