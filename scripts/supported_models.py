@@ -1,14 +1,14 @@
 """Regenerate the supported-models table from the model-family conformance suite.
 
-    python scripts/supported_models.py                  # run tests/families, update docs/model-support.json and README.md
+    python scripts/supported_models.py                  # run tests/families, update docs/model-support.json and docs/concepts/supported-models.md
     python scripts/supported_models.py --from OUT.json  # use the outcomes of a suite run already made
-    python scripts/supported_models.py --check          # exit 1 if README.md's table is not docs/model-support.json's
+    python scripts/supported_models.py --check          # exit 1 if the page's table is not docs/model-support.json's
 
 The suite (tests/families/) runs every family of tests/tiny_models.py on every column: the
 reference (one process, TP=2, Ulysses SP=2), the HF engine, vLLM's and SGLang's CPU builds. Run
 with ``MISMATCH_PROBE_MODEL_SUPPORT_OUT`` it writes each outcome ("ok", or "refused" with the
 engine's own reason, or "differs": runs with log-probs that are not the model's) to that file; this script merges them into docs/model-support.json (the
-committed results, which the suite then enforces) and renders the README's table between its
+committed results, which the suite then enforces) and renders the table of docs/concepts/supported-models.md between its
 markers. A column this machine could not run (an engine not installed) keeps its committed cells.
 """
 
@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from model_support import COLUMNS, OUT_ENV, TABLE
 from tiny_models import FAMILIES
 
-README = ROOT / "README.md"
+PAGE = ROOT / "docs" / "concepts" / "supported-models.md"  # the documentation page that shows the table
 BEGIN, END = "<!-- supported-models:begin -->", "<!-- supported-models:end -->"
 FINDINGS = ROOT / "docs" / "engine-findings"
 # a finding names the table cells it explains, once, in its own text: <!-- cells: gemma2:sglang -->
@@ -38,7 +38,7 @@ CELLS = re.compile(r"<!--\s*cells:\s*([^>]*?)\s*-->")
 
 def findings() -> dict[tuple[str, str], str]:
     """(family, column) -> the engine finding behind that cell (docs/engine-findings/*.md, path
-    relative to the repository), as each finding declares its cells."""
+    relative to the page the table is on), as each finding declares its cells."""
     out: dict[tuple[str, str], str] = {}
     for doc in sorted(d for d in FINDINGS.glob("*.md") if d.name != "README.md"):
         for match in CELLS.finditer(doc.read_text()):
@@ -48,7 +48,7 @@ def findings() -> dict[tuple[str, str], str]:
                 family, _, column = cell.partition(":")
                 if family not in FAMILIES or column not in COLUMNS:
                     raise SystemExit(f"{doc}: {cell!r} is no family:column of the table")
-                out[(family, column)] = doc.relative_to(ROOT).as_posix()
+                out[(family, column)] = Path(os.path.relpath(doc, PAGE.parent)).as_posix()
     return out
 
 
@@ -84,7 +84,7 @@ def merge(table: dict, outcomes: dict) -> dict:
 
 
 def render(table: dict, bugs: dict[tuple[str, str], str] | None = None) -> str:
-    """The README's table: a row per family, a cell per column (ok / refused or differs, with the
+    """The documentation page's table: a row per family, a cell per column (ok / refused or differs, with the
     reason as a numbered note below the table / not tried); a cell an engine bug explains links its
     finding (``bugs``, default :func:`findings`)."""
     bugs = findings() if bugs is None else bugs
@@ -117,16 +117,16 @@ def render(table: dict, bugs: dict[tuple[str, str], str] | None = None) -> str:
     return "\n".join(lines)
 
 
-def readme_block(text: str) -> str:
+def page_block(text: str) -> str:
     if BEGIN not in text or END not in text:
-        raise SystemExit(f"README.md has no {BEGIN} ... {END} block")
+        raise SystemExit(f"{PAGE.relative_to(ROOT)} has no {BEGIN} ... {END} block")
     return text.split(BEGIN, 1)[1].split(END, 1)[0].strip("\n")
 
 
-def write_readme(table: dict) -> None:
-    text = README.read_text()
+def write_page(table: dict) -> None:
+    text = PAGE.read_text()
     head, rest = text.split(BEGIN, 1)
-    README.write_text(f"{head}{BEGIN}\n{render(table)}\n{END}{rest.split(END, 1)[1]}")
+    PAGE.write_text(f"{head}{BEGIN}\n{render(table)}\n{END}{rest.split(END, 1)[1]}")
 
 
 def run_suite(out: Path) -> None:
@@ -143,12 +143,12 @@ def run_suite(out: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--from", dest="source", type=Path, help="outcomes written by a suite run")
-    parser.add_argument("--check", action="store_true", help="only check README.md against the committed table")
+    parser.add_argument("--check", action="store_true", help="only check the page's table against the committed table")
     args = parser.parse_args()
     table = json.loads(TABLE.read_text()) if TABLE.is_file() else {"families": {}}
     if args.check:
-        if readme_block(README.read_text()) != render(table):
-            print(f"README.md's supported-models table is not {TABLE.name}'s: run python scripts/supported_models.py")
+        if page_block(PAGE.read_text()) != render(table):
+            print(f"{PAGE.relative_to(ROOT)}'s table is not {TABLE.name}'s: run python scripts/supported_models.py")
             return 1
         return 0
     if args.source is None:
@@ -162,7 +162,7 @@ def main() -> int:
     table["versions"] = _versions()
     TABLE.parent.mkdir(parents=True, exist_ok=True)
     TABLE.write_text(json.dumps(table, indent=2) + "\n")
-    write_readme(table)
+    write_page(table)
     print(render(table))
     return 0
 

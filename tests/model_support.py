@@ -1,5 +1,5 @@
 """The supported-models table: what the model-family conformance suite (tests/families/) found,
-committed as docs/model-support.json, rendered into README.md by scripts/supported_models.py.
+committed as docs/model-support.json, rendered into docs/concepts/supported-models.md by scripts/supported_models.py.
 
 Each conformance test runs one family on one column (the reference, its layouts, an engine) and
 hands the outcome to :func:`check`: "ok" (it ran and every assertion held), "refused" (the
@@ -27,7 +27,7 @@ TABLE = ROOT / "docs" / "model-support.json"
 OUT_ENV = "MISMATCH_PROBE_MODEL_SUPPORT_OUT"
 REGENERATE = "python scripts/supported_models.py"
 
-# column -> header in the README table, in table order
+# column -> header in the supported-models table, in table order
 COLUMNS = {
     "reference": "reference fp32 (packed, padded)",
     "reference_tp2": "reference TP=2",

@@ -4,7 +4,7 @@ log-probs from real forwards), written as each framework writes it.
 
     .venv/bin/python examples/dumps/make_examples.py     # verl's needs bash tests/dumps/install-verl.sh
 
-Import any of them (README, "Diagnose a run you already have"):
+Import any of them (docs/how-to/import.md):
 
     mismatch-probe import slime examples/dumps/slime --model fixtures/models/tiny-qwen2
     mismatch-probe import nemo-rl examples/dumps/nemo-rl --model fixtures/models/tiny-qwen2

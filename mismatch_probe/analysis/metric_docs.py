@@ -12,7 +12,7 @@ written once. Sources of the reference points:
 - verl's FAQ (docs/faq/faq.rst): ``training/rollout_probs_diff_mean`` (mean |Δp|) "should be below
   0.005"; above 0.01 "indicates a precision issue".
 - K3 under FP8 rollouts (``PUBLISHED_K3``): NeMo-RL's Qwen3.5 guide (PR #2744) and xtuner's FP8
-  alignment fix (PR #2044); README's Precision section lists them with verl PR #7519's K1 and Pearson figures.
+  alignment fix (PR #2044); docs/how-to/precision.md lists them with verl PR #7519's K1 and Pearson figures.
 """
 
 from __future__ import annotations
@@ -591,7 +591,7 @@ class PublishedK3(NamedTuple):
     source: str
 
 
-# Only figures whose metric is K3 by the source's own code (README, Precision: published figures).
+# Only figures whose metric is K3 by the source's own code (docs/how-to/precision.md: published figures).
 # verl PR #7519's FP8 figures (0.0100 -> 0.0313) are its rollout_corr/kl, which is K1 (signed), so
 # they are cited in the docs and not placed on a K3 card.
 PUBLISHED_K3 = (

@@ -174,7 +174,7 @@ class Client:
                 return reply.status_code, _parse(reply)
         raise ConfigError(
             f"cannot reach the rollout server at {self.where(path)}: {self.redact(_describe(last))}",
-            hint="start the server first (README: Probe the rollout server you train with), or fix --engine-url",
+            hint="start the server first (docs/how-to/live-server.md), or fix --engine-url",
         )
 
     # ---- many requests at once ------------------------------------------------------------

@@ -2,7 +2,8 @@
 request, draws every figure, is not blank, and a prompt carrying markup shows as text and never
 runs. Needs Debian's ``chromium`` (``.ci/run`` installs it) and playwright (the ``test`` extra).
 
-Set ``MISMATCH_PROBE_SCREENSHOTS=DIR`` to keep the screenshots (the README's come from here).
+Set ``MISMATCH_PROBE_SCREENSHOTS=DIR`` to keep the screenshots (README's and the docs' come from here:
+``MISMATCH_PROBE_SCREENSHOTS=docs/images``).
 Set ``MISMATCH_PROBE_REQUIRE_BROWSER=1`` (CI does) to fail instead of skipping without Chromium.
 """
 
@@ -31,6 +32,7 @@ CHROMIUM_ARGS = [  # as root in a sandbox with a closed network (see the machine
     "--disable-quic",
 ]
 EXAMPLES = ROOT / "reports" / "example", ROOT / "reports" / "example-fp32"
+SWEEP = ROOT / "reports" / "sweep-demo" / "sweep.html"
 
 
 def _unavailable(reason: str):
@@ -171,8 +173,8 @@ def test_comparison_loads_cleanly(browser, hostile_run, bf16_run, tmp_path):
     not all((p / "run.json").is_file() for p in EXAMPLES), reason="the committed example runs are absent"
 )
 def test_committed_examples_render(browser, tmp_path):
-    """The committed vLLM runs (engine bf16 and fp32 against an fp32 reference); the README's
-    screenshots are taken here."""
+    """The committed vLLM runs (engine bf16 and fp32 against an fp32 reference) and the committed
+    demo sweep's page; the screenshots of README and the docs are taken here."""
     report, comparison = tmp_path / "report.html", tmp_path / "compare.html"
     for args in (
         (str(EXAMPLES[0]), "--out", str(report)),
@@ -187,3 +189,6 @@ def test_committed_examples_render(browser, tmp_path):
     page = LoadedPage(browser, comparison, height=1500)
     page.check(n_figures=4)
     keep("example-compare.png", page.page.screenshot())
+    page = LoadedPage(browser, SWEEP, height=1100)
+    page.check(n_figures=3)  # the page as committed (the sweep tests render it anew)
+    keep("sweep-demo.png", page.page.screenshot())

@@ -112,7 +112,7 @@ def test_vllm_server_probe_agrees_with_the_in_process_engine(vllm_server, vllm_e
 
     # decode vs the server's own prefill (T = 1: processed log-probs are raw ones). Prefill is batch
     # invariant, but on an AMX CPU a decode step's log-probs depend on how many sequences decode
-    # together (README, engine findings), and a server's decode batches follow the requests' arrival:
+    # together (docs/concepts/engines.md), and a server's decode batches follow the requests' arrival:
     # most tokens are bitwise equal, the rest differ in the last bits (max 0.003 seen; in process,
     # where every request arrives at once, all are equal)
     at_t1 = SamplingSpec(**{**vars(sampling), "temperature": 1.0, "top_p": 1.0})

@@ -99,7 +99,7 @@ def test_bf16_engine_against_the_fp32_reference_on_cuda(runs):
     assert rec["environment"]["hardware"] == "gpu" and rec["environment"]["gpus"]
     assert rec["reference"]["numerics"]["tf32_matmul"] is False and rec["engine"]["numerics"]["sdpa_backends"]
     m = rec["metrics"]
-    # the published bf16 ranges (README: K3 1e-4 to 1e-3 at scale); a 2-layer model sits below them
+    # the published bf16 ranges (docs/concepts/metrics.md, published figures); a 2-layer model sits below them
     assert 1e-7 < m["k3_kl"] < 1e-2 and 0 < m["prob_diff_max"] < 0.5
     assert rec["decode_vs_prefill"]["n_model_tokens"] == m["n_model_tokens"]
 
