@@ -100,7 +100,8 @@ def _split(text: str) -> list[str]:
 
 
 def commands() -> list[Command]:
-    """Every ``mismatch-probe SUBCOMMAND ...`` the docs show, in a shell block or in inline code."""
+    """Every ``mismatch-probe SUBCOMMAND ...`` the docs show, in a shell block, in inline code or in the
+    example CI workflows (examples/ci)."""
     found: list[Command] = []
 
     def add(where: str, text: str) -> None:
@@ -112,6 +113,10 @@ def commands() -> list[Command]:
                 continue
             found.append(Command(where, piece.strip(), words[1], words[2:]))
 
+    for workflow in sorted((ROOT / "examples" / "ci").glob("*.yml")):  # shown on the gate page
+        for line in _command_lines(workflow.read_text()):
+            if "mismatch-probe" in line:
+                add(str(workflow.relative_to(ROOT)), line)
     for page in pages():
         fenced = set()
         for b in blocks(page):
