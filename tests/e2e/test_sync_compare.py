@@ -16,12 +16,21 @@ from mismatch_probe.cli import app
 pytestmark = pytest.mark.vllm
 
 
-def test_sync_probe_names_the_stale_cache_and_the_stale_head(tmp_path):
+def test_sync_probe_names_the_stale_cache_and_the_stale_head(tmp_path, monkeypatch):
     out = tmp_path / "run"
     args = ["compare", str(ROOT / "probes/sync-demo.toml"), "--out", str(out), "--max-prompts", "6"]
+    # both engines (the synced one and the fresh one) run their engine core and model runner in the
+    # engine worker ("uni"; the CPU build needs VLLM_ENABLE_V1_MULTIPROCESSING=0 for it): the same
+    # CPU worker, weight update path and prefix cache as vLLM's default (mp), without two more
+    # processes importing vLLM per start (~20 s each) and ~5 s to stop them. The sync path through
+    # mp's worker process is tests/engines/test_vllm_sync.py's, on the shared engine.
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    args += ["--distributed-executor-backend", "uni"]
     result = CliRunner().invoke(app, [*args, "--no-sync-reset-prefix-cache", "--sync-repeats", "2"])
     assert result.exit_code == 0, result.output
-    sync = json.loads((out / "run.json").read_text())["sync"]
+    rec = json.loads((out / "run.json").read_text())
+    assert rec["engine"]["distributed_executor_backend"] == "uni"
+    sync = rec["sync"]
     assert sync["complete"] and len(sync["repeats"]) == 2
     kinds = {f["kind"] for f in sync["findings"]}
     # vLLM 0.32 CPU's stale tied-LM-head kernel (tests/engines/test_vllm_sync.py), and the cache
