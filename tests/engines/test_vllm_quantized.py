@@ -37,6 +37,15 @@ SIZE = {"FP8_DYNAMIC": ("4", "1", "16")}
 # the others: what a run records of the export and of each layer does not need many tokens (the
 # K3 each scheme gives is probes/precision.toml's, with its noise floor)
 DEFAULT_SIZE = ("8", "2", "16")
+# The engine's executor. A user's run on the CPU build has vLLM's default (mp: an engine-core and a
+# worker process, each importing vLLM, ~20 s of each start, and ~5 s to stop them); the W8A8 run
+# keeps it, so the layers' record crosses the worker's process boundary as it does for a user. The
+# other runs put the engine core and its model runner in the engine worker ("uni", as
+# tests/families/engine_families.py does): the same CPU worker class and model runner load the
+# export, pick the kernels and run them, which is all these runs check.
+IN_PROCESS = ("--distributed-executor-backend", "uni")
+IN_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # what the CPU build needs for "uni"
+MP_SCHEMES = ("W8A8",)
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +65,13 @@ def test_a_quantized_export_runs_quantized_in_every_linear_layer(exports, scheme
         *("--train-dtype", "float32", "--logits-fp32"),
         *(x for pair in zip(("--max-prompts", "--n", "--max-tokens"), SIZE.get(scheme, DEFAULT_SIZE)) for x in pair),
         *("--temperature", "1.0", "--seed", "3"),
+        *(() if scheme in MP_SCHEMES else IN_PROCESS),
+        env=None if scheme in MP_SCHEMES else IN_PROCESS_ENV,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rec = json.loads((out / "run.json").read_text())
+    expected_backend = "mp" if scheme in MP_SCHEMES else "uni"
+    assert rec["engine"]["distributed_executor_backend"] == expected_backend
     expected_scheme, kernel, dtypes, declared = EXPECTED[scheme]
     assert rec["inputs"]["engine_checkpoint"].endswith(f"tiny-qwen2-{scheme.lower()}")
     assert rec["inputs"]["engine_checkpoint_quantization"]["groups"]["group_0"]["weights"].startswith(declared)
@@ -106,7 +119,8 @@ def test_the_other_rollout_precisions_run_as_recorded(tmp_path, flags, kv_cache_
     proc = cli(
         *("compare", "--model", str(DENSE), "--prompts", str(SINGLE_TURN), "--out", str(out)),
         *("--engine", "vllm", "--enforce-eager", "--max-prompts", "8", "--n", "2", "--max-tokens", "32"),
-        *("--temperature", "1.0", "--seed", "3", "--logits-fp32", *flags),
+        *("--temperature", "1.0", "--seed", "3", "--logits-fp32", *flags, *IN_PROCESS),
+        env=IN_PROCESS_ENV,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rec = json.loads((out / "run.json").read_text())
