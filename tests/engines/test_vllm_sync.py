@@ -94,12 +94,19 @@ def test_sync_faults_are_named(vllm_engine, fresh, start, fault, tmp_path):
         assert not differing and report["engine_report"]["not_loaded"] == []
 
 
-def test_moe_sync_on_the_cpu_build(tmp_path):
+def test_moe_sync_on_the_cpu_build(tmp_path, monkeypatch):
     """The MoE model: started from the perturbed checkpoint, synced to the model (the stale LM-head
-    kernel, and the experts vLLM's CPU build does not restore), and with the experts permuted."""
+    kernel, and the experts vLLM's CPU build does not restore), and with the experts permuted.
+
+    Its engine core and model runner run in the engine worker ("uni"; the CPU build needs
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 for it): the same CPU worker and update path as the default
+    (mp) executor, which the dense faults above take on the shared engine, without two more
+    processes importing vLLM (~20 s) and ~5 s to stop them."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     start = ws.perturbed_checkpoint(MOE, tmp_path / "perturbed")
+    spec = vllm_spec(distributed_executor_backend="uni")
     engine = EngineProcess(
-        get_entry("vllm"), MOE, vllm_spec(), log_path=tmp_path / "engine.log", sync=SyncSpec(start_from="perturbed")
+        get_entry("vllm"), MOE, spec, log_path=tmp_path / "engine.log", sync=SyncSpec(start_from="perturbed")
     )
     try:
         fresh = engine.weight_digest(tmp_path / "fresh.npz")
