@@ -55,7 +55,7 @@ def test_top_p_semantics_and_the_nucleus_boundary(vllm_engine, tmp_path):
     assert runs["engine"]["n_zero_prob_train"] <= 0.01 * runs["engine"]["n_model_tokens"]
 
 
-def compare_cli(tmp_path, *args):
+def compare_cli(tmp_path, *args, env: dict | None = None):
     out = tmp_path / "run"
     proc = cli(
         "compare",
@@ -75,6 +75,7 @@ def compare_cli(tmp_path, *args):
         "3",
         "--enforce-eager",
         *args,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((out / "run.json").read_text())
@@ -85,10 +86,15 @@ def test_fp32_engine_matches_fp32_reference_and_sizes_its_kv_cache_itself(tmp_pa
 
     Flags only, no memory flag: vLLM's CPU default (0.92 of the NUMA node) need not be free;
     mismatch-probe gives it what the run needs, capped by what the node has free, and records the
-    choice."""
-    rec = compare_cli(tmp_path, "--model", str(DENSE), "--engine-dtype", "float32", "--train-dtype", "float32")
+    choice.
+
+    The engine runs in-process in the engine worker ("uni", which the CPU build takes with
+    VLLM_ENABLE_V1_MULTIPROCESSING=0): the same CPU worker, kernels and KV cache as vLLM's default
+    mp executor (the shared engine's), without two more processes importing vLLM (~20 s)."""
+    args = ("--engine-dtype", "float32", "--train-dtype", "float32", "--distributed-executor-backend", "uni")
+    rec = compare_cli(tmp_path, "--model", str(DENSE), *args, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     eng = rec["engine"]
-    assert eng["dtype"] == "float32"
+    assert eng["dtype"] == "float32" and eng["distributed_executor_backend"] == "uni"
     assert rec["metrics"]["k3_kl"] < 1e-8 and rec["metrics"]["prob_diff_max"] < 1e-3
     dvp = rec["decode_vs_prefill"]
     assert dvp["n_model_tokens"] == rec["metrics"]["n_model_tokens"] and dvp["k3_kl"] < 1e-8
