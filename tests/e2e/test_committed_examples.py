@@ -98,7 +98,7 @@ def test_the_committed_sweep_shows_what_its_spec_asks():
 
 
 def test_the_committed_precision_grid_ran_each_rollout_precision_as_it_says():
-    """probes/precision.toml's result (README, Precision): every rollout x trainer point finished;
+    """probes/precision.toml's result (docs/how-to/precision.md): every rollout x trainer point finished;
     the quantized points ran quantized by vLLM's own record of its layers (a silently ignored
     export cannot pass), the fp8 KV point with an fp8 cache; fp16 on both sides is far below the
     bf16 baseline, int4 far above; each point records what each correction keeps."""
@@ -131,7 +131,7 @@ def test_the_committed_precision_grid_ran_each_rollout_precision_as_it_says():
 def test_the_committed_gpu_runs_name_their_gpus_and_agree_bit_for_bit():
     """reports/gpu-h100 and gpu-h200 (benchmarks/gpu_check.sh on the lent GPU machines): the card
     says which GPU, driver and CUDA ran them; the H100 and the H200 sampled the same tokens and
-    both sides gave the same log-probs, bit for bit (README, "On GPUs"); float16 rollouts sit far
+    both sides gave the same log-probs, bit for bit (docs/how-to/gpus.md); float16 rollouts sit far
     below bfloat16's K3."""
     from conftest import token_rows
 
@@ -155,7 +155,7 @@ def test_the_committed_gpu_runs_name_their_gpus_and_agree_bit_for_bit():
 
 
 def test_the_committed_timeline_finds_the_drift_where_it_was_put(tmp_path):
-    """reports/timeline-drift (README, Timeline): a synthetic 200-step run whose mismatch variance
+    """reports/timeline-drift (docs/how-to/timeline.md): a synthetic 200-step run whose mismatch variance
     triples from step 121 (regenerate.sh); the page says so, and its kept steps open as runs."""
     import shutil
 

@@ -32,7 +32,7 @@ EXPECTED = {
     ),
 }
 # fp8 runs through torch._scaled_mm, which the CPU emulates: ~6x slower at this size and ~1000x at
-# probes/precision.toml's (README, Precision), so a smaller run. vLLM pads each fp8 GEMM to 17 rows
+# probes/precision.toml's (docs/how-to/precision.md), so a smaller run. vLLM pads each fp8 GEMM to 17 rows
 # and the emulation takes ~2 s a forward here, so every decode step costs that much whatever the
 # batch: 4 tokens (3 decode steps) take 15 s where 16 took 37 s. Up to 16 model tokens keep the
 # checks below meaningful: fp8 moves every token's log-prob (K3 7e-5 on them, 0 would need none
