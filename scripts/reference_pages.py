@@ -64,6 +64,10 @@ def cli_page() -> str:
     settings = spec_settings().values()
     setting_panels = {s.info.group for s in settings} - {None, ""}
     setting_flags = {flag for s in settings for flag in s.info.flag.split("/")}
+
+    def is_setting(option) -> bool:  # a spec setting's flag, described in settings.md, not here
+        return option.rich_help_panel in setting_panels and bool(set(option.opts) & setting_flags)
+
     out = [
         "# Command line",
         "",
@@ -81,17 +85,11 @@ def cli_page() -> str:
         out += ["", f"## `{name}`", "", (command.help or "").strip(), ""]
         out += ["```text", f"mismatch-probe {name} {' '.join(command.collect_usage_pieces(ctx))}".rstrip(), "```"]
         arguments = [p for p in command.params if p.param_type_name == "argument"]
-        own = [
-            p
-            for p in command.params
-            if p.param_type_name == "option"
-            and not p.hidden
-            and not (p.rich_help_panel in setting_panels and set(p.opts) & setting_flags)
-        ]
+        options = [p for p in command.params if p.param_type_name == "option"]
+        own = [p for p in options if not p.hidden and not is_setting(p)]
         by_panel: dict[str, list[str]] = {}
-        for p in command.params:
-            if p.param_type_name == "option" and p.rich_help_panel in setting_panels and set(p.opts) & setting_flags:
-                by_panel.setdefault(p.rich_help_panel, []).append(_option_names(p))
+        for p in filter(is_setting, options):
+            by_panel.setdefault(p.rich_help_panel, []).append(_option_names(p))
         if arguments:
             out += ["", "| argument | value | what it is |", "|---|---|---|"]
             for p in arguments:

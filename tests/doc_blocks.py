@@ -131,3 +131,16 @@ def commands() -> list[Command]:
             for m in INLINE.finditer(line):
                 add(f"{page.relative_to(ROOT)}:{n}", m.group(1))
     return found
+
+
+def cli_options() -> dict[str, set[str]]:
+    """Each command of the CLI -> every option it takes (both names of a --x/--no-x pair, and --help)."""
+    import typer.main
+
+    from mismatch_probe.cli import app
+
+    group = typer.main.get_command(app)
+    return {
+        name: {opt for p in command.params for opt in (*p.opts, *p.secondary_opts)} | {"--help"}
+        for name, command in group.commands.items()
+    }

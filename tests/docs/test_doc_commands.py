@@ -4,22 +4,14 @@ exist: renaming a flag or a setting without updating README.md, ARCHITECTURE.md 
 from __future__ import annotations
 
 import pytest
-from doc_blocks import Command, commands
+from doc_blocks import Command, cli_options, commands
 
 GLOBAL = {"--debug", "--help"}
 
 
 @pytest.fixture(scope="module")
 def cli() -> dict[str, set[str]]:
-    import typer.main
-
-    from mismatch_probe.cli import app
-
-    group = typer.main.get_command(app)
-    return {
-        name: {opt for p in command.params for opt in (*p.opts, *p.secondary_opts)} | {"--help"}
-        for name, command in group.commands.items()
-    }
+    return cli_options()
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ import re
 
 import pytest
 from conftest import ROOT
+from doc_blocks import cli_options
 
 FRAMEWORKS = ("verl", "slime", "nemo-rl", "openrlhf", "trl", "ms-swift", "prime-rl", "skyrl")
 SECTIONS = (
@@ -24,13 +25,9 @@ def section(text: str, heading: str) -> str:
 
 @pytest.fixture(scope="module")
 def probe_names() -> tuple[set[str], set[str]]:
-    import typer.main
-
-    from mismatch_probe.cli import app
     from mismatch_probe.config.spec import spec_settings
 
-    compare = typer.main.get_command(app).commands["compare"]
-    return set(spec_settings()), {o for p in compare.params for o in (*p.opts, *p.secondary_opts)}
+    return set(spec_settings()), cli_options()["compare"] - {"--help"}  # a flag the map could name
 
 
 def test_every_framework_has_a_page_in_the_index_and_the_nav():
