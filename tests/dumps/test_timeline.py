@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from required import unavailable
 from synthetic_run import FORMATS, synthetic_run, write_run
 from training_run import verl_site
 
@@ -28,9 +29,7 @@ WINDOW = 5  # the change step found within this many steps of the truth
 
 def _require(fmt: str) -> None:
     if fmt == "verl" and verl_site() is None:
-        if os.environ.get("MISMATCH_PROBE_REQUIRE_VERL"):
-            pytest.fail("verl is required here: bash tests/dumps/install-verl.sh .verl-site")
-        pytest.skip("verl is not installed for the tests (bash tests/dumps/install-verl.sh .verl-site)")
+        unavailable("VERL", "verl is not installed for the tests: bash tests/dumps/install-verl.sh .verl-site")
 
 
 def _options(fmt: str, source: Path, out: Path, **kw) -> TimelineOptions:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import DENSE, ROOT, cli
+from required import unavailable
 
 pytestmark = pytest.mark.browser
 
@@ -36,9 +37,7 @@ SWEEP = ROOT / "reports" / "sweep-demo" / "sweep.html"
 
 
 def _unavailable(reason: str):
-    if os.environ.get("MISMATCH_PROBE_REQUIRE_BROWSER", "") not in ("", "0"):
-        pytest.fail(f"{reason}, and MISMATCH_PROBE_REQUIRE_BROWSER is set")
-    pytest.skip(reason)
+    unavailable("BROWSER", reason)
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from conftest import DENSE, ROOT
 from remote_fixtures import scripted_server
+from required import unavailable
 
 from mismatch_probe.config.spec import SamplingSpec
 from mismatch_probe.engines.base import GenerationRequest
@@ -34,9 +35,7 @@ def run_with_swift(code: str, payload) -> dict:
     """Run ``code`` with ms-swift importable; it reads ``payload`` (JSON) from stdin as ``data`` and
     sets ``out``, which comes back."""
     if not (SITE / "swift").is_dir():
-        if os.environ.get("MISMATCH_PROBE_REQUIRE_SWIFT"):
-            pytest.fail(f"ms-swift is not installed in {SITE}: run bash tests/swift/install.sh .swift-site")
-        pytest.skip(f"ms-swift's protocol classes need {SITE} (bash tests/swift/install.sh .swift-site)")
+        unavailable("SWIFT", f"ms-swift's protocol classes need {SITE}: bash tests/swift/install.sh .swift-site")
     script = f"import json, sys\ndata = json.load(sys.stdin)\n{code}\nprint(json.dumps(out))"
     proc = subprocess.run(
         [sys.executable, "-c", script],

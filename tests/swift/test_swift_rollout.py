@@ -10,13 +10,13 @@ MISMATCH_PROBE_REQUIRE_SWIFT=1 (set by CI) turns the skip into a failure.
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import pyarrow.parquet as pq
 import pytest
 from conftest import DENSE, ROOT, SINGLE_TURN, cli
 from remote_fixtures import Server, free_port
+from required import unavailable
 
 SITE = ROOT / ".swift-site"
 SWIFT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
@@ -25,9 +25,7 @@ SWIFT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assist
 @pytest.fixture(scope="module")
 def swift_rollout(tmp_path_factory):
     if not (SITE / "swift").is_dir():
-        if os.environ.get("MISMATCH_PROBE_REQUIRE_SWIFT"):
-            pytest.fail(f"ms-swift is not installed in {SITE}: run bash tests/swift/install.sh .swift-site")
-        pytest.skip(f"swift rollout needs ms-swift in {SITE} (bash tests/swift/install.sh .swift-site)")
+        unavailable("SWIFT", f"swift rollout needs ms-swift in {SITE}: bash tests/swift/install.sh .swift-site")
     port = free_port()
     cmd = [sys.executable, str(ROOT / "tests" / "swift" / "launch_rollout.py"), "--model", str(DENSE)]
     cmd += ["--model_type", "qwen2", "--template", "qwen2_5", "--port", str(port), "--torch_dtype", "bfloat16"]
