@@ -40,6 +40,62 @@ def check_engine_checkpoint(checkpoint: str | Path, model_path: Path, tokenizer,
     return path
 
 
+def check_sync_start(start: str | Path, model_path: Path) -> Path:
+    """sync.start_from: the weights before the step, into which the engine syncs the model's, so
+    the same architecture, vocabulary and tensors (names and shapes, read from the safetensors
+    headers) as the model. Another checkpoint would start an engine whose update fails midway."""
+    from safetensors import safe_open
+
+    path = Path(start)
+    hint = "give the model's own weights from before a training step, or sync.start_from = 'perturbed'"
+    if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
+        raise ConfigError(
+            f"sync.start_from {str(start)!r} is not a checkpoint directory (config.json and *.safetensors files)",
+            hint=hint,
+        )
+    mine, theirs = read_config(model_path), read_config(path)
+    def kind(cfg: dict) -> str:
+        return "/".join(cfg.get("architectures") or []) or str(cfg.get("model_type"))
+
+    if any(mine.get(key) != theirs.get(key) for key in ("architectures", "model_type")):
+        raise ConfigError(
+            f"sync.start_from {str(path)!r} is a {kind(theirs)} checkpoint, the model {str(model_path)!r} a "
+            f"{kind(mine)}: the engine could not take the model's weights",
+            hint=hint,
+        )
+
+    def vocab(cfg: dict) -> object:
+        return cfg.get("vocab_size", (cfg.get("text_config") or {}).get("vocab_size"))
+
+    if vocab(mine) != vocab(theirs):
+        raise ConfigError(
+            f"sync.start_from {str(path)!r} has a vocabulary of {vocab(theirs)} tokens, the model {vocab(mine)}",
+            hint=hint,
+        )
+
+    def shapes(directory: Path) -> dict[str, tuple[int, ...]]:
+        out: dict[str, tuple[int, ...]] = {}
+        for f in sorted(directory.glob("*.safetensors")):
+            with safe_open(str(f), framework="np") as handle:
+                for name in handle.keys():  # noqa: SIM118 (safe_open has keys(), no iteration)
+                    out[name] = tuple(handle.get_slice(name).get_shape())
+        return out
+
+    model_shapes, start_shapes = shapes(model_path), shapes(path)
+    differ = [
+        f"{name} {start_shapes.get(name, 'absent')} (model: {model_shapes.get(name, 'absent')})"
+        for name in sorted(set(model_shapes) | set(start_shapes))
+        if model_shapes.get(name) != start_shapes.get(name)
+    ]
+    if differ:
+        more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
+        raise ConfigError(
+            f"sync.start_from {str(path)!r} holds other tensors than the model: {'; '.join(differ[:3])}{more}",
+            hint=hint,
+        )
+    return path
+
+
 def checkpoint_quantization(path: Path) -> dict | None:
     """What a checkpoint's config.json declares about its quantization (``quantization_config``):
     the method, its format and, per group of layers, the weights' and activations' number format

@@ -34,7 +34,7 @@ from mismatch_probe.analysis.distributions import (
 from mismatch_probe.analysis.distributions import save as save_distributions
 from mismatch_probe.analysis.samples import sample_summary
 from mismatch_probe.analysis.sequences import SequenceCollector
-from mismatch_probe.config.spec import ProbeSpec
+from mismatch_probe.config.spec import PERTURBED, ProbeSpec
 from mismatch_probe.engines.base import Engine
 from mismatch_probe.errors import ConfigError, DataError, ProbeError
 from mismatch_probe.files import portable_path, resolve_from_dir
@@ -78,6 +78,7 @@ def prepare(
     from mismatch_probe.modeling.loading import (
         check_engine_checkpoint,
         check_model_dir,
+        check_sync_start,
         checkpoint_quantization,
         load_tokenizer,
         max_model_len,
@@ -127,6 +128,8 @@ def prepare(
             "engine starts from sync.start_from, and its re-quantization and scales are not checked)",
             hint=f"drop {which.split(' ')[0]} or [sync]",
         )
+    if spec.sync.start_from not in (None, PERTURBED):
+        check_sync_start(spec.sync.start_from, model_path)
     engine_checkpoint = (
         check_engine_checkpoint(spec.engine.checkpoint, model_path, tokenizer, trust_remote_code=spec.trust_remote_code)
         if spec.engine.checkpoint

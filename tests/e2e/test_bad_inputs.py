@@ -102,3 +102,32 @@ def test_declared_python_covers_what_the_code_imports():
     assert tuple(int(x) for x in floor.split(".")) >= (3, 11)
     uses_tomllib = any("import tomllib" in p.read_text() for p in (ROOT / "mismatch_probe").rglob("*.py"))
     assert uses_tomllib  # the reason for the floor; drop this test's floor with the import
+
+
+@pytest.mark.parametrize("start", ["moe", "wider", "not-a-checkpoint"])
+def test_a_sync_start_checkpoint_of_another_model(tmp_path, start):
+    """sync.start_from holds the weights the engine syncs the model's into: another architecture,
+    other tensor shapes or no checkpoint at all is refused by name before an engine starts (vLLM's
+    worker died with an empty message on the MoE fixture)."""
+    import json
+
+    from conftest import MOE
+
+    if start == "moe":
+        path, says = MOE, ["is a Qwen3MoeForCausalLM checkpoint", "the model", "a Qwen2ForCausalLM"]
+    elif start == "wider":  # the model's config, one tensor of another shape
+        import torch
+        from safetensors.torch import load_file, save_file
+
+        path = copy_model(tmp_path)
+        tensors = load_file(str(path / "model.safetensors"))
+        name = "model.layers.0.mlp.down_proj.weight"
+        tensors[name] = torch.zeros(tensors[name].shape[0], tensors[name].shape[1] + 1, dtype=tensors[name].dtype)
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        assert json.loads((path / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+        says = ["holds other tensors than the model", name]
+    else:
+        path, says = tmp_path, ["is not a checkpoint directory"]
+    proc = compare(tmp_path, "--engine", "vllm", "--sync-from", str(path))
+    one_line_exit_2(proc, "sync.start_from", *says, "sync.start_from = 'perturbed'")
+    assert not (tmp_path / "run").exists()
