@@ -47,6 +47,87 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+# The instruction sets that select CPU kernels, as /proc/cpuinfo names them: ATen's dispatch (AVX2,
+# AVX-512), oneDNN's GEMMs (VNNI, BF16, FP16, AMX), vLLM's CPU library (vllm._C needs AVX-512 BF16,
+# else _C_AVX512 or _C_AVX2, each with its AMX paths taken at run time) and SGLang's CPU kernels.
+# The same model gives other log-probs, refusals or stored weights on another of these.
+KERNEL_ISA = {
+    "x86_64": (
+        "amx_tile",
+        "amx_bf16",
+        "amx_int8",
+        "amx_fp16",
+        "avx512f",
+        "avx512_bf16",
+        "avx512_vnni",
+        "avx512_fp16",
+        "avx_vnni",
+        "avx2",
+        "fma",
+    ),
+    "aarch64": ("asimd", "sve", "sve2", "bf16", "i8mm"),
+}
+
+
+def cpu_isa(cpuinfo: str | None = None, machine: str | None = None) -> list[str]:
+    """The kernel-selecting instruction sets this CPU offers (:data:`KERNEL_ISA`), in that order,
+    from /proc/cpuinfo's ``flags`` (x86) or ``Features`` (Arm); empty where it cannot tell."""
+    machine = _arch(machine)
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return []
+    offered: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip().lower() in ("flags", "features"):
+            offered = set(value.split())
+            break
+    return [flag for flag in KERNEL_ISA.get(machine, ()) if flag in offered]
+
+
+def cpu_kind(isa: list[str], machine: str | None = None) -> str:
+    """The CPU's kind as kernels see it, from :func:`cpu_isa`: ``AMX`` (AMX tiles with BF16: vLLM's
+    and SGLang's AMX paths, oneDNN's AMX GEMMs), ``AVX-512 BF16`` (no AMX), ``AVX-512``, ``AVX2``;
+    ``Arm SVE`` or ``Arm NEON``; else the machine's architecture. Runs on two kinds can differ where
+    the engine picks its kernels by them (ARCHITECTURE.md, Run record)."""
+    machine = _arch(machine)
+    has = set(isa)
+    if machine == "x86_64":
+        for kind, needs in (
+            ("AMX", {"amx_tile", "amx_bf16"}),
+            ("AVX-512 BF16", {"avx512f", "avx512_bf16"}),
+            ("AVX-512", {"avx512f"}),
+            ("AVX2", {"avx2"}),
+        ):
+            if needs <= has:
+                return kind
+        return "x86_64"
+    if machine == "aarch64":
+        return "Arm SVE" if "sve" in has else "Arm NEON"
+    return machine
+
+
+def _arch(machine: str | None) -> str:
+    machine = (machine or platform.machine()).lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
+
+
+def cpu_features() -> dict:
+    """What the environment records of the CPU's kernels: its instruction sets and kind, and
+    ATen's dispatch level for this process (``ATEN_CPU_CAPABILITY`` can lower it)."""
+    isa = cpu_isa()
+    out: dict = {"cpu_isa": isa, "cpu_kind": cpu_kind(isa)}
+    try:
+        import torch
+
+        out["aten_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    except (ImportError, AttributeError):
+        pass
+    return out
+
+
 def _memory_gib() -> float | None:
     try:
         pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
@@ -169,6 +250,7 @@ def fingerprint() -> dict:
         "hardware": "gpu" if gpu_list else "cpu",
         "device_name": gpu_list[0]["name"] if gpu_list else cpu_model(),
         "cpu_model": cpu_model(),
+        **cpu_features(),
         "cpu_count": os.cpu_count(),
         "memory_gib": _memory_gib(),
         "gpus": gpu_list,

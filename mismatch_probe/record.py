@@ -164,6 +164,11 @@ class Environment(Section):
     packages: dict[str, str | None] = Field(default_factory=dict)
     mismatch_probe: dict[str, Any] = Field(default_factory=dict)
     cpu_model: str | None = None
+    # the kernel-selecting instruction sets and the CPU's kind (environment.py: cpu_features);
+    # absent from runs recorded before they were
+    cpu_isa: list[str] = Field(default_factory=list)
+    cpu_kind: str | None = None
+    aten_cpu_capability: str | None = None
     cpu_count: int | None = None
     memory_gib: float | None = None
     nvidia_driver: str | None = None

@@ -126,7 +126,7 @@ def describe_architecture(config: Any, weight_names: Iterable[str] = ()) -> dict
         if "grouped_routing" in moe:
             g = moe["grouped_routing"]
             line += f", grouped routing (top {g['top_groups']} of {g['groups']} groups)"
-        quirks.append(line + "; routing recorded on both sides")
+        quirks.append(line)  # whether the run compared the routing is the run's to say (report/labels.py)
     desc["quirks"] = quirks
     return desc
 

@@ -90,7 +90,9 @@ def _machine(record: RunRecord) -> str:
     devices = {str(eng.platform or eng.device or ""), str(ref.device or "")}
     if names and devices != {"cpu"}:  # a GPU machine where both sides ran on the CPU is a CPU run
         return " + ".join(names)
-    return f"CPU: {env.cpu_model or env.device_name or 'unknown'}"
+    # the CPU's kind is part of the hardware type: its instruction sets pick the engines' kernels
+    kind = f" ({env.cpu_kind})" if env.cpu_kind else ""
+    return f"CPU: {env.cpu_model or env.device_name or 'unknown'}{kind}"
 
 
 def engine_label(record: RunRecord) -> str:
@@ -211,8 +213,27 @@ def architecture_rows(record: RunRecord) -> list[tuple[str, str]]:
         return []
     heads = f"{arch.get('attention_heads')} query / {arch.get('kv_heads')} key-value heads"
     line = f"{arch.get('architecture') or arch.get('model_type')}: {arch.get('layers')} layers, {heads}"
-    quirks = arch.get("quirks") or []
-    return [("architecture", line), ("model quirks", "; ".join(quirks) if quirks else "none")]
+    # records written before the run said it themselves claim the routing in the MoE quirk, whatever ran
+    quirks = [q.removesuffix(LEGACY_ROUTING_CLAIM) for q in arch.get("quirks") or []]
+    rows = [("architecture", line), ("model quirks", "; ".join(quirks) if quirks else "none")]
+    if arch.get("moe"):
+        rows.append(("MoE routing", routing_status(record)))
+    return rows
+
+
+LEGACY_ROUTING_CLAIM = "; routing recorded on both sides"
+
+
+def routing_status(record: RunRecord) -> str:
+    """Whether this run compared an MoE model's routing, engine against reference, as its record says."""
+    routing = record.routing or {}
+    if routing.get("n_tokens"):
+        return f"compared on {routing['n_tokens']:,} model tokens, engine against reference"
+    asked = (record.spec.engine.to_dict() if record.spec.engine else {}).get("record_routing", True)
+    if not asked:
+        return "not compared: engine.record_routing = false"
+    why = record.engine.to_dict().get("routing_unavailable") if record.engine else None
+    return f"not compared: {why or 'the engine did not return its routing'}"
 
 
 # engine settings that are not how it ran: what was asked, versions (a row of their own), routing
@@ -226,6 +247,7 @@ ENGINE_BOOKKEEPING = {
     "kv_cache_sizing",
     "quantization_layers",  # a row of its own (quantization_rows)
     "workarounds",  # a row of its own (workaround_rows)
+    "kernels",  # a row of its own (cpu_kernel_rows)
 }
 
 
@@ -240,6 +262,20 @@ def workaround_rows(record: RunRecord) -> list[tuple[str, str]]:
         if isinstance(w, dict) and w.get("what") and ("restored" not in w or w["restored"])
     ]
     return [("engine workarounds", "; ".join(parts))] if parts else []
+
+
+def cpu_kernel_rows(record: RunRecord) -> list[tuple[str, str]]:
+    """The CPU's kernel-selecting instruction sets (runs recorded before them have none) and the
+    kernels the engine says it chose on them."""
+    env = record.environment or Environment()
+    rows = []
+    if env.cpu_kind:
+        aten = f"; ATen dispatch {env.aten_cpu_capability}" if env.aten_cpu_capability else ""
+        rows.append(("CPU kernels", f"{env.cpu_kind}: {', '.join(env.cpu_isa) or 'none of the kernel ISAs'}{aten}"))
+    kernels = record.engine.to_dict().get("kernels") if record.engine else None
+    if kernels:
+        rows.append(("engine kernels", ", ".join(f"{k}={v}" for k, v in kernels.items())))
+    return rows
 
 
 def setup_rows(record: RunRecord) -> list[tuple[str, str]]:
@@ -261,6 +297,7 @@ def setup_rows(record: RunRecord) -> list[tuple[str, str]]:
             or "none",
         ),
         ("CPU", f"{env.cpu_model or '-'} ({env.cpu_count or '?'} cores, {env.memory_gib or '?'} GiB)"),
+        *cpu_kernel_rows(record),
         ("driver / CUDA", f"{env.nvidia_driver or '-'} / {env.cuda or '-'}"),
         ("libraries", ", ".join(f"{k} {v}" for k, v in versions.items())),
         ("python / platform", f"{env.python or '-'} / {env.platform or '-'}"),

@@ -195,3 +195,51 @@ def test_an_moe_run_whose_engine_cannot_return_routing_says_why():
     assert lead.startswith("not measured: vLLM's CPU build cannot return expert ids") and "Model Runner V2" in lead
     assert table.rows[0].cells == [lead]
     assert routing_tables(RunRecord(engine=engine, architecture={})) == ("", [])  # a dense model: no section
+
+
+def test_the_model_card_says_whether_the_run_compared_the_routing():
+    """The MoE row of the setup says what the run checked, not what MoE models usually allow: the
+    routing compared (with its token count), or not, with the engine's reason; the claim older
+    records carry in their quirks is dropped."""
+    from mismatch_probe.engines import vllm as vllm_adapter
+    from mismatch_probe.record import EngineInfo, RunRecord
+    from mismatch_probe.report.labels import LEGACY_ROUTING_CLAIM, architecture_rows
+
+    arch = {
+        "moe": {"routed_experts": 8, "top_k": 2},
+        "quirks": [f"MoE: top-2 of 8 routed experts{LEGACY_ROUTING_CLAIM}"],
+    }
+    unavailable = EngineInfo.model_validate(
+        {"engine": "vllm", "routing_unavailable": vllm_adapter.ROUTING_UNAVAILABLE_CPU}
+    )
+    rows = dict(architecture_rows(RunRecord(engine=unavailable, architecture=arch)))
+    assert rows["model quirks"] == "MoE: top-2 of 8 routed experts"
+    assert rows["MoE routing"].startswith("not compared: vLLM's CPU build cannot return expert ids")
+    measured = RunRecord(
+        engine=EngineInfo.model_validate({"engine": "sglang"}), architecture=arch, routing={"n_tokens": 1234}
+    )
+    assert (
+        dict(architecture_rows(measured))["MoE routing"] == "compared on 1,234 model tokens, engine against reference"
+    )
+    silent = RunRecord(engine=EngineInfo.model_validate({"engine": "x"}), architecture=arch)
+    assert dict(architecture_rows(silent))["MoE routing"] == "not compared: the engine did not return its routing"
+    assert "MoE routing" not in dict(architecture_rows(RunRecord(architecture={"quirks": []})))
+
+
+def test_the_cpu_kind_is_part_of_the_hardware_and_the_setup_names_its_kernels():
+    """Two CPU runs on machines of different kinds are different hardware (the comparison groups by
+    it), and the setup lists the kernel-selecting instruction sets and the engine's kernels."""
+    from mismatch_probe.record import EngineInfo, Environment, RunRecord
+    from mismatch_probe.report.labels import gpu_type, setup_rows
+
+    def run(kind, isa):
+        env = Environment(cpu_model="EPYC", cpu_kind=kind, cpu_isa=isa, aten_cpu_capability="AVX512")
+        engine = EngineInfo.model_validate({"engine": "vllm", "platform": "cpu", "kernels": {"library": "vllm._C"}})
+        return RunRecord(environment=env, engine=engine)
+
+    amx, avx = run("AMX", ["amx_tile", "amx_bf16", "avx512f"]), run("AVX-512 BF16", ["avx512f", "avx512_bf16"])
+    assert gpu_type(amx) == "CPU: EPYC (AMX)" and gpu_type(avx) == "CPU: EPYC (AVX-512 BF16)"
+    rows = dict(setup_rows(avx))
+    assert rows["CPU kernels"] == "AVX-512 BF16: avx512f, avx512_bf16; ATen dispatch AVX512"
+    assert rows["engine kernels"] == "library=vllm._C" and "kernels" not in rows["engine settings"]
+    assert gpu_type(RunRecord(environment=Environment(cpu_model="EPYC"))) == "CPU: EPYC"  # recorded before kinds
