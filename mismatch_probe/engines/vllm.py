@@ -339,7 +339,9 @@ def quantization_layers(report: dict) -> dict:
         if layer["method"].endswith("KVCacheMethod"):
             continue  # an attention layer's KV-cache method holds no weights: kv_cache_dtype says it
         dtypes = {param: dtype for param, (dtype, _) in sorted(layer["params"].items())}
-        key = (layer["method"], layer["scheme"], layer["kernel"], tuple(dtypes.items()))
+        weight = layer.get("weight")  # the quantized weight as the kernel keeps it (vllm_sync.quantized_weight)
+        how = {k: v for k, v in (weight or {}).items() if k != "stored_bits_per_weight"}  # per layer: padding
+        key = (layer["method"], layer["scheme"], layer["kernel"], tuple(dtypes.items()), repr(sorted(how.items())))
         group = groups.setdefault(
             key,
             {
@@ -347,6 +349,7 @@ def quantization_layers(report: dict) -> dict:
                 "method": layer["method"],
                 **({"scheme": layer["scheme"]} if layer["scheme"] else {}),
                 **({"kernel": layer["kernel"]} if layer["kernel"] else {}),
+                **({"weight": weight} if weight else {}),
                 "params": dtypes,
                 # one layer's parameters with their shapes: the scales' granularity (per channel: [N, 1])
                 "example": {name: {p: f"{d} {shape}" for p, (d, shape) in sorted(layer["params"].items())}},
@@ -436,16 +439,25 @@ class VLLMEngine:
             if self.routing_unavailable is None:
                 self.routing = layout
                 self.requested["enable_return_routed_experts"] = True
-        if self.sync is not None or self.quantized:
-            from mismatch_probe.engines.vllm_sync import TARGET
+        from mismatch_probe.engines.vllm_sync import TARGET
 
-            if spec.extra_args.get("worker_extension_cls"):
+        if spec.extra_args.get("worker_extension_cls"):
+            if self.sync is not None or self.quantized:
                 why = "a [sync] probe" if self.sync is not None else "a quantized engine's probe"
                 raise ConfigError(
                     f"engine.extra_args sets worker_extension_cls, which {why} sets to its own",
                     hint="drop worker_extension_cls from [engine.extra_args]",
                 )
-            self.requested["worker_extension_cls"] = TARGET
+            self.kernels_unavailable = "engine.extra_args sets worker_extension_cls, which reads them"
+        else:
+            # the other nodes' workers start from the user's own command, without the extension
+            spans = spec.nnodes > 1
+            self.kernels_unavailable = (
+                "the engine spans nodes, whose workers mismatch-probe does not start" if spans else None
+            )
+            if not spans or self.sync is not None or self.quantized:
+                # each worker reads back what it runs: its kernels, a quantized layer's weights, the sync path
+                self.requested["worker_extension_cls"] = TARGET
         if self.sync is not None and self.sync.sleep_level:
             self.requested["enable_sleep_mode"] = True
         if self.kv_cache_sizing is not None:
@@ -457,6 +469,11 @@ class VLLMEngine:
             self.effective["quantization_layers"] = quantization_layers(
                 self.llm.collective_rpc("probe_quantization")[0]
             )
+        self.effective["kernels"] = (
+            {"unavailable": self.kernels_unavailable}
+            if self.kernels_unavailable
+            else self.llm.collective_rpc("probe_kernels")[0]
+        )
         self._check_effective(spec)
         self._check_routing()
         if on_cpu and spec.pipeline_parallel_size > 1 and self.effective.get("compilation_mode") == "NONE":

@@ -25,6 +25,72 @@ def kernel_weight(module_name, module, leaf, param):
     return linear(eye, None, None).t().contiguous()
 
 
+# what an unquantized linear layer's CPU GEMM calls (model_executor/layers/utils.py:
+# dispatch_cpu_unquantized_gemm sets ``cpu_linear`` to a lambda over one of these)
+GEMM_CALLS = {
+    "weight_packed_linear_cpu": "sgl-kernel (AMX)",
+    "onednn_mm": "oneDNN",
+    "zentorch_linear_unary": "zentorch",
+    "linear": "torch",
+}
+
+
+def gemm_path(linear) -> str:
+    """The GEMM a layer's ``cpu_linear`` runs, from the names its code calls."""
+    names = set(getattr(getattr(linear, "__code__", None), "co_names", ()))
+    return next((path for call, path in GEMM_CALLS.items() if call in names), "other")
+
+
+def quantized_weight(module, kernel) -> dict | None:
+    """A quantized layer's weight as its kernel keeps it, read from the kernel and the layer: the
+    number format (the kernel's configuration; else the stored dtype), the tensor or handle that
+    holds it, that holder's dtype and shape, the bits each weight takes there (dense packing: the
+    format's width), and the path the kernel took where it chose one by the CPU."""
+    import torch
+
+    config = getattr(kernel, "config", None)
+    weight_type = getattr(config, "weight_type", None)  # mixed precision (wNa16): a vLLM ScalarType
+    names = getattr(kernel, "layer_param_names", None)  # scaled mm: (weight, weight_scale, ...)
+    holder_name = getattr(kernel, "w_q_name", None) or (names[0] if names else "weight")
+    holder = getattr(module, holder_name, None)
+    if weight_type is not None:
+        fmt, bits = str(weight_type), int(weight_type.size_bits)
+    elif type(config).__name__.startswith("Int8"):
+        fmt, bits = "int8", 8
+    elif isinstance(holder, torch.Tensor) and holder.dtype in (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2):
+        fmt, bits = str(holder.dtype).removeprefix("torch."), 8
+    else:
+        return None
+    out: dict = {"format": fmt, "bits": bits}
+    if isinstance(holder, torch.Tensor) and holder.numel():
+        out["held_in"] = f"{holder_name}: {str(holder.dtype).removeprefix('torch.')}"
+        logical = _logical_weights(module, config)
+        if logical:  # packed weights are dense: the holder's bits over the weights it holds
+            out["stored_bits_per_weight"] = round(holder.numel() * holder.element_size() * 8 / logical, 3)
+    elif (handler := getattr(kernel, "dnnl_handler", None)) is not None:
+        # oneDNN took the weight into its own prepacked memory; the layer keeps no tensor of it
+        out["held_in"] = f"oneDNN handle ({type(handler).__name__})"
+    else:
+        out["held_in"] = "unknown"
+    path = {k: getattr(module, k) for k in ("isa_hint", "use_w4a8") if hasattr(module, k)}
+    method = getattr(kernel, "linear_method", None)
+    if method is not None:
+        path["linear_method"] = getattr(method, "__name__", str(method))
+    if path:
+        out["path"] = path
+    return out
+
+
+def _logical_weights(module, config) -> int | None:
+    """How many weights a linear layer's partition holds (in x out)."""
+    shape = getattr(config, "partition_weight_shape", None)
+    if shape:
+        return int(shape[0]) * int(shape[1])
+    k = getattr(module, "input_size_per_partition", None)
+    widths = getattr(module, "output_partition_sizes", None)
+    return int(k) * int(sum(widths)) if k and widths else None
+
+
 class ProbeWorkerExtension:
     """Methods added to vLLM's ``Worker`` (``self`` is the worker: ``self.model_runner``)."""
 
@@ -96,6 +162,7 @@ class ProbeWorkerExtension:
                 "method": type(method).__name__,
                 "scheme": type(scheme).__name__ if scheme is not None else None,
                 "kernel": type(kernel).__name__ if kernel is not None else None,
+                "weight": quantized_weight(module, kernel) if kernel is not None else None,
                 "params": {
                     p: [str(t.dtype).removeprefix("torch."), list(t.shape)]
                     for p, t in module.named_parameters(recurse=False)
@@ -108,6 +175,43 @@ class ProbeWorkerExtension:
             "kv_cache_dtype": str(self.vllm_config.cache_config.cache_dtype),
             "layers": layers,
         }
+
+    def probe_kernels(self) -> dict:
+        """The kernels this worker chose, read from its layers: each attention backend with the
+        instruction set it runs (vLLM's CPU attention: amx, vec or vec16; MLA: AMX_MLA or CPU_MLA)
+        and each unquantized linear layer's CPU GEMM (:data:`GEMM_CALLS`), with how many layers run
+        each. vLLM picks them by the CPU (ARCHITECTURE.md, Run record)."""
+        from collections import Counter
+
+        attention: Counter = Counter()
+        gemm: Counter = Counter()
+        for _, module in self._probe_model().named_modules():
+            backend = getattr(module, "attn_backend", None)
+            if backend is not None and hasattr(backend, "get_name"):
+                isa = getattr(module, "isa", None)
+                attention[backend.get_name() + (f" ({isa})" if isa else "")] += 1
+            linear = getattr(module, "cpu_linear", None)
+            if linear is not None:
+                gemm[gemm_path(linear)] += 1
+        out: dict = {}
+        if self.vllm_config.device_config.device_type == "cpu":
+            import platform
+
+            import torch
+
+            # vLLM's CPU library by its own rule (platforms/cpu.py: import_kernels), and its AMX paths
+            if platform.machine().lower() in ("x86_64", "amd64"):
+                library = (
+                    "vllm._C_AVX2"
+                    if not torch.cpu._is_avx512_supported()
+                    else "vllm._C"
+                    if torch.cpu._is_avx512_bf16_supported()
+                    else "vllm._C_AVX512"
+                )
+            else:
+                library = "vllm._C"
+            out.update(library=library, amx=bool(torch.cpu._is_amx_tile_supported()))
+        return {**out, "attention": dict(attention), **({"gemm": dict(gemm)} if gemm else {})}
 
     def probe_untie_lm_head(self) -> bool:
         """Test-only fault: the LM head becomes a tensor of its own (a copy of the embedding as it

@@ -178,6 +178,10 @@ def quantization_rows(record: RunRecord) -> list[tuple[str, str]]:
         for g in layers.get("groups", []):
             kernel = f" via {g['kernel']}" if g.get("kernel") else ""
             params = ", ".join(f"{p} {d}" for p, d in g.get("params", {}).items())
+            weight = g.get("weight") or {}
+            if weight:  # the quantized weight as the kernel keeps it, and the path it chose by the CPU
+                path = ", ".join(f"{k}={v}" for k, v in (weight.get("path") or {}).items())
+                params = f"{weight['format']} weights in {weight.get('held_in')}" + (f", {path}" if path else "")
             ran.append(f"{g.get('scheme') or g.get('method')}{kernel}: {g.get('n_layers')} layers ({params})")
         rows.append(("quantization (engine)", f"{layers.get('quant_config')}; " + "; ".join(ran)))
     return rows
@@ -274,7 +278,13 @@ def cpu_kernel_rows(record: RunRecord) -> list[tuple[str, str]]:
         rows.append(("CPU kernels", f"{env.cpu_kind}: {', '.join(env.cpu_isa) or 'none of the kernel ISAs'}{aten}"))
     kernels = record.engine.to_dict().get("kernels") if record.engine else None
     if kernels:
-        rows.append(("engine kernels", ", ".join(f"{k}={v}" for k, v in kernels.items())))
+
+        def show(value: Any) -> str:  # {kernel: layers running it}, or one fact
+            if isinstance(value, dict):
+                return ", ".join(f"{kernel} x{n}" for kernel, n in value.items())
+            return {True: "yes", False: "no"}.get(value, str(value)) if isinstance(value, bool) else str(value)
+
+        rows.append(("engine kernels", "; ".join(f"{k}: {show(v)}" for k, v in kernels.items())))
     return rows
 
 

@@ -185,6 +185,35 @@ def test_parallelism_probe_scores_vllm_tp2_rollouts_in_three_training_layouts(tm
 
 # ---- the CPU build's AMX attention and the tile permission (engines/vllm_plugin.py) ---------------
 HAS_AMX = torch.cpu._is_amx_tile_supported()
+
+
+def test_the_engine_records_the_kernels_it_chose_for_this_cpu(vllm_engine):
+    """Read from the workers' layers (vllm_sync.probe_kernels): on every CPU, each of the fixture's
+    4 attention layers runs vLLM's CPU attention and every linear layer a packed GEMM; which
+    instruction set and GEMM depend on the CPU (AMX: the AMX attention; else the vector one, and
+    oneDNN's GEMMs: a layer's weights are too large for the sgl-kernel's small-GEMM path only on
+    AMX), and the run record says which; so does its environment."""
+    from mismatch_probe.environment import cpu_features
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU build's kernels")
+    kernels = vllm_engine.process.info()["kernels"]
+    isa = "amx" if HAS_AMX else "vec"
+    assert kernels["amx"] is HAS_AMX and kernels["attention"] == {f"CPU_ATTN ({isa})": 4}, kernels
+    assert sum(kernels["gemm"].values()) >= 4 * 4 and set(kernels["gemm"]) <= {"oneDNN", "sgl-kernel (AMX)"}, kernels
+    if not HAS_AMX:
+        assert set(kernels["gemm"]) == {"oneDNN"}, kernels
+    kind = cpu_features()["cpu_kind"]
+    assert (kind == "AMX") is HAS_AMX
+    expected_library = {
+        "AMX": "vllm._C",
+        "AVX-512 BF16": "vllm._C",
+        "AVX-512": "vllm._C_AVX512",
+        "AVX2": "vllm._C_AVX2",
+    }
+    assert kernels["library"] == expected_library[kind], (kind, kernels)
+
+
 TILE_PERMISSION = """
 import ctypes, sys
 from vllm.plugins import load_general_plugins

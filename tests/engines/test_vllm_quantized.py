@@ -19,17 +19,35 @@ pytestmark = pytest.mark.vllm
 sys.path.insert(0, str(ROOT / "fixtures"))
 
 
-# what vLLM's CPU build runs each export with (read from its worker): the compressed-tensors
-# scheme, the kernel, and the dtypes of the quantized weight and its scales
+# what vLLM's CPU build runs each export with (read from its worker), on every CPU: the
+# compressed-tensors scheme, the kernel, the weights' number format and its width in bits
 EXPECTED = {
-    "W8A8": ("CompressedTensorsW8A8Int8", "CPUInt8ScaledMMLinearKernel", {"weight": "int8"}, "int8 per channel"),
-    "W4A16": ("CompressedTensorsWNA16", "CPUWNA16LinearKernel", {"weight_packed": "uint8"}, "int4 per group"),
+    "W8A8": ("CompressedTensorsW8A8Int8", "CPUInt8ScaledMMLinearKernel", "int8", 8, "int8 per channel"),
+    "W4A16": ("CompressedTensorsWNA16", "CPUWNA16LinearKernel", "uint4b8", 4, "int4 per group"),
     "FP8_DYNAMIC": (
         "CompressedTensorsW8A8Fp8",
         "ChannelWiseTorchFP8ScaledMMLinearKernel",
-        {"weight": "float8_e4m3fn"},
+        "float8_e4m3fn",
+        8,
         "fp8 per channel",
     ),
+}
+# where the kernel keeps the weights, the path it takes and the scales' dtype: vLLM decides each by
+# torch.cpu._is_amx_tile_supported() (kernels/linear/scaled_mm/cpu.py: the sgl-kernel int8 GEMM or
+# a oneDNN handle that takes the weights out of the layer; mixed_precision/cpu.py: with AMX and
+# VLLM_CPU_INT4_W4A8 (default on) an int4 checkpoint runs W4A8, int8 activations, uint8 blocks;
+# without, W4A16 over int32 words). Measured: AMX on the Intel CI machines, no AMX on AMD EPYC.
+BY_AMX = {
+    True: {
+        "W8A8": ("weight: int8", {"linear_method": "_apply_weights_sgl"}, "float32"),
+        "W4A16": ("weight_packed: uint8", {"isa_hint": "amx", "use_w4a8": True}, "float32"),
+        "FP8_DYNAMIC": ("weight: float8_e4m3fn", {}, "float32"),
+    },
+    False: {
+        "W8A8": ("oneDNN handle (CPUDNNLGEMMHandler)", {"linear_method": "_apply_weights_onednn"}, "float32"),
+        "W4A16": ("weight_packed: int32", {"isa_hint": "vec", "use_w4a8": False}, "bfloat16"),
+        "FP8_DYNAMIC": ("weight: float8_e4m3fn", {}, "float32"),
+    },
 }
 # fp8 runs through torch._scaled_mm, which the CPU emulates: ~6x slower at this size and ~1000x at
 # probes/precision.toml's (docs/how-to/precision.md), so a smaller run. vLLM pads each fp8 GEMM to 17 rows
@@ -62,7 +80,7 @@ def exports(tmp_path_factory):
 
 
 @pytest.mark.parametrize("scheme", list(EXPECTED))
-def test_a_quantized_export_runs_quantized_in_every_linear_layer(exports, scheme, tmp_path):
+def test_a_quantized_export_runs_quantized_in_every_linear_layer(exports, scheme, tmp_path, record_property):
     out = tmp_path / "run"
     proc = cli(
         *("compare", "--model", str(DENSE), "--prompts", str(SINGLE_TURN), "--out", str(out)),
@@ -77,7 +95,7 @@ def test_a_quantized_export_runs_quantized_in_every_linear_layer(exports, scheme
     rec = json.loads((out / "run.json").read_text())
     expected_backend = "mp" if scheme in MP_SCHEMES else "uni"
     assert rec["engine"]["distributed_executor_backend"] == expected_backend
-    expected_scheme, kernel, dtypes, declared = EXPECTED[scheme]
+    expected_scheme, kernel, number_format, bits, declared = EXPECTED[scheme]
     assert rec["inputs"]["engine_checkpoint"].endswith(f"tiny-qwen2-{scheme.lower()}")
     assert rec["inputs"]["engine_checkpoint_quantization"]["groups"]["group_0"]["weights"].startswith(declared)
     layers = rec["engine"]["quantization_layers"]
@@ -85,14 +103,29 @@ def test_a_quantized_export_runs_quantized_in_every_linear_layer(exports, scheme
     quantized = [g for g in layers["groups"] if g["quantized"]]
     # every linear layer of the 4 blocks: q/k/v fused, o, gate/up fused, down
     assert sum(g["n_layers"] for g in quantized) == 4 * 4
+    amx = rec["engine"]["kernels"]["amx"]
+    held_in, path, scale_dtype = BY_AMX[amx][scheme]
+    record_property("quantized_weight", {"amx": amx, **quantized[0]["weight"]})
     for group in quantized:
         assert group["scheme"] == expected_scheme and group["kernel"] == kernel
-        assert dtypes.items() <= group["params"].items() and group["params"]["weight_scale"] == "float32"
+        weight = group["weight"]
+        # quantized in whatever the kernel keeps them in: the format's width per weight where a
+        # tensor holds them (a bf16 copy would take 16 bits), else the kernel's own handle
+        assert (weight["format"], weight["bits"]) == (number_format, bits), weight
+        assert weight["held_in"] == held_in and weight.get("path", {}) == path, (amx, weight)
+        if "stored_bits_per_weight" in weight:
+            assert bits <= weight["stored_bits_per_weight"] < 1.5 * bits, weight
+        else:
+            assert held_in.startswith("oneDNN handle"), weight
+        assert group["params"]["weight_scale"] == scale_dtype, group["params"]
     unquantized = {pattern for g in layers["groups"] if not g["quantized"] for pattern in g["layers"]}
     assert unquantized == {"model.embed_tokens", "lm_head"}
     rows = dict(setup_rows(read_record(out)))
     assert declared in rows["engine checkpoint"] and "not quantized: lm_head" in rows["engine checkpoint"]
-    assert f"{expected_scheme}" in rows["quantization (engine)"]
+    assert (
+        f"{expected_scheme}" in rows["quantization (engine)"]
+        and f"{number_format} weights in" in rows["quantization (engine)"]
+    )
     # how far each scheme moves the mismatch from bf16's (4.7e-5 on these prompts; one run each:
     # W8A8 8.2e-5, FP8_DYNAMIC 4.2e-4, W4A16 1.9e-3) is for a sweep with its noise floor to say
     assert 0 < rec["metrics"]["k3_kl"] < 0.01 and rec["decode_vs_prefill"]["k3_kl"] == 0.0

@@ -234,12 +234,14 @@ def test_the_cpu_kind_is_part_of_the_hardware_and_the_setup_names_its_kernels():
 
     def run(kind, isa):
         env = Environment(cpu_model="EPYC", cpu_kind=kind, cpu_isa=isa, aten_cpu_capability="AVX512")
-        engine = EngineInfo.model_validate({"engine": "vllm", "platform": "cpu", "kernels": {"library": "vllm._C"}})
+        kernels = {"library": "vllm._C", "amx": False, "attention": {"CPU_ATTN (vec)": 4}, "gemm": {"oneDNN": 18}}
+        engine = EngineInfo.model_validate({"engine": "vllm", "platform": "cpu", "kernels": kernels})
         return RunRecord(environment=env, engine=engine)
 
     amx, avx = run("AMX", ["amx_tile", "amx_bf16", "avx512f"]), run("AVX-512 BF16", ["avx512f", "avx512_bf16"])
     assert gpu_type(amx) == "CPU: EPYC (AMX)" and gpu_type(avx) == "CPU: EPYC (AVX-512 BF16)"
     rows = dict(setup_rows(avx))
     assert rows["CPU kernels"] == "AVX-512 BF16: avx512f, avx512_bf16; ATen dispatch AVX512"
-    assert rows["engine kernels"] == "library=vllm._C" and "kernels" not in rows["engine settings"]
+    assert rows["engine kernels"] == "library: vllm._C; amx: no; attention: CPU_ATTN (vec) x4; gemm: oneDNN x18"
+    assert "kernels" not in rows["engine settings"]
     assert gpu_type(RunRecord(environment=Environment(cpu_model="EPYC"))) == "CPU: EPYC"  # recorded before kinds
