@@ -10,6 +10,10 @@ with ``MISMATCH_PROBE_MODEL_SUPPORT_OUT`` it writes each outcome ("ok", or "refu
 engine's own reason, or "differs": runs with log-probs that are not the model's) to that file; this script merges them into docs/model-support.json (the
 committed results, which the suite then enforces) and renders the table of docs/concepts/supported-models.md between its
 markers. A column this machine could not run (an engine not installed) keeps its committed cells.
+
+Each cell keeps one outcome per CPU kind (tests/model_support.py): a run merges this machine's
+kind's outcomes and keeps every other kind's, and the page shows a cell's kinds apart only where
+their outcomes differ ("on AMX: refused [5]; on AVX-512 BF16: differs [9]").
 """
 
 from __future__ import annotations
@@ -72,48 +76,68 @@ def _versions() -> dict:
     return out
 
 
-def merge(table: dict, outcomes: dict) -> dict:
-    """The committed table with this run's outcomes over it (per cell), families in suite order."""
+def merge(table: dict, run: dict, versions: dict | None = None) -> dict:
+    """The committed table with a suite run's outcomes (``{"cpu_kind", "cpu_model", "outcomes"}``,
+    tests/model_support.py: write_outcomes) over it, per cell and CPU kind, families in suite
+    order; the other kinds' outcomes stay."""
+    kind, outcomes = run["cpu_kind"], run["outcomes"]
     families = table.get("families", {})
     merged = {}
     for name, family in FAMILIES.items():
-        results = dict(families.get(name, {}).get("results", {}))
-        results.update(outcomes.get(name, {}))
+        results = {column: dict(cell) for column, cell in families.get(name, {}).get("results", {}).items()}
+        for column, outcome in outcomes.get(name, {}).items():
+            results.setdefault(column, {})[kind] = outcome
         merged[name] = {"quirks": family.quirks, "results": {c: results[c] for c in COLUMNS if c in results}}
-    return {"generated_by": "scripts/supported_models.py", "versions": table.get("versions", {}), "families": merged}
+    measured_on = dict(table.get("measured_on", {}))
+    measured_on[kind] = {"cpu_model": run.get("cpu_model"), "versions": versions or {}}
+    return {"generated_by": "scripts/supported_models.py", "measured_on": measured_on, "families": merged}
 
 
 def render(table: dict, bugs: dict[tuple[str, str], str] | None = None) -> str:
     """The documentation page's table: a row per family, a cell per column (ok / refused or differs, with the
-    reason as a numbered note below the table / not tried); a cell an engine bug explains links its
-    finding (``bugs``, default :func:`findings`)."""
+    reason as a numbered note below the table / not tried; per CPU kind where the kinds' outcomes
+    differ); a cell an engine bug explains links its finding (``bugs``, default :func:`findings`)."""
     bugs = findings() if bugs is None else bugs
     notes: dict[str, int] = {}
     header = ["family", "what it adds", *COLUMNS.values()]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+
+    def outcome_text(column: str, result: dict) -> str:
+        if result["status"] == "ok":
+            return "ok"
+        key = f"{COLUMNS[column]}: {result['reason']}"
+        if result.get("detail"):
+            key += f"; measured: {result['detail']}"
+        return f"{result['status']} [{notes.setdefault(key, len(notes) + 1)}]"
+
     for name, family in table["families"].items():
         cells = [f"`{name}`", family["quirks"]]
         for column in COLUMNS:
-            result = family["results"].get(column)
-            if result is None:
+            cell = family["results"].get(column)
+            if not cell:
                 cells.append("not tried")
-            elif result["status"] == "ok":  # an engine bug behind it is one mismatch-probe works around
-                bug = bugs.get((name, column))
-                cells.append(f"ok, [engine bug worked around]({bug})" if bug else "ok")
-            else:  # refused, or runs with log-probs that are not the model's
-                key = f"{COLUMNS[column]}: {result['reason']}"
-                if result.get("detail"):
-                    key += f"; measured: {result['detail']}"
-                cell = f"{result['status']} [{notes.setdefault(key, len(notes) + 1)}]"
-                if (name, column) in bugs:
-                    cell += f", [engine bug]({bugs[(name, column)]})"
-                cells.append(cell)
+                continue
+            distinct = {(o["status"], o.get("reason")) for o in cell.values()}
+            if len(distinct) == 1:  # the same on every CPU kind measured
+                text = outcome_text(column, next(iter(cell.values())))
+            else:
+                text = "; ".join(f"on {kind}: {outcome_text(column, o)}" for kind, o in cell.items())
+            bug = bugs.get((name, column))
+            if bug and text == "ok":  # an engine bug behind it is one mismatch-probe works around
+                text += f", [engine bug worked around]({bug})"
+            elif bug:
+                text += f", [engine bug]({bug})"
+            cells.append(text)
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     lines += [f"{n}. {key}" for key, n in notes.items()]
-    versions = ", ".join(f"{k} {v}" for k, v in table.get("versions", {}).items() if v)
-    if versions:
-        lines += ["", f"Generated by `python scripts/supported_models.py` with {versions}."]
+    measured = [
+        f"on {kind} ({m.get('cpu_model') or 'a CPU'})"
+        + (f" with {', '.join(f'{k} {v}' for k, v in m.get('versions', {}).items() if v)}" if m.get("versions") else "")
+        for kind, m in table.get("measured_on", {}).items()
+    ]
+    if measured:
+        lines += ["", f"Generated by `python scripts/supported_models.py`, {'; '.join(measured)}."]
     return "\n".join(lines)
 
 
@@ -155,11 +179,10 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "outcomes.json"
             run_suite(out)
-            outcomes = json.loads(out.read_text())
+            run = json.loads(out.read_text())
     else:
-        outcomes = json.loads(args.source.read_text())
-    table = merge(table, outcomes)
-    table["versions"] = _versions()
+        run = json.loads(args.source.read_text())
+    table = merge(table, run, _versions())
     TABLE.parent.mkdir(parents=True, exist_ok=True)
     TABLE.write_text(json.dumps(table, indent=2) + "\n")
     write_page(table)

@@ -11,6 +11,12 @@ or a difference the table lists is an xfail carrying the reason
 silent skip); any other difference fails. With ``MISMATCH_PROBE_MODEL_SUPPORT_OUT`` set, every
 outcome is also written to that file at the end of the session, and the committed table is not
 consulted (scripts/supported_models.py runs the suite that way to regenerate it).
+
+An outcome can depend on the CPU: the engines pick kernels by its instruction sets (vLLM's MLA
+refuses float32 with AMX and runs another kernel without). So every cell keeps one outcome per CPU
+kind it was measured on (``environment.cpu_kind``: "AMX", "AVX-512 BF16", ...), a run is compared
+with its own kind's, and regenerating on one kind keeps the others'. A kind never measured is
+held to the outcome every measured kind shares, and fails where they differ.
 """
 
 from __future__ import annotations
@@ -38,6 +44,12 @@ COLUMNS = {
 }
 
 OUTCOMES: dict[tuple[str, str], dict] = {}  # this session's, for OUT_ENV
+
+
+def this_cpu_kind() -> str:
+    from mismatch_probe.environment import cpu_isa, cpu_kind
+
+    return cpu_kind(cpu_isa())
 
 
 class Refused(Exception):
@@ -71,8 +83,18 @@ def committed() -> dict:
     return json.loads(TABLE.read_text()) if TABLE.is_file() else {"families": {}}
 
 
-def expected(family: str, column: str) -> dict | None:
-    return committed()["families"].get(family, {}).get("results", {}).get(column)
+def on_kind(cell: dict, kind: str) -> dict | None:
+    """A cell's outcome on CPU kind ``kind`` (a cell is ``{kind: outcome}``): its own, or for a kind
+    never measured the one every measured kind shares; None where they differ or none was measured."""
+    if kind in cell:
+        return cell[kind]
+    distinct = {(o["status"], o.get("reason")): o for o in cell.values()}
+    return next(iter(distinct.values())) if len(distinct) == 1 else None
+
+
+def expected(family: str, column: str, kind: str | None = None) -> dict | None:
+    cell = committed()["families"].get(family, {}).get("results", {}).get(column)
+    return None if cell is None else on_kind(cell, kind or this_cpu_kind())
 
 
 def check(family: str, column: str, outcome: dict) -> None:
@@ -86,8 +108,16 @@ def check(family: str, column: str, outcome: dict) -> None:
         if outcome["status"] != "ok":
             pytest.xfail(f"{where} {said}")
         return
-    want = expected(family, column)
+    kind = this_cpu_kind()
+    where += f" ({kind} CPU)"
+    want = expected(family, column, kind)
     if want is None:
+        cell = committed()["families"].get(family, {}).get("results", {}).get(column)
+        if cell:
+            pytest.fail(
+                f"{where} {said}; {TABLE.name} has it on {', '.join(cell)} CPUs only, where it differs: "
+                f"regenerate it on this one: {REGENERATE}"
+            )
         pytest.fail(f"{where}: not in {TABLE.name}; regenerate it: {REGENERATE}")
     if outcome["status"] == "ok":
         if want["status"] != "ok":
@@ -114,10 +144,14 @@ def run(family: str, column: str, probe) -> None:
 
 
 def write_outcomes() -> None:
+    """This session's outcomes, with the CPU they were measured on."""
+    from mismatch_probe.environment import cpu_model
+
     path = os.environ.get(OUT_ENV)
     if not path or not OUTCOMES:
         return
     out: dict = {}
     for (family, column), outcome in sorted(OUTCOMES.items()):
         out.setdefault(family, {})[column] = outcome
-    Path(path).write_text(json.dumps(out, indent=2) + "\n")
+    run = {"cpu_kind": this_cpu_kind(), "cpu_model": cpu_model(), "outcomes": out}
+    Path(path).write_text(json.dumps(run, indent=2) + "\n")
