@@ -13,12 +13,18 @@ Sample stage (:func:`sample_synced`), in order:
    set of every repeat); between repeats it samples the prompts again;
 4. the run's rollouts are sampled as in any run (decode, then the engine's own prefill);
 5. ``warm_cache`` without a reset: the prompts decoded greedily before the rollouts (the cache holds
-   the old weights' entries) and again after a reset: the stale-cache comparison;
-6. the engine closes, and a fresh engine loaded from the model digests its parameters and prefills
+   the old weights' entries) and again after a reset, then once more (the cache now holds the new
+   weights' entries: the engine's own floor of a cache hit against a recomputation): the
+   stale-cache comparison;
+6. the synced engine prefills every rollout as the fresh engine will (``sync/synced-prefill.parquet``);
+7. the engine closes, and a fresh engine loaded from the model digests its parameters and prefills
    the prompts and every rollout: ``sync/fresh-prefill.parquet``.
 
-The analyze stage (:func:`analyze_sync`) joins the fresh prefill with the token table (the
-synced engine's prefill and the reference) into run.json's ``sync`` section.
+Synced and fresh engine score the same tokens in the same requests and batches (steps 3, 6 and 7):
+an engine whose kernels are not batch invariant (SGLang's and vLLM's CPU kernels without AMX)
+gives other log-probs for the same tokens in another batch composition, which is not the sync's
+doing. The analyze stage (:func:`analyze_sync`) joins both prefills with the token table (the
+reference) into run.json's ``sync`` section.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from mismatch_probe.table.tokens import ROLLOUTS_DIR, read_rollout_shard, shard_
 
 SYNC_DIR = "sync"
 FRESH_PREFILL = "fresh-prefill.parquet"
+SYNCED_PREFILL = "synced-prefill.parquet"  # the synced engine's prefill of the rollouts, as the fresh one's
 WARM_MAX_TOKENS = 1  # a warm-up request only needs its prompt's blocks in the cache
 STALE_CHECK_TOKENS = 8  # greedy tokens per prompt that compare a stale cache with a reset one
 GREEDY = SamplingSpec(temperature=0.0, top_p=1.0, top_k=0, max_tokens=STALE_CHECK_TOKENS, n=1, seed=0)
@@ -160,9 +167,13 @@ def sample_synced(ctx: RunContext, missing: list[int], sample_shards) -> None:
         sample_shards(ctx, engine, missing)
         if stale_answers is not None:
             # the run's rollouts were decoded with the old weights' entries in the cache: the same
-            # greedy requests before and after a reset tell what those entries changed
+            # greedy requests before and after a reset tell what those entries changed; once more,
+            # from the entries the clean answers left, what a cache hit alone changes (the floor)
             engine.reset_prefix_cache()
-            stale = stale_cache(*_common_prefix_logprobs(stale_answers, _greedy_prompts(engine, ctx)))
+            clean = _greedy_prompts(engine, ctx)
+            stale = stale_cache(*_common_prefix_logprobs(stale_answers, clean))
+            stale["floor"] = stale_cache(*_common_prefix_logprobs(_greedy_prompts(engine, ctx), clean))
+        _write_prefill(ctx, engine, SYNCED_PREFILL)
     finally:
         with timed(ctx.timings, "engine_stop_s"):
             engine.close()
@@ -191,7 +202,7 @@ def sample_synced(ctx: RunContext, missing: list[int], sample_shards) -> None:
             if fresh.supports_digest:
                 digests["fresh"] = fresh.weight_digest(sync_dir / "digest-fresh.npz")
             fresh_prompts = _prefill(fresh, prompts, [1] * len(prompts))
-            _write_fresh_prefill(ctx, fresh)
+            _write_prefill(ctx, fresh, FRESH_PREFILL)
         finally:
             fresh.close()
 
@@ -239,19 +250,20 @@ def sample_synced(ctx: RunContext, missing: list[int], sample_shards) -> None:
     ctx.save()
 
 
-def _write_fresh_prefill(ctx: RunContext, fresh) -> None:
-    """The fresh engine's prefill of every rollout (from its first position; NaN before), one row per sample."""
+def _write_prefill(ctx: RunContext, engine, name: str) -> None:
+    """An engine's prefill of every rollout (from its first position; NaN before), one row per
+    sample, in ``sync/NAME``: shard by shard, one request per rollout, as both engines do it."""
     import pyarrow as pa
 
     ids, logps = [], []
     for i in range(len(ctx.shards)):
         rollouts = read_rollout_shard(ctx.out / ROLLOUTS_DIR / shard_name(i), None)
-        scored = _prefill(fresh, [r.token_ids for r in rollouts], [1] * len(rollouts))
+        scored = _prefill(engine, [r.token_ids for r in rollouts], [1] * len(rollouts))
         for r, lp in zip(rollouts, scored):
             ids.append(r.sample_id)
             logps.append(np.concatenate([[np.nan], lp]).astype(np.float32))
-    table = pa.table({"sample_id": pa.array(ids, pa.int64()), "logp_fresh": pa.array(logps, pa.list_(pa.float32()))})
-    write_table_atomic(table, ctx.out / SYNC_DIR / FRESH_PREFILL)
+    table = pa.table({"sample_id": pa.array(ids, pa.int64()), "logp": pa.array(logps, pa.list_(pa.float32()))})
+    write_table_atomic(table, ctx.out / SYNC_DIR / name)
 
 
 def _n_experts(ctx: RunContext) -> int | None:
@@ -267,6 +279,8 @@ def sync_incomplete(ctx: RunContext) -> bool:
     section = ctx.record.sync
     if section is None:
         return True
+    if not (ctx.out / SYNC_DIR / SYNCED_PREFILL).is_file() and section.get("complete") is False:
+        return True  # written by this version's sample stage, which did not finish it
     return section.get("fresh_unavailable") is None and not (ctx.out / SYNC_DIR / FRESH_PREFILL).is_file()
 
 
@@ -298,16 +312,18 @@ def analyze_sync(ctx: RunContext) -> dict | None:
         section["clean"] = not section["findings"]
         section["complete"] = True
         return section
-    fresh = pq.read_table(ctx.out / SYNC_DIR / FRESH_PREFILL)
     table = ds.dataset(ctx.out / TOKENS_DIR, format="parquet").to_table(
         columns=["sample_id", "position", "is_model_token", "logp_prefill", "logp_train"]
     )
     sample = table.column("sample_id").to_numpy()
     position = table.column("position").to_numpy()
     model = table.column("is_model_token").to_numpy(zero_copy_only=False)
-    synced = table.column("logp_prefill").to_numpy(zero_copy_only=False).astype(np.float64)
     reference = table.column("logp_train").to_numpy(zero_copy_only=False).astype(np.float64)
-    fresh_values = _by_position(fresh, sample, position)
+    fresh_values = _by_position(pq.read_table(ctx.out / SYNC_DIR / FRESH_PREFILL), sample, position)
+    if (ctx.out / SYNC_DIR / SYNCED_PREFILL).is_file():  # scored in the fresh engine's batches
+        synced = _by_position(pq.read_table(ctx.out / SYNC_DIR / SYNCED_PREFILL), sample, position)
+    else:  # a run sampled before the synced engine re-scored the rollouts: its sample stage's prefill
+        synced = table.column("logp_prefill").to_numpy(zero_copy_only=False).astype(np.float64)
     m = model.astype(bool)
     section["fidelity"] = logprob_fidelity(synced[m], fresh_values[m])
     section["vs_fresh"] = vs_fresh_k3(synced[m], fresh_values[m], reference[m], sample[m])
@@ -320,12 +336,13 @@ def analyze_sync(ctx: RunContext) -> dict | None:
 
 
 def _by_position(fresh, sample: np.ndarray, position: np.ndarray) -> np.ndarray:
-    """The fresh engine's log-prob of each token-table row (``sample``, ``position``), from its rows
-    of one list per sample; NaN where it has none."""
+    """An engine's prefill log-prob of each token-table row (``sample``, ``position``), from its rows
+    of one list per sample (:func:`_write_prefill`; ``logp_fresh`` in runs made before it); NaN
+    where it has none."""
     out = np.full(len(sample), np.nan)
     if fresh.num_rows == 0:
         return out
-    lists = fresh.column("logp_fresh").combine_chunks()
+    lists = fresh.column("logp" if "logp" in fresh.column_names else "logp_fresh").combine_chunks()
     values = lists.flatten().to_numpy(zero_copy_only=False).astype(np.float64)
     offsets = lists.offsets.to_numpy()
     ids = fresh.column("sample_id").to_numpy()

@@ -205,3 +205,33 @@ def test_check_sync_accepts():
     check_sync(SyncSpec(start_from="perturbed", sleep_level=1), on_cpu=False, version="0.0")
     with pytest.raises(ConfigError, match="data-parallel"):
         check_sync(SyncSpec(start_from="perturbed"), on_cpu=False, version="0.0", data_parallel_size=2)
+
+
+@pytest.mark.sglang
+def test_a_clean_sync_through_the_cli_is_clean_on_every_cpu(tmp_path):
+    """The whole [sync] probe on SGLang (pipeline/sync.py): from the perturbed weights, with a warm
+    cache, the cache reset and two repeats, the synced engine is bitwise a fresh one on every
+    comparison. The synced and the fresh engine score the rollouts in the same requests and batches:
+    without AMX SGLang's CPU kernels are not batch invariant, and the sample stage's own prefill
+    (the prompt from its cache, the rest in other batches) differed from a fresh engine's on 74% of
+    the tokens (max |Δ log p| 0.058) with every parameter equal: a false alarm. Faults are named
+    on the shared engine above (test_fault_is_named_then_undone)."""
+    import json
+
+    from conftest import MULTI_TURN, SGLANG_PYTHON, cli
+
+    out = tmp_path / "run"
+    proc = cli(
+        *("compare", "--model", str(DENSE), "--prompts", str(MULTI_TURN), "--out", str(out)),
+        *("--engine", "sglang", "--engine-python", SGLANG_PYTHON, "--engine-dtype", "bfloat16"),
+        *("--logprobs-mode", "raw", "--temperature", "1.0", "--max-prompts", "8", "--n", "2", "--max-tokens", "32"),
+        *("--train-dtype", "float32", "--logits-fp32", "--seed", "0"),
+        *("--sync-from", "perturbed", "--sync-warm-cache", "--sync-reset-prefix-cache", "--sync-repeats", "2"),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sync = json.loads((out / "run.json").read_text())["sync"]
+    assert sync["complete"] and sync["clean"] and sync["findings"] == [], sync["findings"]
+    assert all(r["weights"]["differing"] == [] and r["weights"]["compared"] > 0 for r in sync["repeats"])
+    assert all(r["fidelity"]["bitwise_share"] == 1.0 for r in sync["repeats"]), sync["repeats"]
+    assert sync["fidelity"]["tokens"] > 100 and sync["fidelity"]["bitwise_share"] == 1.0, sync["fidelity"]
+    assert sync["vs_fresh"]["difference"] == 0.0 and sync["vs_fresh"]["within_noise"] is True

@@ -81,6 +81,23 @@ def test_stale_cache_finding_needs_a_difference_beyond_kernel_noise():
     assert sync_findings([], stale_cache(clean, clean)) == []
 
 
+def test_stale_cache_finding_is_judged_against_the_engines_own_cache_hit_floor():
+    """On kernels that are not batch invariant a cache hit alone moves the answers (the floor: the
+    same greedy requests answered from entries of the new weights against recomputed); a stale
+    cache is a finding only well beyond it: 4x the floor's largest |Δ log p|."""
+    clean = np.array([-1.0, -2.0, -0.5, -3.0])
+    noisy = stale_cache(clean + np.array([0.0, 0.004, 0.0, 0.0]), clean)
+    within = {**stale_cache(clean + np.array([0.0, 0.012, -0.003, 0.0]), clean), "floor": noisy}
+    assert sync_findings([], within) == []  # 0.012 < 4 x 0.004
+    beyond = {**stale_cache(clean + np.array([0.3, 0.0, 0.0, 0.0]), clean), "floor": noisy}
+    (found,) = sync_findings([], beyond)
+    assert found["kind"] == "stale_prefix_cache" and "a cache hit alone moves them by at most 0.004" in found["message"]
+    # a bitwise floor (AMX kernels) leaves the absolute bound alone in charge, as in runs before the floor
+    exact = {**stale_cache(clean + np.array([0.002, 0.0, 0.0, 0.0]), clean), "floor": stale_cache(clean, clean)}
+    assert [f["kind"] for f in sync_findings([], exact)] == ["stale_prefix_cache"]
+    assert "cache hit alone" not in sync_findings([], exact)[0]["message"]
+
+
 def test_drift_over_repeats_and_logprobs_differ():
     same = {
         "weights": {"differing": []},
