@@ -454,7 +454,15 @@ class SGLangEngine:
             **({"routing_unavailable": self.routing_unavailable} if self.routing_unavailable else {}),
             "versions": versions,
             "workarounds": {**self.prefill_reader.workarounds(), **self.capture_workarounds},
+            **({"kernels": self._cpu_kernels()} if self.device == "cpu" else {}),
         }
+
+    def _cpu_kernels(self) -> dict:
+        """What SGLang's CPU engine runs on this CPU, by its own test: its AMX backend (sgl-kernel's
+        packed GEMMs, where a layer's shape allows; torch's otherwise) and the attention backend."""
+        from sglang.srt.utils import cpu_has_amx_support
+
+        return {"amx": bool(cpu_has_amx_support()), "attention": self.effective.get("attention_backend")}
 
     def generate(
         self,

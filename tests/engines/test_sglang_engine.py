@@ -261,3 +261,13 @@ print(json.dumps({"stock": stock, "died": died, "patched": cpu_capture_allocator
         == ROUTING_UNAVAILABLE_CPU
     )
     assert routing_refusal(spec, device="cpu", version="0.5.23", known=known, cpu_allocator=got["patched"]) is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="SGLang's CPU engine")
+def test_the_engine_records_its_cpu_kernels(sglang_engine):
+    """SGLang's CPU engine takes its AMX backend (sgl-kernel's packed GEMMs) only where the CPU has
+    AMX tiles and sgl-kernel was built with it: the run record says which, with the attention backend
+    mismatch-probe starts it with."""
+    kernels = sglang_engine.process.info()["kernels"]
+    assert set(kernels) == {"amx", "attention"} and kernels["attention"] == "torch_native", kernels
+    assert isinstance(kernels["amx"], bool) and (kernels["amx"] <= torch.cpu._is_amx_tile_supported()), kernels
