@@ -25,7 +25,7 @@ def kernel_weight(module_name, module, leaf, param):
     return linear(eye, None, None).t().contiguous()
 
 
-# what an unquantized linear layer's CPU GEMM calls (model_executor/layers/utils.py:
+# what an unquantized linear layer's CPU GEMM calls (vllm/model_executor/layers/utils.py:
 # dispatch_cpu_unquantized_gemm sets ``cpu_linear`` to a lambda over one of these)
 GEMM_CALLS = {
     "weight_packed_linear_cpu": "sgl-kernel (AMX)",
@@ -199,7 +199,7 @@ class ProbeWorkerExtension:
 
             import torch
 
-            # vLLM's CPU library by its own rule (platforms/cpu.py: import_kernels), and its AMX paths
+            # vLLM's CPU library by its own rule (vllm/platforms/cpu.py: import_kernels), and its AMX paths
             if platform.machine().lower() in ("x86_64", "amd64"):
                 library = (
                     "vllm._C_AVX2"
