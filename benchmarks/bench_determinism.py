@@ -24,6 +24,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import smoke  # benchmarks/smoke.py: the --smoke flag
+
 from mismatch_probe.config.spec import EngineSpec, ReferenceSpec, SamplingSpec
 from mismatch_probe.engines.base import GenerationRequest
 from mismatch_probe.engines.hf import HFEngine
@@ -37,6 +39,7 @@ from mismatch_probe.table.tokens import Rollout
 
 MODEL = ROOT / "fixtures" / "models" / "tiny-qwen2"
 PROMPTS = ROOT / "fixtures" / "prompts" / "single_turn.jsonl"
+SMOKE = {"sequences": 2, "max_tokens": 8, "dtypes": ["float32"]}  # on --device auto: the CPU without a GPU
 
 
 def rollouts_from(prompts, completions) -> list[Rollout]:
@@ -56,7 +59,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float16", "float32"])
     ap.add_argument("--json", type=Path)
+    smoke.add_flag(ap)
     args = ap.parse_args()
+    if args.smoke:
+        vars(args).update(SMOKE)
     device = resolve_device(args.device)
     tok = load_tokenizer(MODEL)
     stops = stop_token_ids(MODEL, tok)

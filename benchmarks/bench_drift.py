@@ -30,10 +30,13 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "unit")]
 
+import smoke  # benchmarks/smoke.py: the --smoke flag
 from test_drift import simulate_runs
 
 from mismatch_probe.analysis import drift
 from mismatch_probe.analysis.drift import detect_drift, drift_threshold
+
+SMOKE = {"runs": 20}
 
 
 def scenarios(change: int) -> dict[str, object]:
@@ -92,7 +95,10 @@ def main() -> None:
     ap.add_argument("--baseline", type=int, default=20)
     ap.add_argument("--change", type=int, default=120)
     ap.add_argument("--seed", type=int, default=0)
+    smoke.add_flag(ap)
     args = ap.parse_args()
+    if args.smoke:
+        vars(args).update(SMOKE)
     monitored = args.steps - args.baseline
     h = drift_threshold(args.baseline, monitored)
     print(

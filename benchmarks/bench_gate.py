@@ -19,7 +19,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import smoke  # benchmarks/smoke.py: the --smoke flag
 from bench_report import make_run
+
+SMOKE = {"tokens": 50_000, "repeats": 1}
 
 VALUE_ONLY = """
 [[checks]]
@@ -40,13 +43,20 @@ def timed_gate(run: Path, thresholds: Path) -> tuple[float, int]:
     proc = subprocess.run(
         [str(exe), "gate", str(run), "--thresholds", str(thresholds), "--json"], capture_output=True, text=True
     )
-    return time.perf_counter() - t0, proc.returncode
+    seconds = time.perf_counter() - t0
+    if proc.returncode not in (0, 1):  # 0: every check passed, 1: one failed; anything else is no gate at all
+        sys.exit(f"gate --thresholds {thresholds} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return seconds, proc.returncode
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=10_000_000)
+    ap.add_argument("--repeats", type=int, default=2, help="gate runs per thresholds file (the best is shown)")
+    smoke.add_flag(ap)
     args = ap.parse_args()
+    if args.smoke:
+        vars(args).update(SMOKE)
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
         stats = make_run(run, args.tokens, 0)
@@ -57,7 +67,7 @@ def main() -> None:
             ("run.json checks only", values),
             ("probes/gate-default.toml (one p99 over sequences)", ROOT / "probes" / "gate-default.toml"),
         ):
-            seconds, rc = min(timed_gate(run, path) for _ in range(2))
+            seconds, rc = min(timed_gate(run, path) for _ in range(args.repeats))
             print(f"gate, {name}: {seconds:.2f} s wall (exit {rc}), interpreter start and imports included")
 
 

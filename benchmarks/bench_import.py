@@ -25,9 +25,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "dumps")]
 
+import smoke  # benchmarks/smoke.py: the --smoke flag
 from training_run import Sequence, Step, write_generic, write_nemo_rl, write_slime
 
 MODEL = ROOT / "fixtures" / "models" / "tiny-qwen2"
+# one format at two sizes: 2 imports (each a fresh process that loads the libraries an import needs)
+SMOKE = {"tokens": 10_000, "scale": 2, "formats": "generic-parquet"}
 
 CHILD = """
 import json, sys, time
@@ -93,7 +96,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1_000_000)
     parser.add_argument("--scale", type=int, default=4, help="also import a dump this many times larger")
     parser.add_argument("--formats", default="generic-parquet,generic-jsonl,nemo-rl,slime")
+    smoke.add_flag(parser)
     args = parser.parse_args()
+    if args.smoke:
+        vars(args).update(SMOKE)
     rows = []
     for fmt in args.formats.split(","):
         for n in (args.tokens, args.tokens * args.scale):

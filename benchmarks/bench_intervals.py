@@ -19,8 +19,11 @@ import resource
 import time
 
 import numpy as np
+import smoke  # benchmarks/smoke.py: the --smoke flag
 
 from mismatch_probe.analysis.intervals import BOOTSTRAP_METRICS, bootstrap_intervals, paired_intervals
+
+SMOKE = {"sequences": 1_000, "n_boot": 100}
 
 
 def synthetic(n: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -76,7 +79,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sequences", type=int, default=100_000)
     ap.add_argument("--n-boot", type=int, default=1000)
+    smoke.add_flag(ap)
     args = ap.parse_args()
+    if args.smoke:
+        vars(args).update(SMOKE)
     a = synthetic(args.sequences)
     b = {**a, "k3_sum": a["k3_sum"] * 1.02}
     n_tok = int(a["n_tokens"].sum())

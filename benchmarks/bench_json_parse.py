@@ -39,7 +39,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "dumps")]
 
+import smoke  # benchmarks/smoke.py: the --smoke flag
 from training_run import Sequence, Step, write_generic, write_nemo_rl, write_prime_rl
+
+SMOKE = {"rows": 8, "width": 512, "repeat": 1}
 
 # the per-token fields each reader turns into arrays: (key, dtype)
 FIELDS = {
@@ -191,7 +194,10 @@ def main() -> None:
         default="cpu",
         help="cpu: this process's CPU time (steady on a shared machine; pyarrow's threads are summed); wall",
     )
+    smoke.add_flag(parser)
     args = parser.parse_args()
+    if args.smoke:
+        vars(args).update(SMOKE)
     global CLOCK
     CLOCK = CLOCKS[args.clock]
     from mismatch_probe.dumps import jsonl

@@ -28,7 +28,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import smoke  # benchmarks/smoke.py: the --smoke flag
+
 from mismatch_probe.table.tokens import TOKEN_SCHEMA, TOKENS_DIR, shard_name, write_table_atomic
+
+SMOKE = {"tokens": 50_000, "shard_tokens": 20_000}  # 3 shards
 
 CHILD = """
 import json, re, sys, time
@@ -72,6 +76,19 @@ def _experts(model, layers: int, k: int, flip: float, rng) -> tuple:
     return _experts_column([ei], model), _experts_column([et], model)
 
 
+def synthetic_table(given: dict, n: int):
+    """A table of every column of TOKEN_SCHEMA, in its order: the ``given`` arrays, and every other
+    (nullable: logp_prefill, logp_trainer, logp_train_replay, ...) all nulls, so a column the table
+    gains needs nothing here."""
+    import pyarrow as pa
+
+    missing = [f.name for f in TOKEN_SCHEMA if f.name not in given and not f.nullable]
+    if missing:
+        raise SystemExit(f"TOKEN_SCHEMA has required columns the synthetic table does not build: {missing}")
+    columns = [given[f.name] if f.name in given else pa.nulls(n, f.type) for f in TOKEN_SCHEMA]
+    return pa.Table.from_arrays(columns, schema=TOKEN_SCHEMA)
+
+
 def write_synthetic(run_dir: Path, tokens: int, shard_tokens: int, seed: int = 0, moe: tuple = (0, 0)) -> int:
     import pyarrow as pa
 
@@ -92,23 +109,23 @@ def write_synthetic(run_dir: Path, tokens: int, shard_tokens: int, seed: int = 0
         model = turn >= 0
         li = np.log(rng.beta(5, 0.3, n)).astype(np.float32)
         lt = (li + rng.normal(0, 0.01, n)).clip(max=0).astype(np.float32)
-        t = pa.Table.from_arrays(
-            [
-                pa.array(sid),
-                pa.array(np.repeat(np.array([f"p{i}" for i in range(sample, sample + len(lengths))]), lengths)),
-                pa.array(turn),
-                pa.array(pos.astype(np.int32)),
-                pa.array(rng.integers(0, 150000, n).astype(np.int32)),
-                pa.array(model),
-                pa.array(li, mask=~model),
-                pa.array(lt, mask=~model),
-                pa.array(np.zeros(n, np.float32)),
-                pa.nulls(n, pa.float32()),  # logp_prefill: no engine re-score
-                *_experts(model, *moe, 0.002, rng),
-                pa.nulls(n, pa.float32()),  # logp_trainer: not an imported run
-            ],
-            schema=TOKEN_SCHEMA,
-        )
+        experts_infer, experts_train = _experts(model, *moe, 0.002, rng)
+        given = {
+            "sample_id": pa.array(sid),
+            "prompt_id": pa.array(
+                np.repeat(np.array([f"p{i}" for i in range(sample, sample + len(lengths))]), lengths)
+            ),
+            "turn": pa.array(turn),
+            "position": pa.array(pos.astype(np.int32)),
+            "token_id": pa.array(rng.integers(0, 150000, n).astype(np.int32)),
+            "is_model_token": pa.array(model),
+            "logp_infer": pa.array(li, mask=~model),
+            "logp_train": pa.array(lt, mask=~model),
+            "entropy_train": pa.array(np.zeros(n, np.float32)),
+            "experts_infer": experts_infer,
+            "experts_train": experts_train,
+        }
+        t = synthetic_table(given, n)
         write_table_atomic(t, run_dir / TOKENS_DIR / shard_name(shard))
         written += n
         sample += len(lengths)
@@ -168,7 +185,10 @@ def main() -> None:
     ap.add_argument("--moe-layers", type=int, default=0, help="add expert ids: MoE layers per token (0: dense)")
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--write-only", help=argparse.SUPPRESS)
+    smoke.add_flag(ap)
     args = ap.parse_args()
+    if args.smoke:
+        vars(args).update(SMOKE)
     moe = (args.moe_layers, args.top_k if args.moe_layers else 0)
     if args.write_only:
         print(write_synthetic(Path(args.write_only), args.tokens, args.shard_tokens, moe=moe))

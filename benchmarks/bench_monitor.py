@@ -37,6 +37,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import smoke  # benchmarks/smoke.py: the --smoke flag
+
 from mismatch_probe.config.spec import ReferenceSpec
 from mismatch_probe.modeling.logprobs import LogprobSemantics
 from mismatch_probe.reference.scorer import ReferenceScorer
@@ -45,6 +47,14 @@ from mismatch_probe.timeline.monitor import Monitor
 
 PROMPT = 64
 LIKE = "qwen2.5-0.5b"
+# the fixture model, not a 1 GB random checkpoint
+SMOKE = {
+    "sequences": 8,
+    "response": 64,
+    "score_sequences": 2,
+    "repeats": 1,
+    "model": ROOT / "fixtures/models/tiny-qwen2",
+}
 
 
 def step_tensors(n: int, response: int, vocab: int, seed: int) -> dict[str, torch.Tensor]:
@@ -83,7 +93,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="log_step calls timed (one step each)")
     ap.add_argument("--model", type=Path, help="a checkpoint (default: a random Qwen2.5-0.5B-shaped one)")
     ap.add_argument("--json", type=Path)
+    smoke.add_flag(ap)
     args = ap.parse_args()
+    if args.smoke:
+        vars(args).update(SMOKE)
     with tempfile.TemporaryDirectory(prefix="bench-monitor-") as tmp:  # the checkpoint: 1 GB
         run(args, Path(tmp))
 

@@ -25,6 +25,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import smoke  # benchmarks/smoke.py: the --smoke flag
+
 from mismatch_probe.config.spec import ReferenceSpec
 from mismatch_probe.modeling.loading import load_tokenizer, resolve_device
 from mismatch_probe.modeling.logprobs import LogprobSemantics
@@ -34,6 +36,7 @@ from mismatch_probe.table.tokens import Rollout
 
 MODEL = ROOT / "fixtures" / "models" / "tiny-qwen2"
 PROMPTS = ROOT / "fixtures" / "prompts" / "single_turn.jsonl"
+SMOKE = {"sequences": 4, "repeats": 1}  # on the fixture (the default --model); --device auto: the CPU without a GPU
 
 
 def make_rollouts(n: int, seed: int = 0, model: Path = MODEL) -> list[Rollout]:
@@ -73,7 +76,10 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--model", type=Path, default=MODEL, help="a checkpoint (benchmarks/random_checkpoint.py)")
     ap.add_argument("--json", type=Path)
+    smoke.add_flag(ap)
     args = ap.parse_args()
+    if args.smoke:
+        vars(args).update(SMOKE)
     device = resolve_device(args.device)
 
     def sync() -> None:

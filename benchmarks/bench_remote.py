@@ -25,12 +25,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+import smoke  # benchmarks/smoke.py: the --smoke flag
 from remote_fixtures import scripted_server
 
 from mismatch_probe.config.spec import SamplingSpec
 from mismatch_probe.engines.base import GenerationRequest
 from mismatch_probe.engines.http_client import Client, Journal
 from mismatch_probe.engines.remote import OpenAIDialect
+
+SMOKE = {"requests": 16, "latency_ms": 1.0, "tokens": 8}
 
 
 def run(url: str, n: int, tokens: int, concurrency: int, journal: Journal | None, offset: int) -> tuple[float, float]:
@@ -59,7 +62,10 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=512)
     parser.add_argument("--latency-ms", type=float, default=20.0)
     parser.add_argument("--tokens", type=int, default=64)
+    smoke.add_flag(parser)
     args = parser.parse_args()
+    if args.smoke:
+        vars(args).update(SMOKE)
     n, latency = args.requests, args.latency_ms / 1000
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)

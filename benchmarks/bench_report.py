@@ -47,6 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import smoke  # benchmarks/smoke.py: the --smoke flag
 from bench_metrics import write_synthetic
 
 from mismatch_probe.analysis.analyze import analyze
@@ -59,6 +60,7 @@ from mismatch_probe.report.html import write_report
 from mismatch_probe.table.tokens import write_sequences
 
 LIMIT_BYTES = 5 * 10**6
+SMOKE = {"tokens": 50_000, "repeats": 1}
 
 
 CHILD = """
@@ -222,7 +224,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=10_000_000)
     ap.add_argument("--chromium", help="time the pages in this Chromium too (needs playwright)")
     ap.add_argument("--profile", action="store_true", help="print a cProfile of rendering report.html")
+    ap.add_argument("--repeats", type=int, default=5, help="fresh processes a side (the best is shown)")
+    smoke.add_flag(ap)
     args = ap.parse_args()
+    if args.smoke:
+        vars(args).update(SMOKE)
+    n = args.repeats
     with tempfile.TemporaryDirectory() as tmp:
         a, b = Path(tmp) / "a", Path(tmp) / "b"
         stats = make_run(a, args.tokens, 0)
@@ -234,8 +241,8 @@ def main() -> None:
             f"worst sequences {stats['worst_sequences_s']:.2f} s; distributions.json "
             f"{stats['distributions_json_bytes'] / 1e3:.0f} kB"
         )
-        print("fresh processes, best of 5 a side (the work alone; then the whole process):")
-        print(ratio_line("- the synthetic run, report", ("analyze", [a]), ("render", [a])))
+        print(f"fresh processes, best of {n} a side (the work alone; then the whole process):")
+        print(ratio_line("- the synthetic run, report", ("analyze", [a]), ("render", [a]), n=n))
         if args.profile:
             fresh_process("render", a, profile=True)
         print(
@@ -243,7 +250,7 @@ def main() -> None:
                 "- the two synthetic runs, comparison page",
                 ("analyze", [a, b]),
                 ("compare", [Path(tmp) / "synthetic-compare.html", a, b]),
-                n=3,
+                n=min(3, n),
             )
         )
         examples = [ROOT / "reports" / "example", ROOT / "reports" / "example-fp32"]
@@ -252,6 +259,7 @@ def main() -> None:
                 "- reports/example vs example-fp32, comparison page",
                 ("analyze", examples),
                 ("compare", [Path(tmp) / "examples.html", *examples]),
+                n=n,
             )
         )
         sweep = Path(tmp) / "sweep-demo"
@@ -261,6 +269,7 @@ def main() -> None:
                 "- reports/sweep-demo, sweep pages",
                 ("sweep-statistics", [sweep]),
                 ("sweep-render", [sweep]),
+                n=n,
             )
         )
         one = write_report([a], Path(tmp) / "one.html")

@@ -2,6 +2,7 @@
 2 torchrun ranks in each layout.
 
     python benchmarks/bench_score_ranks.py [--hidden 2048 --layers 8] [--prompts 8 --n 4 --max-tokens 64]
+        [--layouts one,dp2,tp2,sp2,fsdp2]
 
 1. samples a run from the fixture (`probes/demo-hf.toml`, hf engine) once;
 2. builds a random Qwen2 checkpoint with the fixture's vocabulary and tokenizer, big enough for the
@@ -32,9 +33,21 @@ import sys
 import tempfile
 from pathlib import Path
 
+import smoke  # benchmarks/smoke.py: the --smoke flag
+
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "fixtures" / "models" / "tiny-qwen2"
 BIN = Path(sys.executable).parent
+# --layouts: the short names, and each layout's name in the table
+LAYOUTS = {
+    "one": "1 process",
+    "dp2": "torchrun DP=2",
+    "tp2": "torchrun DP=1 x TP=2",
+    "sp2": "torchrun DP=1 x SP=2",
+    "fsdp2": "torchrun FSDP2 DP=2",
+}
+# a model of the fixture's size, one torchrun layout beside the one process
+SMOKE = {"hidden": 256, "layers": 2, "intermediate": 512, "prompts": 2, "n": 1, "max_tokens": 8, "layouts": "one,tp2"}
 
 
 def build_model(out: Path, hidden: int, layers: int, intermediate: int) -> Path:
@@ -80,7 +93,16 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--work", type=Path, help="keep the run and the model here (default: a temporary directory)")
+    ap.add_argument(
+        "--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of: {', '.join(LAYOUTS)} (one is always run)"
+    )
+    smoke.add_flag(ap)
     args = ap.parse_args()
+    if args.smoke:
+        vars(args).update(SMOKE)
+    chosen = {"one", *(k for k in args.layouts.split(",") if k)}
+    if unknown := chosen - set(LAYOUTS):
+        ap.error(f"unknown layouts {sorted(unknown)}; choose of {', '.join(LAYOUTS)}")
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-score-ranks-"))
     work.mkdir(parents=True, exist_ok=True)
     mp = str(BIN / "mismatch-probe")
@@ -98,19 +120,14 @@ def main() -> None:
     n_params = sum(f.stat().st_size for f in model.glob("*.safetensors")) / 4
     fp32 = ["--model", str(model), "--set", "reference.dtype=float32", "--overwrite"]
     torchrun = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "--no-python", mp]
-    layouts = {
-        "1 process": [mp],
-        "torchrun DP=2": torchrun,
-        "torchrun DP=1 x TP=2": [*torchrun, "--set", "reference.tensor_parallel_size=2"],
-        "torchrun DP=1 x SP=2": [*torchrun, "--set", "reference.sequence_parallel_size=2"],
-        "torchrun FSDP2 DP=2": [
-            *torchrun,
-            "--set",
-            "reference.fsdp=true",
-            "--set",
-            "reference.fsdp_param_dtype=float32",
-        ],
+    commands = {
+        "one": [mp],
+        "dp2": torchrun,
+        "tp2": [*torchrun, "--set", "reference.tensor_parallel_size=2"],
+        "sp2": [*torchrun, "--set", "reference.sequence_parallel_size=2"],
+        "fsdp2": [*torchrun, "--set", "reference.fsdp=true", "--set", "reference.fsdp_param_dtype=float32"],
     }
+    layouts = {LAYOUTS[k]: cmd for k, cmd in commands.items() if k in chosen}
     results = {}
     for name, cmd in layouts.items():
         out = work / name.replace(" ", "-").replace("=", "").lower()
@@ -131,6 +148,8 @@ def main() -> None:
             f"{base['scoring_s'] / r['scoring_s']:>6.2f}x{r['load_s']:>8.1f}  {r['loading']:<12}"
             f"{' / '.join(f'{b / 2**30:.2f}' for b in rss):>24}{max(rss) / base['peak_rss'][0]:>6.2f}x"
         )
+    if args.smoke and args.work is None:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

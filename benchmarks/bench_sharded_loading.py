@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import smoke  # benchmarks/smoke.py: the --smoke flag
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -42,6 +44,16 @@ MODES = {
 }
 TARGET = 0.6
 FORWARD_TOKENS = 16
+# a checkpoint of the fixture's size; sharded loading over TP=2 beside the one process
+SMOKE = {
+    "hidden": 256,
+    "intermediate": 512,
+    "layers": 2,
+    "heads": 4,
+    "kv_heads": 4,
+    "vocab": 1024,
+    "modes": "from_pretrained,meta+tp",
+}
 
 
 # ---- memory ----------------------------------------------------------------------------------
@@ -252,6 +264,7 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=16)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--keep", action="store_true", help="keep the temporary checkpoint and results")
+    smoke.add_flag(ap)
     # internal: one rank / the checkpoint writer, each in a fresh process
     ap.add_argument("--worker", choices=list(MODES), help=argparse.SUPPRESS)
     ap.add_argument("--make-checkpoint", help=argparse.SUPPRESS)
@@ -260,6 +273,8 @@ def main() -> None:
     ap.add_argument("--store", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.smoke:
+        vars(args).update(SMOKE)
     if args.worker:
         worker(args)
         return

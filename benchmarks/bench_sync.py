@@ -13,24 +13,34 @@ printed per transfer. SGLang runs from ``.venv-sglang`` (tests/sglang-cpu/instal
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import smoke  # benchmarks/smoke.py: the --smoke flag
+
 ROOT = Path(__file__).resolve().parent.parent
 TRANSFERS = ("tensor", "disk")
+# one engine (vLLM, in the engine worker: "uni"), one sync each way per transfer; the fixture is the default model
+SMOKE = {"engines": "vllm", "repeats": 1, "vllm_executor": "uni"}
 
 
-def bench(engine: str, model: Path, repeats: int, work: Path) -> list[tuple[str, float, float]]:
+def bench(
+    engine: str, model: Path, repeats: int, work: Path, vllm_executor: str | None = None
+) -> list[tuple[str, float, float]]:
     from mismatch_probe.config.spec import EngineSpec, SyncSpec
     from mismatch_probe.engines import get_entry
     from mismatch_probe.engines.process import EngineProcess
     from mismatch_probe.engines.weight_sync import perturbed_checkpoint
 
     start = perturbed_checkpoint(model, work / f"{engine}-perturbed")
-    spec = EngineSpec(name=engine, dtype="bfloat16", enforce_eager=True if engine == "vllm" else None)
+    executor = {"distributed_executor_backend": vllm_executor} if engine == "vllm" and vllm_executor else {}
+    if executor.get("distributed_executor_backend") == "uni":
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # what vLLM's CPU build needs for "uni"
+    spec = EngineSpec(name=engine, dtype="bfloat16", enforce_eager=True if engine == "vllm" else None, **executor)
     if engine == "sglang":
         spec = spec.model_copy(update={"python": str(ROOT / ".venv-sglang/bin/python")})
     t0 = time.perf_counter()
@@ -58,11 +68,18 @@ def main() -> None:
     parser.add_argument("--engines", default="vllm,sglang")
     parser.add_argument("--model", type=Path, default=ROOT / "fixtures/models/tiny-qwen2")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--vllm-executor", help="vLLM's distributed_executor_backend (default: vLLM's own, mp; uni: in the worker)"
+    )
+    smoke.add_flag(parser)
     args = parser.parse_args()
+    if args.smoke:
+        vars(args).update(SMOKE)
     with tempfile.TemporaryDirectory() as tmp:
         print(f"{'engine':8} {'transfer':8} {'sync s':>8} {'start s':>8} {'sync/start':>10}")
         for engine in args.engines.split(","):
-            for transfer, sync_s, start_s in bench(engine, args.model.resolve(), args.repeats, Path(tmp)):
+            rows = bench(engine, args.model.resolve(), args.repeats, Path(tmp), args.vllm_executor)
+            for transfer, sync_s, start_s in rows:
                 print(f"{engine:8} {transfer:8} {sync_s:8.3f} {start_s:8.2f} {sync_s / start_s:10.4f}")
                 sys.stdout.flush()
 

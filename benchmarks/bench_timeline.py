@@ -51,12 +51,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests" / "dumps")]
 
+import smoke  # benchmarks/smoke.py: the --smoke flag
 from bench_import import MODEL, synthetic_step
 from bench_import import write as write_dump
 from training_run import Step, verl_site, write_prime_rl, write_verl
 
 FORMATS = ("generic-parquet", "generic-jsonl", "nemo-rl", "slime", "prime-rl", "verl")
 JSONL = ("generic-jsonl", "nemo-rl", "prime-rl")
+# one format: prime-rl's JSON Lines (both parsers) and msgpack rollouts; 4 fresh processes
+SMOKE = {"tokens": 10_000, "repeat": 1, "formats": "prime-rl"}
 
 # the libraries any measurement needs, imported before its clock starts
 CHILD = """
@@ -198,7 +201,10 @@ def main() -> None:
     parser.add_argument("--scale", type=int, default=0, help="also a step this many times larger (0: not)")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--formats", default=",".join(FORMATS))
+    smoke.add_flag(parser)
     args = parser.parse_args()
+    if args.smoke:
+        vars(args).update(SMOKE)
     formats = [f for f in args.formats.split(",") if f]
     if "verl" in formats and verl_site() is None:
         print("verl: not installed for the tests (bash tests/dumps/install-verl.sh .verl-site); left out")

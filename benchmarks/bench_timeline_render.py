@@ -38,6 +38,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests" / "dumps")]
 
+import smoke  # benchmarks/smoke.py: the --smoke flag
 from bench_import import synthetic_step
 from training_run import write_generic
 
@@ -48,6 +49,7 @@ from mismatch_probe.timeline_record import STEPS_PARQUET, TimelineRecord
 from mismatch_probe.version import __version__
 
 TEMPLATES = 40
+SMOKE = {"steps": 60, "tokens": 20_000, "repeats": 1}  # 60 steps: the 20-step baseline and a drift after it
 CHILD_RENDER = """
 import json, sys, time
 sys.path.insert(0, {root!r})
@@ -157,7 +159,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1_000_000, help="model tokens of the analysed step")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--keep", type=Path, help="write the timeline directory here (to look at the page)")
+    smoke.add_flag(parser)
     args = parser.parse_args()
+    if args.smoke:
+        vars(args).update(SMOKE)
     with tempfile.TemporaryDirectory() as tmp:
         out = args.keep or Path(tmp) / "timeline"
         t0 = time.perf_counter()

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import smoke  # benchmarks/smoke.py: the --smoke flag
 
 from mismatch_probe.config.spec import EngineSpec, SamplingSpec
 from mismatch_probe.engines import Completion, GenerationRequest, get_entry, wire
@@ -22,6 +23,7 @@ from mismatch_probe.engines.process import EngineProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 DENSE = ROOT / "fixtures/models/tiny-qwen2"
+SMOKE = {"requests": 8, "max_tokens": 8, "transport": "64x64", "transport_repeats": 1}
 
 
 def transport(n_seq: int, n_tok: int, repeats: int = 3) -> float:
@@ -57,7 +59,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument(
+        "--transport",
+        default="1024x1024,4096x1024",
+        help="the transport's sizes alone: sequences x tokens, comma-separated",
+    )
+    ap.add_argument("--transport-repeats", type=int, default=3, help="the transport's runs per size (the median)")
+    smoke.add_flag(ap)
     args = ap.parse_args()
+    if args.smoke:
+        vars(args).update(SMOKE)
     spec = EngineSpec(dtype="float32", batch_size=64)
     sampling = SamplingSpec(temperature=1.0, max_tokens=args.max_tokens)
     rng = np.random.default_rng(1)
@@ -94,8 +105,9 @@ def main() -> None:
         f"  worker:     start {t_worker_start:.2f}s, generate {t_worker:.2f}s ({t_worker / t_local:.2f}x), "
         f"stop {t_worker_stop:.2f}s"
     )
-    for n_seq, n_tok in ((1024, 1024), (4096, 1024)):
-        t = transport(n_seq, n_tok)
+    for size in args.transport.split(","):
+        n_seq, n_tok = (int(x) for x in size.split("x"))
+        t = transport(n_seq, n_tok, repeats=args.transport_repeats)
         print(
             f"  transport of {n_seq} x {n_tok} tokens (ids + log-probs): {t:.3f}s "
             f"({n_seq * n_tok / t / 1e6:.1f}M tokens/s)"

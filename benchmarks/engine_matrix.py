@@ -14,9 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+import smoke  # benchmarks/smoke.py: the --smoke flag
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = {"dense": ROOT / "fixtures/models/tiny-qwen2", "moe": ROOT / "fixtures/models/tiny-qwen3-moe"}
@@ -36,6 +40,10 @@ CELLS = [
 ]
 # what each engine needs on a small CPU box (GPU runs can drop these)
 ENGINE_FLAGS = {"vllm": ("--enforce-eager",), "sglang": ()}
+# one cell (vLLM, dense, TP=1, bf16: one engine start, in the engine worker), a handful of tokens
+SMOKE = {"engines": "vllm", "prompts": 2, "n": 1, "max_tokens": 8}
+SMOKE_CELLS = CELLS[:1]
+IN_PROCESS = {"vllm": ("--distributed-executor-backend", "uni")}  # with VLLM_ENABLE_V1_MULTIPROCESSING=0
 TIMING_KEYS = (
     "setup_s",
     "engine_start_s",
@@ -54,20 +62,32 @@ def main() -> None:
     ap.add_argument("--engines", default="vllm,sglang")
     ap.add_argument("--vllm-python", help="python of a venv with vLLM (default: this one)")
     ap.add_argument("--sglang-python", help="python of a venv with SGLang (default: this one)")
-    ap.add_argument("--out", default=str(ROOT / "reports" / "engine-matrix"))
+    ap.add_argument("--out", help="where the runs go (default: reports/engine-matrix; --smoke: a temporary directory)")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
+    smoke.add_flag(ap)
     args = ap.parse_args()
+    if args.smoke:
+        vars(args).update(SMOKE)
+    if args.out is None and args.smoke:
+        with tempfile.TemporaryDirectory() as tmp:
+            run_cells(args, Path(tmp), SMOKE_CELLS)
+    else:
+        run_cells(args, Path(args.out or ROOT / "reports" / "engine-matrix"), CELLS)
+
+
+def run_cells(args: argparse.Namespace, out_dir: Path, cells: list) -> None:
     engines = args.engines.split(",")
     pythons = {"vllm": args.vllm_python, "sglang": args.sglang_python}
     exe = Path(sys.executable).with_name("mismatch-probe")
-    rows = []
-    for engine, model, tp, dtype, extra in CELLS:
+    rows, failed = [], []
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if args.smoke else None
+    for engine, model, tp, dtype, extra in cells:
         if engine not in engines:
             continue
         name = f"{engine}-{model}-tp{tp}-{dtype}" + "".join(f.replace("--", "-") for f in extra)
-        out = Path(args.out) / name
+        out = out_dir / name
         cmd = [
             str(exe),
             "compare",
@@ -99,9 +119,12 @@ def main() -> None:
         ]
         if pythons[engine]:
             cmd += ["--engine-python", pythons[engine]]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if args.smoke:
+            cmd += IN_PROCESS.get(engine, ())
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             print(f"{name}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)
+            failed.append(name)
             continue
         rec = json.loads(proc.stdout)
         rows.append((name, rec))
@@ -125,6 +148,8 @@ def main() -> None:
         t = rec["timings"]
         shares = [f"{t.get(k, 0) / t['total_s']:.0%}" for k in TIMING_KEYS]
         print(f"| {name} | {t['total_s']:.1f} | " + " | ".join(shares) + " |")
+    if failed:
+        sys.exit(f"failed: {', '.join(failed)}")
 
 
 def _f(v) -> str:

@@ -3,6 +3,7 @@
 with it; the vocabulary of the model is the real one's, so the LM head costs what it costs.
 
     python benchmarks/random_checkpoint.py --out /tmp/qwen2.5-0.5b-shaped [--like qwen2.5-0.5b]
+    python benchmarks/random_checkpoint.py --smoke   # the fixture's own shape, into a temporary directory
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ import argparse
 import json
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
+import smoke  # benchmarks/smoke.py: the --smoke flag
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,12 +44,14 @@ SHAPES = {
 }
 
 
-def build(out: Path, like: str = "qwen2.5-0.5b", seed: int = 0) -> Path:
+def build(out: Path, like: str = "qwen2.5-0.5b", seed: int = 0, shape: dict | None = None) -> Path:
+    """A checkpoint of ``like``'s shape (``shape`` replaces any of its values) with random weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     fixture = AutoConfig.from_pretrained(FIXTURE)  # the special tokens are the fixture tokenizer's
     tokens = {k: getattr(fixture, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
-    config = AutoConfig.for_model(fixture.model_type, **SHAPES[like], max_position_embeddings=32768, **tokens)
+    shape = {**SHAPES[like], **(shape or {})}
+    config = AutoConfig.for_model(fixture.model_type, **shape, max_position_embeddings=32768, **tokens)
     torch.manual_seed(seed)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -55,13 +60,35 @@ def build(out: Path, like: str = "qwen2.5-0.5b", seed: int = 0) -> Path:
     for f in FIXTURE.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "generation_config")) or f.name == "vocab.json":
             shutil.copyfile(f, out / f.name)
-    (out / "build_info.json").write_text(json.dumps({"like": like, "weights": "random", "seed": seed}) + "\n")
+    info = {"like": like, "weights": "random", "seed": seed, **({"shape": shape} if shape != SHAPES[like] else {})}
+    (out / "build_info.json").write_text(json.dumps(info) + "\n")
     return out
 
 
-if __name__ == "__main__":
+def fixture_shape() -> dict:
+    """The committed fixture's own values of the shape's settings: the smallest checkpoint."""
+    config = json.loads((FIXTURE / "config.json").read_text())
+    return {k: config[k] for k in SHAPES["qwen2.5-0.5b"]}
+
+
+def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path, help="where to write the checkpoint (required but with --smoke)")
     ap.add_argument("--like", choices=sorted(SHAPES), default="qwen2.5-0.5b")
+    smoke.add_flag(ap)
     args = ap.parse_args()
-    print(build(args.out, args.like), file=sys.stderr)
+    if not args.smoke:
+        if args.out is None:
+            ap.error("the following arguments are required: --out")
+        print(build(args.out, args.like), file=sys.stderr)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        out = build(args.out or Path(tmp) / "model", args.like, shape=fixture_shape())
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(out)  # what the benchmarks do with it
+        print(f"{out}: {sum(p.numel() for p in model.parameters()):,} parameters, loads", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

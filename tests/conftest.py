@@ -78,8 +78,9 @@ def check_first_and_later_turns(rec: dict) -> None:
 
 
 # The tiers: tests/unit is the fast one (`pytest -m "not slow"`, under a minute), less its tests that
-# start rank processes; whole runs, real engines, dumps and model families are slow by their directory.
-SLOW_DIRECTORIES = ("e2e", "engines", "dumps", "families", "gpu", "swift")
+# start rank processes; whole runs, real engines, dumps, model families and the benchmarks' smoke runs
+# are slow by their directory.
+SLOW_DIRECTORIES = ("e2e", "engines", "dumps", "families", "gpu", "swift", "benchmarks")
 
 
 def tier_of(path) -> str:

@@ -54,6 +54,7 @@ def check_sync_start(start: str | Path, model_path: Path) -> Path:
             hint=hint,
         )
     mine, theirs = read_config(model_path), read_config(path)
+
     def kind(cfg: dict) -> str:
         return "/".join(cfg.get("architectures") or []) or str(cfg.get("model_type"))
 
