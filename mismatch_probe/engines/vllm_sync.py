@@ -43,9 +43,9 @@ def gemm_path(linear) -> str:
 
 def quantized_weight(module, kernel) -> dict | None:
     """A quantized layer's weight as its kernel keeps it, read from the kernel and the layer: the
-    number format (the kernel's configuration; else the stored dtype), the tensor or handle that
-    holds it, that holder's dtype and shape, the bits each weight takes there (dense packing: the
-    format's width), and the path the kernel took where it chose one by the CPU."""
+    number format (the kernel's configuration; else the stored dtype), the tensor (with its dtype)
+    or handle that holds it, the bits each weight takes there (dense packing: the format's width),
+    and the path the kernel took where it chose one by the CPU."""
     import torch
 
     config = getattr(kernel, "config", None)

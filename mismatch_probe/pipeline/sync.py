@@ -70,10 +70,7 @@ def start_checkpoint(ctx: RunContext) -> Path:
         )
     if start == PERTURBED:
         return perturbed_checkpoint(ctx.model_path, ctx.out / SYNC_DIR / "start-perturbed")
-    path = Path(start)
-    if not path.is_dir() or not any(path.glob("*.safetensors")):
-        raise ConfigError(f"sync.start_from {start!r} is not a checkpoint directory with *.safetensors files")
-    return path
+    return Path(start)  # checked against the model by the prepare stage (modeling/loading.py: check_sync_start)
 
 
 def _prefill(engine, sequences: list[np.ndarray], starts: list[int]) -> list[np.ndarray]:
