@@ -27,6 +27,7 @@ from mismatch_probe.analysis.metric_docs import (
     rank,
 )
 from mismatch_probe.analysis.metrics import KEPT_K3
+from mismatch_probe.analysis.sync import STALE_FLOOR_FACTOR
 from mismatch_probe.files import portable_path, resolve_from_dir
 from mismatch_probe.numbers import fmt, pct, ratio, seconds, short, tick
 from mismatch_probe.record import RunRecord
@@ -430,23 +431,28 @@ def sync_view(record: RunRecord) -> SyncView | None:
         + [Column("differing parameters", "text")],
         rows,
         lead="The synced engine's prefill log-probs against a fresh engine's (loaded from the same weights) on "
-        "the same tokens, and its parameters against the fresh engine's: the error the sync path adds.",
+        "the same tokens in the same requests and batches, and its parameters against the fresh engine's: the "
+        "error the sync path adds.",
     )
     stale = sync.get("stale_cache") or {}
+    floor = stale.get("floor") or {}
     stale_table = Table(
         "sync_stale_cache",
         "Stale prefix cache",
-        [Column("tokens"), Column("bitwise share"), Column("max |Δ log p|"), Column("K3")],
+        [Column("tokens"), Column("bitwise share"), Column("max |Δ log p|"), Column("K3")]
+        + [Column("floor: max |Δ log p|")],
         [
             Row(
                 [fmt(stale.get("tokens")), pct(stale.get("bitwise_share"))]
-                + [fmt(stale.get("max_abs_dlogp")), fmt(stale.get("k3"))]
+                + [fmt(stale.get("max_abs_dlogp")), fmt(stale.get("k3")), fmt(floor.get("max_abs_dlogp"))]
             )
         ]
         if stale
         else [],
         lead="The same greedy requests decoded with the prefix cache holding entries computed with the weights "
-        "the engine started from, against after a reset, on the tokens both chose alike.",
+        "the engine started from, against after a reset, on the tokens both chose alike; the floor is what a "
+        "cache hit alone changes on this engine and machine (the same requests from the reset cache's new "
+        f"entries, against recomputed), which a stale cache must exceed {STALE_FLOOR_FACTOR:g}x to be a finding.",
     )
     fresh = sync.get("vs_fresh") or {}
     interval = fresh.get("interval")

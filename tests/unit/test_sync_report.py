@@ -82,7 +82,8 @@ FOUND = copy.deepcopy(CLEAN) | {
         )
         for k, share, dmax, k3 in ((1, 0.25, 1.5, 0.031), (2, 0.5, 0.75, 0.0042))
     ],
-    "stale_cache": {"tokens": 900, "bitwise_share": 0.4, "max_abs_dlogp": 1.3, "k3": 0.02},
+    "stale_cache": {"tokens": 900, "bitwise_share": 0.4, "max_abs_dlogp": 1.3, "k3": 0.02}
+    | {"floor": {"tokens": 900, "bitwise_share": 0.9, "max_abs_dlogp": 0.004, "k3": 1e-6}},
     "vs_fresh": {"k3_synced": 0.031, "k3_fresh": 0.0011, "difference": 0.0299}
     | {"interval": [0.021, 0.038], "within_noise": False, "tokens": 1234},
     "findings": [
@@ -221,7 +222,10 @@ def test_findings_stale_cache_and_a_k3_beyond_noise_are_shown(tmp_path):
     assert syncs in parsed.tables
 
     stale = md_table(section, "### Stale prefix cache")
-    assert stale == [["tokens", "bitwise share", "max |Δ log p|", "K3"], ["900", "40%", "1.3000", "0.0200"]]
+    assert stale == [
+        ["tokens", "bitwise share", "max |Δ log p|", "K3", "floor: max |Δ log p|"],
+        ["900", "40%", "1.3000", "0.0200", "0.0040"],
+    ]
     assert stale in parsed.tables
 
     fresh = md_table(section, "### Synced vs fresh engine, against the reference")
