@@ -48,10 +48,10 @@ from mismatch_probe.report.figures.drawing import (
     style,
     to_svg,
 )
-from mismatch_probe.report.markdown import md_cell
 from mismatch_probe.report.markdown import table as md_table
 from mismatch_probe.report.model import Card, Column, Row, Table, View
 from mismatch_probe.report.pages import write_figure_files
+from mismatch_probe.text import md_text
 from mismatch_probe.timeline_record import TimelineRecord
 from mismatch_probe.version import __version__
 
@@ -810,21 +810,21 @@ def timeline_figures(record: TimelineRecord, columns: Columns) -> list[DrawnFigu
 
 def render_markdown(view: TimelineView) -> str:
     """timeline.md."""
-    out = [f"# {md_cell(view.title)}", "", f"{md_cell(view.subtitle)}. Status **{md_cell(view.status)}**.", ""]
-    out += [f"- **{md_cell(line)}**" for line in view.headlines] + [""]
+    out = [f"# {md_text(view.title)}", "", f"{md_text(view.subtitle)}. Status **{md_text(view.status)}**.", ""]
+    out += [f"- **{md_text(line)}**" for line in view.headlines] + [""]
     out += [
-        f"- **{md_cell(c.label)}**: {md_cell(c.value)}" + (f" ({md_cell(c.note)})" if c.note else "")
+        f"- **{md_text(c.label)}**: {md_text(c.value)}" + (f" ({md_text(c.note)})" if c.note else "")
         for c in view.cards
     ]
     out += [""]
     out += md_table(view.drift)
     out += ["## Figures", "", "The same figures, with captions, are in `timeline.html`.", ""]
-    out += [f"![{md_cell(f.title)}]({f.path})" for f in view.figures] + [""]
+    out += [f"![{md_text(f.title)}]({f.path})" for f in view.figures] + [""]
     out += md_table(view.steps) + md_table(view.kept)
     if view.notes:
-        out += ["## Notes", ""] + [f"- {md_cell(n)}" for n in view.notes] + [""]
+        out += ["## Notes", ""] + [f"- {md_text(n)}" for n in view.notes] + [""]
     out += md_table(view.failed)
-    out += ["## The timeline", "", "| | |", "|---|---|"] + [f"| {md_cell(k)} | {md_cell(v)} |" for k, v in view.setup]
+    out += ["## The timeline", "", "| | |", "|---|---|"] + [f"| {md_text(k)} | {md_text(v)} |" for k, v in view.setup]
     return "\n".join(out).rstrip("\n") + "\n"
 
 
