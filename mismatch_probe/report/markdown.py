@@ -1,4 +1,5 @@
-"""Markdown renderings of the view models: a run's ``report.md`` and a sweep's ``sweep.md``.
+"""Markdown renderings of the views: a run's ``report.md``, a sweep's ``sweep.md`` and a
+timeline's ``timeline.md``.
 
 They open anywhere (a terminal, an editor, a CI artifact viewer, GitHub). Every text goes through
 the package's one Markdown escape (:func:`mismatch_probe.text.md_text`; a code span through
@@ -7,8 +8,11 @@ the package's one Markdown escape (:func:`mismatch_probe.text.md_text`; a code s
 
 from __future__ import annotations
 
-from mismatch_probe.report.model import RunView, SyncView, Table
-from mismatch_probe.report.sweep import SweepView
+from mismatch_probe.report.run_view import RunView
+from mismatch_probe.report.sweep_view import SweepView
+from mismatch_probe.report.sync_view import SyncView
+from mismatch_probe.report.timeline_view import TimelineView
+from mismatch_probe.report.view import FigureInfo, Pairs, Table
 from mismatch_probe.text import md_code, md_text
 
 
@@ -37,7 +41,7 @@ def table(t: Table, heading: str = "##") -> list[str]:
     return out + [""]
 
 
-def _pairs(rows: list[tuple[str, str]]) -> list[str]:
+def _pairs(rows: Pairs) -> list[str]:
     return ["| | |", "|---|---|"] + [f"| {md_text(k)} | {md_text(v)} |" for k, v in rows] + [""]
 
 
@@ -62,10 +66,15 @@ def render_run(view: RunView) -> str:
         "The same figures, with captions and the worst sequences token by token, are in `report.html`.",
         "",
     ]
-    out += [f"![{md_text(f.title)}]({f.path})" for f in view.figures] + [""]
+    out += _figures(view.figures)
     out += table(view.worst)
     out += ["## The run", ""] + _pairs(view.run) + table(view.timings, "###")
     return "\n".join(out).rstrip("\n") + "\n"
+
+
+def _figures(figures: list[FigureInfo]) -> list[str]:
+    """Each figure as an image of its file beside the page (figures/<id>.svg)."""
+    return [f"![{md_text(f.title)}]({f.path})" for f in figures] + [""]
 
 
 def sync(view: SyncView) -> list[str]:
@@ -96,4 +105,24 @@ def render_sweep(view: SweepView) -> str:
     out += table(view.noise) + table(view.determinism)
     out += [f"Note: {md_text(n)}" for n in view.determinism_notes] + ([""] if view.determinism_notes else [])
     out += table(view.points)
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+def render_timeline(view: TimelineView) -> str:
+    """A timeline's timeline.md."""
+    out = [f"# {md_text(view.title)}", "", f"{md_text(view.subtitle)}. Status **{md_text(view.status)}**.", ""]
+    out += [f"- **{md_text(line)}**" for line in view.headlines] + [""]
+    out += [
+        f"- **{md_text(c.label)}**: {md_text(c.value)}" + (f" ({md_text(c.note)})" if c.note else "")
+        for c in view.cards
+    ]
+    out += [""]
+    out += table(view.drift)
+    out += ["## Figures", "", "The same figures, with captions, are in `timeline.html`.", ""]
+    out += _figures(view.figures)
+    out += table(view.steps) + table(view.kept)
+    if view.notes:
+        out += ["## Notes", ""] + [f"- {md_text(n)}" for n in view.notes] + [""]
+    out += table(view.failed)
+    out += ["## The timeline", ""] + _pairs(view.setup)
     return "\n".join(out).rstrip("\n") + "\n"

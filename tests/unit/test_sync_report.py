@@ -21,7 +21,7 @@ from rich.console import Console
 from mismatch_probe.record import read_record
 from mismatch_probe.report import html, markdown, terminal
 from mismatch_probe.report.labels import SYNC_CLEAN
-from mismatch_probe.report.model import RunView, run_view
+from mismatch_probe.report.run_view import RunView, run_view
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "reports" / "example"
