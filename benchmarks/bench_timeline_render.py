@@ -15,7 +15,7 @@ the machine falls on both), the modules a process names up front imported before
 
 - analysing one step of ``--tokens`` model tokens as a timeline does (``runner.analyse_step``: read
   a generic Parquet dump, reduce it with its 400-replicate bootstrap, write the step's file);
-- rendering the page (``report.timeline.render_timeline``: figures/*.svg, timeline.md, timeline.html)
+- rendering the page (``report.pages.write_timeline_pages``: figures/*.svg, timeline.md, timeline.html)
   from the record and the table in memory, as the runner does;
 
 and both again in this process, warm (a ``--follow`` pass renders the page again in a process that
@@ -43,7 +43,7 @@ from bench_import import synthetic_step
 from training_run import write_generic
 
 from mismatch_probe.analysis.timeline import StepTokens, rows_table, step_rows
-from mismatch_probe.report.timeline import timeline_summary
+from mismatch_probe.report.timeline_view import timeline_summary
 from mismatch_probe.timeline.runner import _group, drift_tests, kept_steps
 from mismatch_probe.timeline_record import STEPS_PARQUET, TimelineRecord
 from mismatch_probe.version import __version__
@@ -54,13 +54,13 @@ CHILD_RENDER = """
 import json, sys, time
 sys.path.insert(0, {root!r})
 from pathlib import Path
-from mismatch_probe.report.timeline import render_timeline
+from mismatch_probe.report.pages import write_timeline_pages
 from mismatch_probe.timeline.store import read_steps
 from mismatch_probe.timeline_record import read_timeline
 out = Path({out!r})
 record, table = read_timeline(out), read_steps(out)  # the runner hands the page the table it built
 t0 = time.perf_counter()
-render_timeline(out, record, table)
+write_timeline_pages(out, record, table)
 print(json.dumps({{"seconds": time.perf_counter() - t0}}))
 """
 CHILD_ANALYSE = """
@@ -183,7 +183,7 @@ def main() -> None:
             cold_analyse.append(child(analyse)["seconds"])
             cold_render.append(child(render)["seconds"])
 
-        from mismatch_probe.report.timeline import render_timeline
+        from mismatch_probe.report.pages import write_timeline_pages
         from mismatch_probe.timeline.dump_steps import DumpSource
         from mismatch_probe.timeline.runner import _Task, analyse_step
         from mismatch_probe.timeline.store import read_steps
@@ -196,7 +196,7 @@ def main() -> None:
             analyse_step(task)
             warm_analyse.append(time.perf_counter() - t)
             t = time.perf_counter()
-            figures = render_timeline(out, record, table)
+            figures = write_timeline_pages(out, record, table)
             warm_render.append(time.perf_counter() - t)
         sizes = {f: (out / f).stat().st_size for f in figures}
         page = (out / "timeline.html").stat().st_size

@@ -214,7 +214,7 @@ def compare(
 ) -> None:
     """Sample with an engine, score the same tokens with a training-style forward, report the mismatch."""
     from mismatch_probe import pipeline
-    from mismatch_probe.report.model import run_view
+    from mismatch_probe.report.run_view import run_view
     from mismatch_probe.report.terminal import print_run
 
     gate = None
@@ -257,8 +257,8 @@ def _spec(spec_file: Path | None, overrides: dict[str, object], settings: list[s
 
 def _compare_variants(spec, overwrite, rollouts_from, gate_file, gate, as_json) -> None:
     from mismatch_probe.pipeline import compare_variants
+    from mismatch_probe.report.comparison_view import comparison_view, label_runs
     from mismatch_probe.report.data import RunData
-    from mismatch_probe.report.model import comparison_view, label_runs
     from mismatch_probe.report.terminal import print_comparison
 
     with RichProgress(err) as progress:
@@ -408,7 +408,7 @@ def analyze(
 ) -> None:
     """Stages 3 and 4 alone: metrics, per-sequence rows and the report of a scored run."""
     from mismatch_probe import pipeline
-    from mismatch_probe.report.model import run_view
+    from mismatch_probe.report.run_view import run_view
     from mismatch_probe.report.terminal import print_run
 
     with RichProgress(err) as progress:
@@ -476,7 +476,7 @@ def sweep(
     start per engine configuration), and say which setting causes the mismatch, with intervals, the
     noise floor, determinism and each change's throughput cost. Exit 0 when the baseline or a
     recommended change passes --gate, 1 when none does, 2 on bad input."""
-    from mismatch_probe.report.sweep import sweep_view
+    from mismatch_probe.report.sweep_view import sweep_view
     from mismatch_probe.report.terminal import print_sweep
     from mismatch_probe.sweeps import sweep as run_sweep
 
@@ -545,7 +545,7 @@ def report(
     from mismatch_probe.timeline_record import is_timeline
 
     if len(run_dirs) == 1 and out_file is None and is_timeline(run_dirs[0]):
-        from mismatch_probe.report.timeline import render_again as render_timeline_again
+        from mismatch_probe.report.pages import render_timeline_again
 
         path = render_timeline_again(run_dirs[0])  # from timeline.json and steps.parquet
         out.print(f"timeline: {escape(str(path))}, timeline.md, figures/")
@@ -575,12 +575,13 @@ def report(
 
 
 def _report_json(run_dirs: list[Path], is_sweep: bool) -> str:
-    """The view model of a run, a sweep or a comparison of runs, as ``report --json`` prints it."""
+    """The view of a run, a sweep or a comparison of runs, as ``report --json`` prints it."""
+    from mismatch_probe.report.comparison_view import comparison_view, label_runs
     from mismatch_probe.report.data import load_run
-    from mismatch_probe.report.model import comparison_view, label_runs, run_view
+    from mismatch_probe.report.run_view import run_view
 
     if is_sweep:
-        from mismatch_probe.report.sweep import sweep_view
+        from mismatch_probe.report.sweep_view import sweep_view
         from mismatch_probe.sweep_record import read_sweep
 
         return sweep_view(read_sweep(run_dirs[0])).to_json()
@@ -736,7 +737,7 @@ def timeline(
     when a step could not be read (the other steps are kept)."""
     from mismatch_probe.errors import ConfigError
     from mismatch_probe.record import json_safe
-    from mismatch_probe.report.timeline import timeline_summary
+    from mismatch_probe.report.timeline_view import timeline_summary
     from mismatch_probe.timeline.runner import TimelineOptions, build_timeline
 
     overrides = parse_settings(settings)

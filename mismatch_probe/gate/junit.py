@@ -7,6 +7,7 @@ import xml.etree.ElementTree as ET
 from typing import Literal
 
 from mismatch_probe.gate.checks import GateResult, significant
+from mismatch_probe.text import md_code, md_text
 
 STATUS_STYLE = {"PASS": "green", "WARN": "yellow", "FAIL": "bold red", "ERROR": "bold magenta"}
 STATUS_ICON = {"PASS": "✅", "WARN": "⚠️", "FAIL": "❌", "ERROR": "⛔"}
@@ -107,20 +108,13 @@ def junit_xml(result: GateResult) -> str:
     return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(suites, encoding="unicode") + "\n"
 
 
-def _md(text) -> str:
-    """A Markdown table cell: pipes escaped, one line, and no raw HTML from a thresholds file."""
-    return (
-        str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace("|", "\\|").replace("\n", " ")
-    )
-
-
 def markdown(result: GateResult) -> str:
     counts = result.counts()
     lines = [
         f"## {STATUS_ICON[result.status]} mismatch-probe gate: {result.status}",
         "",
-        f"Run `{_md(result.run)}` against `{_md(result.thresholds)}`"
-        + (f", baseline `{_md(result.baseline)}`" if result.baseline else "")
+        f"Run {md_code(result.run, in_table=False)} against {md_code(result.thresholds, in_table=False)}"
+        + (f", baseline {md_code(result.baseline, in_table=False)}" if result.baseline else "")
         + ": "
         + ", ".join(f"{n} {s}" for s, n in counts.items() if n)
         + ".",
@@ -130,14 +124,15 @@ def markdown(result: GateResult) -> str:
     ]
     for r in result.results:
         lines.append(
-            f"| {STATUS_ICON[r.status]} {r.status} | {_md(r.name)} | {significant(r.value)} | "
-            f"{_md(r.bound)}{' (warn)' if r.severity == 'warn' else ''} | {_md(r.message)} |"
+            f"| {STATUS_ICON[r.status]} {r.status} | {md_text(r.name)} | {significant(r.value)} | "
+            f"{md_text(r.bound)}{' (warn)' if r.severity == 'warn' else ''} | {md_text(r.message)} |"
         )
     described = [r for r in result.results if r.description or r.source]
     if described:
         lines += ["", "<details><summary>What the checks mean</summary>", ""]
         lines += [
-            f"- **{_md(r.name)}**: {_md(r.description)}" + (f" (source: {_md(r.source)})" if r.source else "")
+            f"- **{md_text(r.name)}**: {md_text(r.description)}"
+            + (f" (source: {md_text(r.source)})" if r.source else "")
             for r in described
         ]
         lines += ["", "</details>"]

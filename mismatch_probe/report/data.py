@@ -1,13 +1,19 @@
 """A finished run as the report reads it: its record and distributions (the token level from
 distributions.json, the sequence level from sequences.parquet), both computed from its per-token
-table when the run predates them. Needs no engine, no GPU and no model."""
+table when the run predates them; and a timeline's steps.parquet as columns by step
+(:func:`step_columns`). Needs no engine, no GPU and no model."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mismatch_probe.record import RunRecord, read_record
+
+if TYPE_CHECKING:
+    import numpy as np
+    import pyarrow as pa
 
 
 @dataclass
@@ -68,3 +74,21 @@ def _tokenizer_if_present(record: RunRecord):
         return load_tokenizer(Path(model), trust_remote_code=bool(record.spec.trust_remote_code))
     except Exception:  # token ids are shown instead of text
         return None
+
+
+Columns = dict[str, dict[str, "np.ndarray"]]  # turn group -> column -> values by step (null: NaN)
+
+
+def step_columns(table: pa.Table) -> Columns:
+    """steps.parquet's rows of each turn group as float arrays, one value per step (null: NaN)."""
+    import pyarrow.compute as pc
+
+    out: Columns = {}
+    for group in ("all", "first", "later"):
+        rows = table.filter(pc.equal(table.column("group"), group))
+        out[group] = {
+            name: rows.column(name).to_numpy(zero_copy_only=False).astype(float)
+            for name in rows.column_names
+            if name != "group"
+        }
+    return out

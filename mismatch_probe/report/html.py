@@ -1,5 +1,5 @@
-"""The HTML pages of the view models (Jinja2 templates, autoescape on): a run's ``report.html``,
-several runs side by side, a sweep's ``sweep.html``.
+"""The HTML pages of the views (Jinja2 templates, autoescape on): a run's ``report.html``, several
+runs side by side, a sweep's ``sweep.html``, a timeline's ``timeline.html``.
 
 Each page is self-contained and inert: figures are embedded SVG data URIs, styles are inline,
 there is no script at all, and a Content-Security-Policy forbids scripts and network loads
@@ -18,10 +18,13 @@ from pathlib import Path
 
 from mismatch_probe.errors import ConfigError
 from mismatch_probe.files import write_atomic
+from mismatch_probe.report.comparison_view import ComparisonView
 from mismatch_probe.report.data import load_run
 from mismatch_probe.report.figures import DrawnFigure
-from mismatch_probe.report.model import ComparisonView, RunView, gap_legend
-from mismatch_probe.report.sweep import SweepView
+from mismatch_probe.report.run_view import RunView, gap_legend
+from mismatch_probe.report.sweep_view import SweepView
+from mismatch_probe.report.timeline_view import TimelineView
+from mismatch_probe.report.view import Page
 from mismatch_probe.version import __version__
 
 REPORT_HTML = "report.html"
@@ -40,7 +43,9 @@ def _templates():
     )
 
 
-def _page(template: str, view: RunView | ComparisonView | SweepView, figures: Sequence[DrawnFigure], **extra) -> str:
+def _page(template: str, view: Page, figures: Sequence[DrawnFigure], **extra) -> str:
+    """The page of ``template`` over ``view`` (``v`` in the template), in the frame every page
+    shares (``base.html.j2``), the drawn figures it lists embedded."""
     srcs = {f.info.id: "data:image/svg+xml;base64," + base64.b64encode(f.svg).decode("ascii") for f in figures}
     missing = [f.id for f in view.figures if f.id not in srcs]
     if missing:  # a page shows the figures its view lists, drawn
@@ -67,6 +72,11 @@ def render_sweep(view: SweepView, figures: Sequence[DrawnFigure]) -> str:
     return _page("sweep.html.j2", view, figures)
 
 
+def render_timeline(view: TimelineView, figures: Sequence[DrawnFigure]) -> str:
+    """A timeline's timeline.html."""
+    return _page("timeline.html.j2", view, figures)
+
+
 def _now() -> str:
     return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
 
@@ -82,8 +92,9 @@ class WrittenReport:
 def write_report(run_dirs: Sequence[str | Path], out: str | Path | None = None) -> WrittenReport:
     """Render the report of one run (default ``<run>/report.html``) or the comparison of several
     (default ``compare.html``) and write it atomically."""
+    from mismatch_probe.report.comparison_view import comparison_view, label_runs
     from mismatch_probe.report.figures import comparison_figures, run_figures
-    from mismatch_probe.report.model import comparison_view, label_runs, run_view
+    from mismatch_probe.report.run_view import run_view
 
     if not run_dirs:
         raise ConfigError("no run directories given", hint="mismatch-probe report RUN_DIR [RUN_DIR ...]")

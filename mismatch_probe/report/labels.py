@@ -1,6 +1,7 @@
 """Words about a run: what its engine, reference and hardware are called, what its metric
-columns compare, and the notes the numbers alone do not say. Used by the view model
-(:mod:`.model`); nothing here computes a number."""
+columns compare, and the notes the numbers alone do not say; and what a timeline's metrics are
+called. Used by the views (:mod:`.run_view`, :mod:`.comparison_view`, :mod:`.sync_view`,
+:mod:`.timeline_view`) and the timeline's figures; nothing here computes a number."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from mismatch_probe.analysis.metric_docs import negative_chi2_note
+from mismatch_probe.analysis.metric_docs import CORRECTION_DOCS, METRIC_DOC, negative_chi2_note
 from mismatch_probe.numbers import fmt, mib, pct
 from mismatch_probe.record import EngineInfo, Environment, Inputs, ReferenceInfo, RunRecord
 
@@ -557,3 +558,18 @@ def server_template_summary(check: dict) -> str:
             f"the server's {first.get('server_text', first['server'])!r}"
         )
     return text
+
+
+# ---- a timeline's metrics (analysis/timeline.py: step_rows) ------------------------------------
+
+ROUTING_LABELS = {"routing_flip_share": "routing flip share", "routing_set_agreement_mean": "routing set agreement"}
+SHARES = (*CORRECTION_DOCS, "routing_flip_share")  # shown as percentages
+
+
+def metric_label(key: str) -> str:
+    """A metric's name on the page: its documented label, a correction's name, or routing's."""
+    if key in METRIC_DOC:
+        return METRIC_DOC[key].label
+    if key in CORRECTION_DOCS:
+        return f"{CORRECTION_DOCS[key].label} share"
+    return ROUTING_LABELS.get(key, key)

@@ -1,56 +1,57 @@
-"""Markdown renderings of the view models: a run's ``report.md`` and a sweep's ``sweep.md``.
+"""Markdown renderings of the views: a run's ``report.md``, a sweep's ``sweep.md`` and a
+timeline's ``timeline.md``.
 
-They open anywhere (a terminal, an editor, a CI artifact viewer, GitHub). Every cell goes through
-:func:`md_cell`, the one Markdown escape, since names and settings come from the user.
+They open anywhere (a terminal, an editor, a CI artifact viewer, GitHub). Every text goes through
+the package's one Markdown escape (:func:`mismatch_probe.text.md_text`; a code span through
+:func:`mismatch_probe.text.md_code`), since names and settings come from the user.
 """
 
 from __future__ import annotations
 
-from mismatch_probe.report.model import RunView, SyncView, Table
-from mismatch_probe.report.sweep import SweepView
-
-
-def md_cell(value) -> str:
-    """Text for a Markdown table cell or list item: a pipe would end the cell, a newline the row."""
-    return str(value).replace("\\", "\\\\").replace("|", "\\|").replace("\r", " ").replace("\n", " ")
+from mismatch_probe.report.run_view import RunView
+from mismatch_probe.report.sweep_view import SweepView
+from mismatch_probe.report.sync_view import SyncView
+from mismatch_probe.report.timeline_view import TimelineView
+from mismatch_probe.report.view import FigureInfo, Pairs, Table
+from mismatch_probe.text import md_code, md_text
 
 
 def _cell(table: Table, i: int, text: str, key: str) -> str:
     kind = table.columns[i].kind
     if kind == "link":
         return f"[{table.columns[i].label}]({text})" if text else ""
-    out = md_cell(text)
     if kind == "code":
-        return f"`{out}`"
-    return f"{out} `{key}`" if i == 0 and key else out
+        return md_code(text, in_table=True)
+    out = md_text(text)
+    return f"{out} {md_code(key, in_table=True)}" if i == 0 and key else out
 
 
 def table(t: Table, heading: str = "##") -> list[str]:
     """A table under its title and lead; an empty one is left out."""
     if not t.rows:
         return []
-    out = [f"{heading} {md_cell(t.title)}", ""] + ([md_cell(t.lead), ""] if t.lead else [])
-    out += ["| " + " | ".join(md_cell(c.label) for c in t.columns) + " |"]
+    out = [f"{heading} {md_text(t.title)}", ""] + ([md_text(t.lead), ""] if t.lead else [])
+    out += ["| " + " | ".join(md_text(c.label) for c in t.columns) + " |"]
     out += ["|" + "|".join("---:" if c.kind == "num" else "---" for c in t.columns) + "|"]
     for row in t.rows:
         cells = [_cell(t, i, text, row.key) for i, text in enumerate(row.cells)]
         if row.note:
-            cells += [md_cell(row.note)] + [""] * (len(t.columns) - len(cells) - 1)
+            cells += [md_text(row.note)] + [""] * (len(t.columns) - len(cells) - 1)
         out.append("| " + " | ".join(cells) + " |")
     return out + [""]
 
 
-def _pairs(rows: list[tuple[str, str]]) -> list[str]:
-    return ["| | |", "|---|---|"] + [f"| {md_cell(k)} | {md_cell(v)} |" for k, v in rows] + [""]
+def _pairs(rows: Pairs) -> list[str]:
+    return ["| | |", "|---|---|"] + [f"| {md_text(k)} | {md_text(v)} |" for k, v in rows] + [""]
 
 
 def render_run(view: RunView) -> str:
     """A run's report.md."""
-    out = [f"# {md_cell(view.title)}", "", f"{md_cell(view.subtitle)}. Status **{view.status}**.", ""]
+    out = [f"# {md_text(view.title)}", "", f"{md_text(view.subtitle)}. Status **{md_text(view.status)}**.", ""]
     out += ["## At a glance", ""] + [
-        f"- **{md_cell(c.label)}**: {md_cell(c.value)} ({md_cell(c.note)})" for c in view.headline
+        f"- **{md_text(c.label)}**: {md_text(c.value)} ({md_text(c.note)})" for c in view.headline
     ]
-    out += [""] + [f"- {md_cell(line)}" for line in view.notes] + ([""] if view.notes else [])
+    out += [""] + [f"- {md_text(line)}" for line in view.notes] + ([""] if view.notes else [])
     out += ["## Environment and settings", ""] + _pairs(view.setup)
     out += table(view.metrics) + table(view.corrections)
     for t in view.breakdowns:
@@ -65,16 +66,21 @@ def render_run(view: RunView) -> str:
         "The same figures, with captions and the worst sequences token by token, are in `report.html`.",
         "",
     ]
-    out += [f"![{md_cell(f.title)}]({f.path})" for f in view.figures] + [""]
+    out += _figures(view.figures)
     out += table(view.worst)
     out += ["## The run", ""] + _pairs(view.run) + table(view.timings, "###")
     return "\n".join(out).rstrip("\n") + "\n"
 
 
+def _figures(figures: list[FigureInfo]) -> list[str]:
+    """Each figure as an image of its file beside the page (figures/<id>.svg)."""
+    return [f"![{md_text(f.title)}]({f.path})" for f in figures] + [""]
+
+
 def sync(view: SyncView) -> list[str]:
     """The weight-sync probe's section: the verdict (and each finding), what was synced, its tables."""
-    out = ["## Weight sync", "", f"**{md_cell(view.verdict)}**", ""]
-    out += [f"- {md_cell(line)}" for line in view.findings] + ([""] if view.findings else [])
+    out = ["## Weight sync", "", f"**{md_text(view.verdict)}**", ""]
+    out += [f"- {md_text(line)}" for line in view.findings] + ([""] if view.findings else [])
     out += _pairs(view.setup)
     out += table(view.repeats, "###") + table(view.stale_cache, "###") + table(view.vs_fresh, "###")
     if view.engine_report:
@@ -85,18 +91,38 @@ def sync(view: SyncView) -> list[str]:
 def render_sweep(view: SweepView) -> str:
     """A sweep's sweep.md."""
     out = (
-        [f"# {md_cell(view.title)}", ""]
-        + [f"- {md_cell(s)}" for s in view.summary]
-        + ["", md_cell(view.subtitle) + ".", ""]
+        [f"# {md_text(view.title)}", ""]
+        + [f"- {md_text(s)}" for s in view.summary]
+        + ["", md_text(view.subtitle) + ".", ""]
     )
-    out += [f"- **{md_cell(c.label)}**: {md_cell(c.value)} {md_cell(c.note)}" for c in view.baseline] + [""]
+    out += [f"- **{md_text(c.label)}**: {md_text(c.value)} {md_text(c.note)}" for c in view.baseline] + [""]
     out += table(view.attribution)
     out += (
         table(view.corrections)
         if view.corrections.rows
-        else [f"## {md_cell(view.corrections.title)}", "", md_cell(view.corrections.lead), ""]
+        else [f"## {md_text(view.corrections.title)}", "", md_text(view.corrections.lead), ""]
     )
     out += table(view.noise) + table(view.determinism)
-    out += [f"Note: {md_cell(n)}" for n in view.determinism_notes] + ([""] if view.determinism_notes else [])
+    out += [f"Note: {md_text(n)}" for n in view.determinism_notes] + ([""] if view.determinism_notes else [])
     out += table(view.points)
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+def render_timeline(view: TimelineView) -> str:
+    """A timeline's timeline.md."""
+    out = [f"# {md_text(view.title)}", "", f"{md_text(view.subtitle)}. Status **{md_text(view.status)}**.", ""]
+    out += [f"- **{md_text(line)}**" for line in view.headlines] + [""]
+    out += [
+        f"- **{md_text(c.label)}**: {md_text(c.value)}" + (f" ({md_text(c.note)})" if c.note else "")
+        for c in view.cards
+    ]
+    out += [""]
+    out += table(view.drift)
+    out += ["## Figures", "", "The same figures, with captions, are in `timeline.html`.", ""]
+    out += _figures(view.figures)
+    out += table(view.steps) + table(view.kept)
+    if view.notes:
+        out += ["## Notes", ""] + [f"- {md_text(n)}" for n in view.notes] + [""]
+    out += table(view.failed)
+    out += ["## The timeline", ""] + _pairs(view.setup)
     return "\n".join(out).rstrip("\n") + "\n"

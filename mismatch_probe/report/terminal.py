@@ -1,4 +1,4 @@
-"""The terminal renderings of the view models (rich): a run's summary after ``compare`` and
+"""The terminal renderings of the views (rich): a run's summary after ``compare`` and
 ``analyze``, a comparison of runs (a spec's ``[[variants]]``), a sweep's diagnosis. The same
 tables as the pages, with the same columns, labels and cells, less the long explanations."""
 
@@ -8,9 +8,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table as RichTable
 
+from mismatch_probe.report.comparison_view import ComparisonView
 from mismatch_probe.report.labels import NOTE
-from mismatch_probe.report.model import ComparisonView, RunView, Table
-from mismatch_probe.report.sweep import SweepView
+from mismatch_probe.report.run_view import RunView
+from mismatch_probe.report.sweep_view import SweepView
+from mismatch_probe.report.view import Table
 
 MARK_STYLES = {"best": "green", "worst": "red"}
 

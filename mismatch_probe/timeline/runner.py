@@ -294,9 +294,9 @@ def finish(
         timings={"seconds": round(seconds, 3)},
     )
     record.write(out)
-    from mismatch_probe.report.timeline import render_timeline
+    from mismatch_probe.report.pages import write_timeline_pages
 
-    record.figures = render_timeline(out, record, table)
+    record.figures = write_timeline_pages(out, record, table)
     record.write(out)
     return record
 

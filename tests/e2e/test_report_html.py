@@ -14,10 +14,11 @@ from conftest import cli
 
 from mismatch_probe.analysis.distributions import load
 from mismatch_probe.record import parse_record
+from mismatch_probe.report.comparison_view import comparison_view, label_runs
 from mismatch_probe.report.data import RunData, load_run
 from mismatch_probe.report.figures import comparison_figures, run_figures
 from mismatch_probe.report.html import render_comparison, render_run
-from mismatch_probe.report.model import comparison_view, label_runs, run_view
+from mismatch_probe.report.run_view import run_view
 
 
 def page_of(run: RunData) -> str:

@@ -160,7 +160,7 @@ def test_worst_sequences_show_the_head_and_a_window_around_the_worst_token(tmp_p
     assert long["log_ratio"] == pytest.approx(math.log(0.3 / 0.9), rel=1e-6)
     assert short["tokens"]["position"] == list(range(30))  # short: everything
 
-    from mismatch_probe.report.model import token_view
+    from mismatch_probe.report.run_view import token_view
 
     spans = token_view(long)
     gaps = [s.gap for s in spans if s.gap]

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from report_runs import synthetic_run
 
+from mismatch_probe.report.comparison_view import label_runs
 from mismatch_probe.report.data import RunData
 from mismatch_probe.report.figures import (
     RUN_FIGURE_IDS,
@@ -17,7 +18,6 @@ from mismatch_probe.report.figures import (
     run_figures,
     sweep_figures,
 )
-from mismatch_probe.report.model import label_runs
 
 ROOT = Path(__file__).resolve().parents[2]
 SWEEP = ROOT / "reports" / "sweep-demo"

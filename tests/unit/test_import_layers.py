@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "mismatch_probe"
 # Lowest first. A unit is a top-level module or subpackage of mismatch_probe; units in the same layer
 # may not import each other (report and gate are siblings, as are rollout and reference).
 LAYERS: list[set[str]] = [
-    {"errors", "numbers", "version"},
+    {"errors", "numbers", "text", "version"},
     {"files"},
     {"config", "record", "environment"},
     {"modeling", "table", "sweep_record", "timeline_record"},

@@ -58,7 +58,7 @@ def test_the_reports_render_every_documented_metric():
     from report_runs import synthetic_run
 
     from mismatch_probe.report import html, markdown
-    from mismatch_probe.report.model import run_view
+    from mismatch_probe.report.run_view import run_view
 
     record, dist = synthetic_run(2000)
     view = dataclasses.replace(run_view(record, Path("run"), dist), figures=[])  # the tables are what counts here

@@ -10,7 +10,7 @@ from conftest import MOE
 
 from mismatch_probe.analysis.metrics import ReplayAccumulator, token_terms
 from mismatch_probe.record import RunRecord
-from mismatch_probe.report.model import routing_tables
+from mismatch_probe.report.run_view import routing_tables
 
 
 def test_replay_what_if_sums_are_the_float64_means():

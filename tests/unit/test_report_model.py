@@ -19,7 +19,7 @@ from rich.console import Console
 
 from mismatch_probe.report import html, markdown, terminal
 from mismatch_probe.report.data import load_run
-from mismatch_probe.report.model import RunView, run_view
+from mismatch_probe.report.run_view import RunView, run_view
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = [
@@ -135,8 +135,8 @@ def test_report_json_is_the_view_model():
 
 def test_a_comparison_shows_the_same_metric_table_on_its_page_and_in_the_terminal():
     """compare.html and the terminal's table of a spec's [[variants]] render one comparison view."""
+    from mismatch_probe.report.comparison_view import comparison_view, label_runs
     from mismatch_probe.report.data import RunData
-    from mismatch_probe.report.model import comparison_view, label_runs
 
     runs = label_runs(
         [RunData(Path(name), *synthetic_run(n, name=name)) for name, n in (("bf16", 5000), ("fp32", 3000))]
@@ -161,7 +161,7 @@ def test_a_comparison_shows_the_same_metric_table_on_its_page_and_in_the_termina
 
 @pytest.mark.skipif(not (ROOT / "reports" / "sweep-demo" / "sweep.json").is_file(), reason="no committed sweep")
 def test_a_sweeps_attribution_is_the_same_in_sweep_md_and_sweep_html():
-    from mismatch_probe.report.sweep import sweep_view
+    from mismatch_probe.report.sweep_view import sweep_view
     from mismatch_probe.sweep_record import read_sweep
 
     record = read_sweep(ROOT / "reports" / "sweep-demo")
@@ -187,7 +187,7 @@ def test_a_sweeps_attribution_is_the_same_in_sweep_md_and_sweep_html():
 def test_an_moe_run_whose_engine_cannot_return_routing_says_why():
     from mismatch_probe.engines import vllm as vllm_adapter
     from mismatch_probe.record import EngineInfo, RunRecord
-    from mismatch_probe.report.model import routing_tables
+    from mismatch_probe.report.run_view import routing_tables
 
     engine = EngineInfo.model_validate({"engine": "vllm", "routing_unavailable": vllm_adapter.ROUTING_UNAVAILABLE_CPU})
     moe = RunRecord(engine=engine, architecture={"moe": {"routed_experts": 8, "top_k": 2}})

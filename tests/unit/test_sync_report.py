@@ -21,7 +21,7 @@ from rich.console import Console
 from mismatch_probe.record import read_record
 from mismatch_probe.report import html, markdown, terminal
 from mismatch_probe.report.labels import SYNC_CLEAN
-from mismatch_probe.report.model import RunView, run_view
+from mismatch_probe.report.run_view import RunView, run_view
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "reports" / "example"
@@ -243,7 +243,8 @@ def test_a_finding_is_text_on_the_page_never_markup(tmp_path):
     view, md, page, _ = views(synced_run(tmp_path, CLEAN | {"findings": [hostile]}))
     assert view.sync is not None and not view.sync.clean
     assert "<script" not in page and "&lt;script&gt;" in page
-    assert "- <script>alert(1)</script> \\| a b" in md_section(md)  # one list item: the pipe escaped, one line
+    # one list item: no markup, the pipe escaped, one line
+    assert "- \\<script>alert(1)\\</script> \\| a b" in md_section(md)
 
 
 def test_a_sync_not_shown_to_match_says_which(tmp_path):

@@ -1,5 +1,6 @@
-"""A timeline's page (report/timeline.py): one view model rendered as timeline.html, timeline.md and
-the terminal's summary, from a record and a steps.parquet table built here by the analysis's own
+"""A timeline's page: one view (report/timeline_view.py) rendered as timeline.html, timeline.md
+(report/html.py, report/markdown.py) and the terminal's summary, with its figures
+(report/figures/timeline.py), from a record and a steps.parquet table built here by the analysis's own
 ``step_rows`` (synthetic tokens whose mismatch grows from a known step; nothing typed in by hand
 but the drift results, whose test is analysis/drift.py's)."""
 
@@ -13,14 +14,10 @@ import pytest
 from html_tables import SectionTables
 
 from mismatch_probe.analysis.timeline import STEP_SCHEMA, StepTokens, rows_table, step_rows
-from mismatch_probe.report.timeline import (
-    ENVELOPE_BINS,
-    envelope,
-    render_markdown,
-    render_timeline,
-    timeline_summary,
-    timeline_view,
-)
+from mismatch_probe.report import markdown
+from mismatch_probe.report.figures.timeline import ENVELOPE_BINS, envelope
+from mismatch_probe.report.pages import write_timeline_pages
+from mismatch_probe.report.timeline_view import timeline_summary, timeline_view
 from mismatch_probe.timeline_record import KeptStep, TimelineRecord
 
 N_STEPS, CHANGE = 30, 20
@@ -134,7 +131,7 @@ def test_the_headline_names_the_metric_its_change_step_and_interval(rows):
     summary = timeline_summary(record).splitlines()
     assert summary[0] == "30 steps (0–29), 18,000 model tokens"
     assert summary[1] == view.headlines[0]
-    assert f"- **{view.headlines[0]}**" in render_markdown(view)
+    assert f"- **{view.headlines[0]}**" in markdown.render_timeline(view)
     drift_rows = {row.key: row for row in view.drift.rows}
     assert drift_rows["k3_kl"].cells[1:5] == ["departs", "20", "steps 19–22", "23"]
     assert drift_rows["mult_prob_error"].cells[1] == "no drift" and drift_rows["mult_prob_error"].muted
@@ -161,7 +158,7 @@ def test_a_share_that_drifts_is_read_as_its_two_medians():
 
 def test_the_page_files_are_written_self_contained(rows, tmp_path):
     record, table = make_record(), rows_table(rows)
-    figures = render_timeline(tmp_path, record, table)
+    figures = write_timeline_pages(tmp_path, record, table)
     assert figures == [
         "figures/k3_kl.svg",
         "figures/prob_diff.svg",
@@ -196,7 +193,7 @@ def test_the_page_files_are_written_self_contained(rows, tmp_path):
 
 def test_the_steps_table_is_the_same_in_timeline_md_and_timeline_html(rows, tmp_path):
     record, table = make_record(), rows_table(rows)
-    render_timeline(tmp_path, record, table)
+    write_timeline_pages(tmp_path, record, table)
     page, md = (tmp_path / "timeline.html").read_text(), (tmp_path / "timeline.md").read_text()
     from_html = html_tables(page, "steps")[0]
     from_md = md_rows(md, "Steps")
@@ -231,7 +228,7 @@ def test_a_long_timeline_shows_its_ends_its_kept_steps_and_change_points(rows):
 
 def test_a_timeline_without_drift_says_so(rows, tmp_path):
     record = make_record(detected=False)
-    render_timeline(tmp_path, record, rows_table(rows))
+    write_timeline_pages(tmp_path, record, rows_table(rows))
     line = "no drift found in any metric (false-alarm rate 5% per metric)"
     assert timeline_summary(record).splitlines()[1:] == [line]
     assert line in (tmp_path / "timeline.md").read_text() and line in (tmp_path / "timeline.html").read_text()
@@ -240,7 +237,7 @@ def test_a_timeline_without_drift_says_so(rows, tmp_path):
 def test_a_timeline_with_no_steps_renders(tmp_path):
     record = make_record(detected=False, n_steps=0, drift={}, kept=[], notes=[])
     record.steps = {"count": 0, "first": None, "last": None, "model_tokens": 0, "failed": {"4": "no trainer log-probs"}}
-    figures = render_timeline(tmp_path, record, STEP_SCHEMA.empty_table())
+    figures = write_timeline_pages(tmp_path, record, STEP_SCHEMA.empty_table())
     assert len(figures) == 6  # no later turns, no routing
     for f in figures:
         assert_inert_svg((tmp_path / f).read_bytes())
@@ -254,13 +251,13 @@ def test_a_drift_result_with_infinities_renders(rows, tmp_path):
     """A drift result writes an infinite median or ratio as "inf" (as run.json does)."""
     record = make_record()
     record.drift["k3_kl"] |= {"after": "inf", "ratio": "inf"}
-    render_timeline(tmp_path, record, rows_table(rows))
+    write_timeline_pages(tmp_path, record, rows_table(rows))
     assert "inf its median over steps 0–9 (4.000e-05 → inf)" in timeline_summary(record)
 
 
 def test_routing_gets_its_column_and_figure_when_the_steps_have_it(rows, tmp_path):
     routed = [r | {"routing_flip_share": 0.01 * (r["step"] % 5)} if r["group"] == "all" else r for r in rows]
-    figures = render_timeline(tmp_path, make_record(), rows_table(routed))
+    figures = write_timeline_pages(tmp_path, make_record(), rows_table(routed))
     assert figures[-1] == "figures/routing_flip_share.svg"
     header = html_tables((tmp_path / "timeline.html").read_text(), "steps")[0][0]
     assert "routing flip share" in header
@@ -268,8 +265,8 @@ def test_routing_gets_its_column_and_figure_when_the_steps_have_it(rows, tmp_pat
 
 def test_rendering_again_gives_the_same_figures(rows, tmp_path):
     record, table = make_record(), rows_table(rows)
-    first = {f: (tmp_path / f).read_bytes() for f in render_timeline(tmp_path, record, table)}
-    assert {f: (tmp_path / f).read_bytes() for f in render_timeline(tmp_path, record, table)} == first
+    first = {f: (tmp_path / f).read_bytes() for f in write_timeline_pages(tmp_path, record, table)}
+    assert {f: (tmp_path / f).read_bytes() for f in write_timeline_pages(tmp_path, record, table)} == first
 
 
 def test_a_long_series_is_drawn_as_its_envelope():
@@ -290,5 +287,5 @@ def test_a_long_series_is_drawn_as_its_envelope():
 def test_the_figures_of_a_long_timeline_stay_small(rows, tmp_path):
     template = [r for r in rows if r["step"] >= CHANGE - 5]
     long = rows_table([r | {"step": s} for s in range(2000) for r in template if r["step"] == CHANGE - 5 + s % 10])
-    for f in render_timeline(tmp_path, make_record(n_steps=2000), long):
+    for f in write_timeline_pages(tmp_path, make_record(n_steps=2000), long):
         assert (tmp_path / f).stat().st_size < 80_000, f

@@ -1,9 +1,9 @@
 """Every figure of the reports, drawn with matplotlib: a run's seven (:mod:`.run`), the comparison
-page's overlays (:mod:`.compare`) and a sweep's forest and cost plots (:mod:`.sweep`), each written
-as inert, reproducible SVG (:mod:`.drawing`).
+page's overlays (:mod:`.compare`), a sweep's forest and cost plots (:mod:`.sweep`) and a timeline's
+metrics by step (:mod:`.timeline`), each written as inert, reproducible SVG (:mod:`.drawing`).
 
-Each list below names a page's figures once (id, title, caption, how it is drawn); the view model
-(:mod:`mismatch_probe.report.model`) shows the same list. Rendering only: every number drawn was
+Each list below names a page's figures once (id, title, caption, how it is drawn); the page's view
+(:mod:`mismatch_probe.report.run_view`, ...) shows the same list. Rendering only: every number drawn was
 computed by the analysis. matplotlib is imported when the first figure is drawn.
 """
 
@@ -13,13 +13,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mismatch_probe.analysis.metric_docs import METRIC_DOC
+import numpy as np
+
+from mismatch_probe.analysis.metric_docs import METRIC_DOC, PUBLISHED_K3, fmt_range
 from mismatch_probe.errors import ConfigError
 from mismatch_probe.record import RunRecord
-from mismatch_probe.report.data import RunData
-from mismatch_probe.report.figures import compare, run, sweep
+from mismatch_probe.report.data import Columns, RunData
+from mismatch_probe.report.figures import compare, run, sweep, timeline
 from mismatch_probe.report.figures.drawing import RUN_COLORS, finish, style, to_svg
+from mismatch_probe.report.view import FigureInfo
 from mismatch_probe.sweep_record import SweepRecord
+from mismatch_probe.timeline_record import TimelineRecord
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -28,28 +32,20 @@ FIGURES_DIR = "figures"  # in a run directory: figures/<id>.svg, which report.md
 
 
 @dataclass(frozen=True)
-class FigureInfo:
-    id: str
-    title: str
-    caption: str
-    wide: bool = False  # spans the page's width
-    path: str = ""  # the file beside report.md (a run's figures)
-
-
-@dataclass(frozen=True)
 class DrawnFigure:
     info: FigureInfo
     svg: bytes
 
 
-def _run_figure(fid: str, title: str, caption: str, wide: bool = False) -> FigureInfo:
+def _figure(fid: str, title: str, caption: str, wide: bool = False) -> FigureInfo:
+    """A figure written as ``figures/<id>.svg`` beside its page's Markdown (a run's, a timeline's)."""
     return FigureInfo(fid, title, caption, wide, f"{FIGURES_DIR}/{fid}.svg")
 
 
 RunDraw = Callable[[RunRecord, dict], "Figure"]
 RUN_FIGURES: tuple[tuple[FigureInfo, RunDraw], ...] = (
     (
-        _run_figure(
+        _figure(
             "prob_density",
             "Token probabilities: reference vs engine",
             "Each cell counts sampled tokens by their probability under the engine (x) and the reference (y). "
@@ -59,7 +55,7 @@ RUN_FIGURES: tuple[tuple[FigureInfo, RunDraw], ...] = (
         run.prob_density,
     ),
     (
-        _run_figure(
+        _figure(
             "log_ppl_by_turn",
             "Log-ppl per sample-turn, first vs later turns",
             "One point per sample-turn. Later turns follow tool output, which is out of distribution for the model; "
@@ -68,7 +64,7 @@ RUN_FIGURES: tuple[tuple[FigureInfo, RunDraw], ...] = (
         run.log_ppl_by_turn,
     ),
     (
-        _run_figure(
+        _figure(
             "abs_delta_by_p_infer",
             "|delta| by engine probability",
             "Quantile bands of |logp_train − logp_infer| per p_infer bucket. Mismatch concentrates on "
@@ -77,7 +73,7 @@ RUN_FIGURES: tuple[tuple[FigureInfo, RunDraw], ...] = (
         run.abs_delta_by_p_infer,
     ),
     (
-        _run_figure(
+        _figure(
             "seq_max_mismatch_hist",
             "Per-sequence max mismatch",
             "The largest token probability gap in each sequence, on [0, 1] and on a log axis. The parallelism "
@@ -87,7 +83,7 @@ RUN_FIGURES: tuple[tuple[FigureInfo, RunDraw], ...] = (
         run.seq_max_mismatch_hist,
     ),
     (
-        _run_figure(
+        _figure(
             "max_mismatch_vs_length",
             "Max mismatch vs response length",
             "Longer responses draw more tokens, so their worst token is worse even when the mean is flat.",
@@ -95,7 +91,7 @@ RUN_FIGURES: tuple[tuple[FigureInfo, RunDraw], ...] = (
         run.max_mismatch_vs_length,
     ),
     (
-        _run_figure(
+        _figure(
             "mismatch_by_position",
             "Mismatch vs token position",
             "Mean and max gap by position in the full sequence (prompt included in the position).",
@@ -103,7 +99,7 @@ RUN_FIGURES: tuple[tuple[FigureInfo, RunDraw], ...] = (
         run.mismatch_by_position,
     ),
     (
-        _run_figure(
+        _figure(
             "importance_ratio",
             "Importance ratios",
             "Token and sequence log importance weights log(π/μ). Dashed lines: the thresholds of the correction "
@@ -181,6 +177,109 @@ def sweep_figure_list() -> list[tuple[FigureInfo, SweepDraw]]:
     ]
 
 
+TimelineDraw = Callable[[TimelineRecord, Columns], "Figure"]
+
+
+def _has(columns: Columns, group: str, key: str) -> bool:
+    values = columns[group].get(key)
+    return values is not None and bool(np.isfinite(values).any())
+
+
+MARKS = (
+    "The grey band is the baseline window and the dashed grey line the baseline median; a solid line marks a "
+    "change point (its interval shaded) and a dashed one of its colour the median from it to the alarm."
+)
+
+
+def timeline_figure_list(columns: Columns) -> list[tuple[FigureInfo, TimelineDraw]]:
+    """The page's figures: K3, |Δp|, the multiplicative error, the sequence max mismatch, the
+    importance-ratio tails and the corrections' shares, always; first vs later turns when the run
+    has later turns; MoE routing when it was compared."""
+    published = "; ".join(f"{f.precision} K3 {fmt_range(f.low, f.high)} ({f.source})" for f in PUBLISHED_K3)
+    figures: list[tuple[FigureInfo, TimelineDraw]] = [
+        (
+            _figure(
+                "k3_kl",
+                "K3 KL by step",
+                "Each step's K3 with its sequence-bootstrap interval (blue band), on a log axis. " + MARKS + " "
+                f"Shaded in colour where they fall in view: the K3 published for quantized rollouts ({published}).",
+                wide=True,
+            ),
+            timeline.k3_figure,
+        ),
+        (
+            _figure(
+                "prob_diff",
+                "Token probability gap by step",
+                "The largest |p_train − p_infer| of the step (red) and its mean over tokens (blue), with their "
+                "intervals, on a log axis. " + MARKS,
+            ),
+            timeline.prob_diff_figure,
+        ),
+        (
+            _figure(
+                "mult_prob_error",
+                "Multiplicative error by step",
+                "mean exp(|δ|) of the step with its interval (NeMo-RL's token_mult_prob_error; 1 is perfect). " + MARKS,
+            ),
+            lambda record, columns: timeline.single_figure(record, columns, "mult_prob_error", log=False),
+        ),
+        (
+            _figure(
+                "seq_max_mismatch_mean",
+                "Sequence max mismatch by step",
+                "Per sequence the largest |Δp|, averaged over the step's sequences, with its interval. " + MARKS,
+            ),
+            lambda record, columns: timeline.single_figure(record, columns, "seq_max_mismatch_mean", log=True),
+        ),
+        (
+            _figure(
+                "ratio_tails",
+                "Importance-ratio tails by step",
+                "χ² of the token importance ratios as verl computes it (mean(ratio²) − 1: near 0 it can dip below "
+                "0), their normalized effective sample size (1 is perfect), and the 99th percentile of |δ| (log "
+                "axis). " + MARKS,
+                wide=True,
+            ),
+            timeline.ratio_tails_figure,
+        ),
+        (
+            _figure(
+                "corrections",
+                "What the corrections clip or drop, by step",
+                "The share of tokens (token TIS, token mask) or sequences (sequence TIS, geometric rejection) each "
+                "correction clips or drops at the timeline's thresholds. " + MARKS,
+            ),
+            timeline.corrections_figure,
+        ),
+    ]
+    if _has(columns, "later", "k3_kl"):
+        figures.append(
+            (
+                _figure(
+                    "turns",
+                    "K3 KL by step, first vs later turns",
+                    "K3 of the first assistant turn and of the later turns (after tool output), with their intervals. "
+                    "Later turns follow text the model did not write; published runs see them drift first.",
+                ),
+                timeline.turns_figure,
+            )
+        )
+    if _has(columns, "all", "routing_flip_share"):
+        figures.append(
+            (
+                _figure(
+                    "routing_flip_share",
+                    "MoE routing flips by step",
+                    "The share of tokens for which some MoE layer picked another set of experts in the engine than "
+                    "in the trainer. " + MARKS,
+                ),
+                lambda record, columns: timeline.single_figure(record, columns, "routing_flip_share", log=False),
+            )
+        )
+    return figures
+
+
 def check_figure_id(figure_id: str) -> None:
     if figure_id not in RUN_FIGURE_IDS:
         raise ConfigError(f"a run has no figure {figure_id!r}", hint=f"choose one of {', '.join(RUN_FIGURE_IDS)}")
@@ -201,7 +300,7 @@ def run_figures(record: RunRecord, dist: dict) -> list[DrawnFigure]:
 
 
 def comparison_figures(runs: Sequence[RunData]) -> list[DrawnFigure]:
-    """The comparison page's overlays, as SVG: each run labelled and coloured (:func:`.model.label_runs`)."""
+    """The comparison page's overlays, as SVG: each run labelled and coloured (:func:`mismatch_probe.report.comparison_view.label_runs`)."""
     with style():
         return [DrawnFigure(info, to_svg(finish(draw(runs)))) for info, draw in COMPARISON_FIGURES]
 
@@ -210,6 +309,14 @@ def sweep_figures(record: SweepRecord) -> list[DrawnFigure]:
     """A sweep page's figures, as SVG."""
     with style():
         return [DrawnFigure(info, to_svg(finish(draw(record)))) for info, draw in sweep_figure_list()]
+
+
+def timeline_figures(record: TimelineRecord, columns: Columns) -> list[DrawnFigure]:
+    """A timeline page's figures, as SVG."""
+    with style():
+        return [
+            DrawnFigure(info, to_svg(finish(draw(record, columns)))) for info, draw in timeline_figure_list(columns)
+        ]
 
 
 __all__ = [
@@ -226,4 +333,6 @@ __all__ = [
     "run_figures",
     "sweep_figure_list",
     "sweep_figures",
+    "timeline_figure_list",
+    "timeline_figures",
 ]

@@ -1,117 +1,32 @@
-"""The report's view model: what a run's pages say, built once from its record and distributions,
-with every cell already written as text. ``report.html`` (:mod:`.html`), ``report.md``
-(:mod:`.markdown`) and the terminal summary (:mod:`.terminal`) render it and nothing else, so
-they cannot disagree; ``mismatch-probe report RUN --json`` prints it.
-
-:func:`run_view` builds a run's, :func:`comparison_view` several runs side by side
-(``compare.html``, and the terminal's table of a spec's ``[[variants]]``). A sweep's is in
-:mod:`.sweep`. Nothing here computes a number: every value comes from the record.
+"""A run's view: what ``report.html``, ``report.md`` and the terminal's summary of one run say,
+built once from its record and distributions in the vocabulary of :mod:`.view`, so the three
+cannot disagree. :func:`run_view` builds it; the weight-sync section is :mod:`.sync_view`'s.
+Nothing here computes a number: every value comes from the record.
 """
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from mismatch_probe.analysis.metric_docs import (
     CORRECTION_DOCS,
     KEPT_K3_MEANING,
-    METRIC_DOC,
     METRIC_DOCS,
     NEMO_RL_MULT_ERROR_THRESHOLD,
     k3_context,
     prob_diff_context,
-    rank,
 )
 from mismatch_probe.analysis.metrics import KEPT_K3
-from mismatch_probe.analysis.sync import STALE_FLOOR_FACTOR
-from mismatch_probe.files import portable_path, resolve_from_dir
 from mismatch_probe.numbers import fmt, pct, ratio, seconds, short, tick
 from mismatch_probe.record import RunRecord
 from mismatch_probe.report import labels
-from mismatch_probe.report.data import RunData
-from mismatch_probe.report.figures import COMPARISON_FIGURES, RUN_COLORS, RUN_FIGURES, FigureInfo
+from mismatch_probe.report.figures import RUN_FIGURES
+from mismatch_probe.report.sync_view import SyncView, sync_view
+from mismatch_probe.report.view import Card, Column, FigureInfo, Pairs, Row, Span, Table, View, pairs
 from mismatch_probe.version import __version__
-
-# ---- the parts every page is made of --------------------------------------------------------
-
-ColumnKind = Literal["text", "num", "long", "link", "code"]
-
-
-@dataclass
-class Column:
-    label: str
-    # "num" right-aligned; "long" an explanation (the terminal leaves it out); "link" a relative
-    # path shown as a link named after the column; "code" a name as written in a file (a setting)
-    kind: ColumnKind = "num"
-    color: str = ""  # a run's colour on the comparison page
-
-
-@dataclass
-class Row:
-    cells: list[str]
-    key: str = ""  # the run.json key the row shows, after its first cell
-    marks: list[str] = field(default_factory=list)  # per cell: "best", "worst" or ""
-    muted: bool = False  # within noise (a sweep's point)
-    note: str = ""  # in place of the cells after the first ones: why there are no numbers
-
-
-@dataclass
-class Table:
-    id: str
-    title: str
-    columns: list[Column]
-    rows: list[Row]
-    lead: str = ""
-    groups: list[tuple[str, int]] = field(default_factory=list)  # headers over the value columns
-
-
-@dataclass
-class Card:
-    label: str
-    value: str
-    note: str = ""
-
-
-@dataclass
-class Span:
-    """One token of a worst sequence: its text, colour class and hover text; or a gap of tokens
-    left out."""
-
-    text: str = ""
-    cls: str = ""
-    title: str = ""
-    gap: int = 0
-
-
-@dataclass
-class SyncView:
-    """The weight-sync probe's part of a run's pages (``record.sync``): the verdict, each sync of the
-    same weights, the stale-cache and fresh-engine comparisons, the engine's own report of the last
-    sync, the timings."""
-
-    clean: bool
-    verdict: str
-    findings: list[str]  # each finding's message
-    setup: list[tuple[str, str]]
-    repeats: Table
-    stale_cache: Table  # no rows when the run did not measure it
-    vs_fresh: Table
-    engine_report: list[tuple[str, str]]
-    timings: Table
-
-
-class View:
-    """A page's view model: plain data, serializable as JSON (``report --json``)."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)  # type: ignore[call-overload]  # (every view is a dataclass)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, ensure_ascii=False) + "\n"
 
 
 @dataclass
@@ -123,7 +38,7 @@ class RunView(View):
     status: str
     headline: list[Card]
     notes: list[str]
-    setup: list[tuple[str, str]]
+    setup: Pairs
     metrics: Table
     corrections: Table
     breakdowns: list[Table]
@@ -133,17 +48,10 @@ class RunView(View):
     worst: Table  # one row per worst sequence; its tokens in worst_tokens
     worst_tokens: list[list[Span]]
     worst_has_text: bool
-    run: list[tuple[str, str]]
+    run: Pairs
     timings: Table
     sync: SyncView | None = None  # a run that synced its engine's weights ([sync])
     version: str = __version__
-
-
-def _kv(rows: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    return [(name, str(value)) for name, value in rows]
-
-
-# ---- one run --------------------------------------------------------------------------------
 
 
 def metrics_table(record: RunRecord) -> Table:
@@ -383,123 +291,6 @@ def routing_replay_view(record: RunRecord) -> tuple[str, Table | None]:
     return replay_sentence(replay), table
 
 
-SYNC_NAMES_SHOWN = 4  # differing parameters named in a sync's row (all of them are in run.json)
-
-
-def _seconds(value) -> str:
-    return seconds(value) if isinstance(value, int | float) and not isinstance(value, bool) else "-"
-
-
-def _differing(weights: dict) -> str:
-    """A sync's parameters that differ from a fresh load, the first few by name; or why they were
-    not compared."""
-    if "unavailable" in weights:
-        return f"not compared: {weights['unavailable']}"
-    names, compared = weights.get("differing"), weights.get("compared")
-    if names is None:
-        return "-"
-    of = f" of {fmt(compared)}" if compared is not None else ""
-    if not names:
-        return f"none{of}"
-    shown = ", ".join(map(str, names[:SYNC_NAMES_SHOWN]))
-    more = f", … {len(names) - SYNC_NAMES_SHOWN} more" if len(names) > SYNC_NAMES_SHOWN else ""
-    return f"{len(names)}{of}: {shown}{more}"
-
-
-def sync_view(record: RunRecord) -> SyncView | None:
-    """The weight-sync probe's section, or None for a run that did not sync."""
-    sync = record.sync
-    if sync is None:
-        return None
-    repeats = sync.get("repeats") or []
-    rows = []
-    for k, r in enumerate(repeats):
-        report, fid, weights = r.get("report") or {}, r.get("fidelity") or {}, r.get("weights") or {}
-        rows.append(
-            Row(
-                [str(r.get("repeat", k + 1)), str(report.get("transfer") or "-"), fmt(report.get("buckets"))]
-                + [fmt(report.get("bytes")), _seconds(report.get("seconds"))]
-                + [fmt(fid.get("tokens")), pct(fid.get("bitwise_share")), fmt(fid.get("max_abs_dlogp"))]
-                + [fmt(fid.get("k3")), _differing(weights)]
-            )
-        )
-    repeats_table = Table(
-        "sync_repeats",
-        "Each sync of the same weights",
-        [Column("sync", "text"), Column("transfer", "text"), Column("buckets"), Column("bytes"), Column("seconds")]
-        + [Column("tokens"), Column("bitwise share"), Column("max |Δ log p|"), Column("K3")]
-        + [Column("differing parameters", "text")],
-        rows,
-        lead="The synced engine's prefill log-probs against a fresh engine's (loaded from the same weights) on "
-        "the same tokens in the same requests and batches, and its parameters against the fresh engine's: the "
-        "error the sync path adds.",
-    )
-    stale = sync.get("stale_cache") or {}
-    floor = stale.get("floor") or {}
-    stale_table = Table(
-        "sync_stale_cache",
-        "Stale prefix cache",
-        [Column("tokens"), Column("bitwise share"), Column("max |Δ log p|"), Column("K3")]
-        + [Column("floor: max |Δ log p|")],
-        [
-            Row(
-                [fmt(stale.get("tokens")), pct(stale.get("bitwise_share"))]
-                + [fmt(stale.get("max_abs_dlogp")), fmt(stale.get("k3")), fmt(floor.get("max_abs_dlogp"))]
-            )
-        ]
-        if stale
-        else [],
-        lead="The same greedy requests decoded with the prefix cache holding entries computed with the weights "
-        "the engine started from, against after a reset, on the tokens both chose alike; the floor is what a "
-        "cache hit alone changes on this engine and machine (the same requests from the reset cache's new "
-        f"entries, against recomputed), which a stale cache must exceed {STALE_FLOOR_FACTOR:g}x to be a finding.",
-    )
-    fresh = sync.get("vs_fresh") or {}
-    interval = fresh.get("interval")
-    within = fresh.get("within_noise")
-    fresh_table = Table(
-        "sync_vs_fresh",
-        "Synced vs fresh engine, against the reference",
-        [Column("tokens"), Column("K3 synced"), Column("K3 fresh"), Column("difference"), Column("interval", "text")]
-        + [Column("within noise", "text")],
-        [
-            Row(
-                [fmt(fresh.get("tokens")), fmt(fresh.get("k3_synced")), fmt(fresh.get("k3_fresh"))]
-                + [fmt(fresh.get("difference"))]
-                + [f"[{fmt(interval[0])}, {fmt(interval[1])}]" if interval and len(interval) == 2 else "-"]
-                + ["-" if within is None else "yes" if within else "no"]
-            )
-        ]
-        if fresh
-        else [],
-        lead="Mismatch (K3) against the reference of the synced engine's prefill and of a fresh engine's on the "
-        "same tokens; the interval of the difference is a sequence bootstrap, within noise when it covers 0.",
-    )
-    timings = sync.get("timings") or {}
-    timing_rows = [
-        Row([label, _seconds(timings[key])]) for key, label in labels.SYNC_TIMING_LABELS.items() if key in timings
-    ]
-    timing_rows += [Row([f"sync {k + 1}", _seconds(t)]) for k, t in enumerate(timings.get("sync_s") or [])]
-    timing_rows += [
-        Row([key.removesuffix("_s").replace("_", " "), _seconds(v)])
-        for key, v in timings.items()
-        if key not in labels.SYNC_TIMING_LABELS and key != "sync_s"
-    ]
-    clean, verdict = labels.sync_verdict(sync)
-    last = (repeats[-1].get("report") or {}) if repeats else {}
-    return SyncView(
-        clean=clean,
-        verdict=verdict,
-        findings=labels.sync_findings(sync),
-        setup=_kv(labels.sync_setup_rows(sync)),
-        repeats=repeats_table,
-        stale_cache=stale_table,
-        vs_fresh=fresh_table,
-        engine_report=_kv(labels.sync_engine_report(last)) if last else [],
-        timings=Table("sync_timings", "Weight sync timings", [Column("step", "text"), Column("seconds")], timing_rows),
-    )
-
-
 def headline(record: RunRecord) -> list[Card]:
     m = record.metric
     mult = m("mult_prob_error")
@@ -653,7 +444,7 @@ def worst_table(worst: list[dict]) -> Table:
     )
 
 
-def _run_rows(record: RunRecord) -> list[tuple[str, str]]:
+def _run_rows(record: RunRecord) -> Pairs:
     samples = record.samples or {}
     reasons = ", ".join(f"{k} {v}" for k, v in (samples.get("finish_reasons") or {}).items())
     lengths = f"mean {fmt(samples.get('response_tokens_mean'))}, max {fmt(samples.get('response_tokens_max'))}"
@@ -682,7 +473,7 @@ def run_view(record: RunRecord, path: Path, dist: dict | None = None) -> RunView
         status=record.status,
         headline=headline(record),
         notes=labels.notes(record),
-        setup=_kv(labels.setup_rows(record)),
+        setup=pairs(labels.setup_rows(record)),
         metrics=metrics_table(record),
         corrections=corrections_table(record),
         breakdowns=breakdown_tables(record),
@@ -695,143 +486,4 @@ def run_view(record: RunRecord, path: Path, dist: dict | None = None) -> RunView
         run=_run_rows(record),
         timings=timings_table(record),
         sync=sync_view(record),
-    )
-
-
-# ---- several runs ---------------------------------------------------------------------------
-
-
-@dataclass
-class ComparisonView(View):
-    kind: Literal["comparison"]
-    title: str
-    subtitle: str
-    runs: Table
-    warnings: list[str]
-    shared_rollouts: str
-    differing: Table
-    metrics: Table
-    corrections: Table
-    notes: list[tuple[str, str, list[str]]]  # (run label, colour, notes) of runs that have notes
-    figures: list[FigureInfo]
-    version: str = __version__
-
-
-COMPARISON_EXTRA_ROWS = (  # (section, key, label, better)
-    ("metrics_by_turn.later", "k3_kl", "K3 KL, later turns", "lower"),
-    ("decode_vs_prefill", "k3_kl", "K3 KL, decode vs prefill", "lower"),
-)
-
-
-def _ranked(label: str, key: str, meaning: str, values: list, better: str | None, show=fmt) -> Row:
-    best, worst = rank(values, better)
-    marks = ["best" if i in best else "worst" if i in worst else "" for i in range(len(values))]
-    return Row([label, *(show(v) for v in values), meaning], key=key, marks=["", *marks, ""])
-
-
-def label_runs(runs: list[RunData]) -> list[RunData]:
-    """Name and colour each run (its spec's name, else its directory, numbered when two are alike)
-    and order them by hardware type (in the order types first appear), then configuration."""
-    names = [labels.run_label(r.record, r.path) for r in runs]
-    for k, run in enumerate(runs):
-        # runs of one probe spec share its name; their directories tell them apart
-        run.label = names[k] if names.count(names[k]) == 1 else run.path.name
-        run.color = RUN_COLORS[k % len(RUN_COLORS)]
-    given = [r.label for r in runs]
-    for k, run in enumerate(runs):
-        if given.count(run.label) > 1:
-            run.label = f"{run.label} ({k + 1})"
-    order = list(dict.fromkeys(labels.gpu_type(r.record) for r in runs))
-    return sorted(
-        runs,
-        key=lambda r: (
-            order.index(labels.gpu_type(r.record)),
-            labels.engine_label(r.record),
-            labels.reference_label(r.record),
-        ),
-    )
-
-
-def comparison_view(runs: list[RunData], title: str = "") -> ComparisonView:
-    """Several runs side by side, grouped by hardware type: settings that differ, every metric with
-    the best and the worst run marked, and the overlaid distributions' list. ``runs`` as
-    :func:`label_runs` names and orders them."""
-    hardware = [labels.gpu_type(r.record) for r in runs]
-    groups = [(g, hardware.count(g)) for g in dict.fromkeys(hardware)]
-    run_columns = [Column(r.label, color=r.color) for r in runs]
-
-    settings = [labels.comparable_settings(r.record) for r in runs]
-    keys = list(dict.fromkeys(k for s in settings for k in s))
-    differing = [k for k in keys if len({s.get(k, "-") for s in settings}) > 1]
-
-    metric_rows = [
-        _ranked(doc.label, doc.key, doc.meaning, [r.record.metric(doc.key) for r in runs], doc.better)
-        for doc in METRIC_DOCS
-    ]
-    for section, key, label, better in COMPARISON_EXTRA_ROWS:
-        values = [r.record.lookup(f"{section}.{key}") for r in runs]
-        if any(v is not None for v in values):
-            metric_rows.append(_ranked(label, f"{section}.{key}", METRIC_DOC[key].meaning, values, better))
-    correction_rows = [
-        _ranked(doc.label, key, doc.meaning, [(r.record.corrections or {}).get(key) for r in runs], "lower", pct)
-        for key, doc in CORRECTION_DOCS.items()
-    ]
-
-    warnings = [
-        f"The runs use different {what}; their numbers measure different things."
-        for what in ("model", "prompts")
-        if len({s.get(what) for s in settings}) > 1
-    ]
-    thresholds = {json.dumps((r.record.corrections or {}).get("thresholds"), sort_keys=True) for r in runs}
-    if len(thresholds) > 1:
-        warnings.append("The runs use different correction thresholds; their what-if shares are not comparable.")
-    sources = {resolve_from_dir(r.path, (r.record.rollouts_from or {}).get("run") or ".") for r in runs}
-    grouped = [("", 1), *groups, ("", 1)]
-    return ComparisonView(
-        kind="comparison",
-        title=title or f"mismatch-probe: {len(runs)} runs compared",
-        subtitle=" · ".join(f"{g} ({n} run{'s' if n > 1 else ''})" for g, n in groups),
-        runs=Table(
-            "runs",
-            "Runs, by hardware",
-            [Column("hardware", "text"), Column("run", "text"), Column("engine", "text"), Column("reference", "text")]
-            + [Column("model tokens"), Column("sequences"), Column("directory", "text")],
-            [
-                Row(
-                    [
-                        labels.gpu_type(r.record),
-                        r.label,
-                        labels.engine_label(r.record),
-                        labels.reference_label(r.record),
-                    ]
-                    + [fmt(r.record.metric("n_model_tokens")), fmt(r.record.metric("n_sequences"))]
-                    + [portable_path(r.path)]
-                )
-                for r in runs
-            ],
-        ),
-        warnings=warnings,
-        shared_rollouts=portable_path(next(iter(sources))) if len(sources) == 1 else "",
-        differing=Table(
-            "differences",
-            "What differs between the runs",
-            [Column("setting", "code"), *(Column(r.label, "text", r.color) for r in runs)],
-            [Row([k, *(s.get(k, "-") for s in settings)]) for k in differing],
-        ),
-        metrics=Table(
-            "metrics",
-            "Metrics side by side",
-            [Column("metric", "text"), *run_columns, Column("meaning", "long")],
-            metric_rows,
-            lead="Green marks the best run of a row, red the worst (rows where lower or higher is plainly better).",
-            groups=grouped,
-        ),
-        corrections=Table(
-            "corrections",
-            "Correction what-ifs: share clipped or dropped",
-            [Column("correction", "text"), *run_columns, Column("what it does", "long")],
-            correction_rows,
-        ),
-        notes=[(r.label, r.color, labels.notes(r.record)) for r in runs if labels.notes(r.record)],
-        figures=[info for info, _ in COMPARISON_FIGURES],
     )

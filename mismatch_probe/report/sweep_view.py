@@ -1,7 +1,7 @@
-"""A sweep's view model, from its record (sweep.json) alone: the diagnosis, the attribution table,
-the noise floor, the determinism panel, the points and the figure list. ``sweep.md``, ``sweep.html``
-and the terminal's summary render it (:func:`write_sweep_reports`, :mod:`.terminal`). Nothing here
-computes a number."""
+"""A sweep's view, from its record (sweep.json) alone, in the vocabulary of :mod:`.view`: the
+diagnosis, the attribution table, the noise floor, the determinism panel, the points and the figure
+list. ``sweep.md``, ``sweep.html`` and the terminal's summary render it (:mod:`.pages`:
+``write_sweep_reports``, :mod:`.terminal`). Nothing here computes a number."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ from typing import Literal
 
 from mismatch_probe.analysis.metric_docs import METRIC_DOC
 from mismatch_probe.numbers import fmt, fold, interval, pct
-from mismatch_probe.report.figures import FigureInfo
-from mismatch_probe.report.model import Card, Column, Row, Table, View
+from mismatch_probe.report.view import Card, Column, FigureInfo, Row, Table, View
 from mismatch_probe.sweep_record import SweepPointRecord, SweepRecord
 from mismatch_probe.version import __version__
 
