@@ -116,6 +116,37 @@ class Check:
             return f"{self.op} {self.baseline_factor:g} x {base}"
         return f"{self.op} {self.threshold:g}"
 
+    def result(
+        self,
+        status: str,
+        message: str,
+        value: float | None = None,
+        bound: str | None = None,
+        *,
+        threshold: float | None = None,
+        baseline_value: float | None = None,
+        name: str | None = None,
+    ) -> CheckResult:
+        """This check's result (``name``: a timeline's ``check @ step N``; ``bound``: the check's own
+        wording unless given)."""
+        return CheckResult(
+            name=self.name if name is None else name,
+            status=status,
+            value=value,
+            bound=self.describe_bound() if bound is None else bound,
+            message=message,
+            severity=self.severity,
+            metric=self.describe_value(),
+            description=self.description,
+            source=self.source,
+            threshold=threshold,
+            baseline_value=baseline_value,
+        )
+
+    def no_baseline(self, message: str, value: float | None, baseline_value: float | None = None) -> CheckResult:
+        """A growth or baseline check with no finite baseline value: it fails closed."""
+        return self.result("FAIL", message, value, self.describe_bound(baseline_value), baseline_value=baseline_value)
+
 
 @dataclass
 class GateSpec:
@@ -296,12 +327,31 @@ def _value(check: Check, record: RunRecord, run_dir: Path | None, cache: dict):
     return sequence_statistic(seqs[check.turns][check.sequence_metric], check.statistic, check.above), None
 
 
-def compare(check: Check, value: float, bound: float) -> tuple[str, str]:
-    """(status, message) of a finite value against its bound: PASS, else WARN or FAIL by severity."""
+def judge(
+    check: Check,
+    value: float | None,
+    bound: float | None,
+    *,
+    baseline_value: float | None = None,
+    shown_bound: str | None = None,
+    name: str | None = None,
+    why: str = "",
+) -> CheckResult:
+    """The gate's one judgement of a check's value against its bound, for a run and for each step of
+    a timeline: PASS when the bound holds, else WARN or FAIL by severity; FAIL for a missing, NaN or
+    infinite value (the gate fails closed; ``why`` says why it is missing, where the gate can say).
+    ``shown_bound`` is how the result states the bound (default: the check's own wording)."""
+    shown = check.describe_bound(baseline_value) if shown_bound is None else shown_bound
+    if value is None or not math.isfinite(value):
+        message = f"value is {significant(value)}" + (f" ({why})" if why else "") + ": the gate fails closed"
+        return check.result("FAIL", message, value, shown, threshold=bound, baseline_value=baseline_value, name=name)
+    if bound is None:  # CheckSpec validation gives a threshold or a baseline_factor
+        return check.result("ERROR", "the check has no bound", value, "", name=name)
     ok = OPS[check.op](value, bound)
     status = "PASS" if ok else ("WARN" if check.severity == "warn" else "FAIL")
     relation = check.op if ok else f"is not {check.op}"
-    return status, f"{significant(value)} {relation} {significant(bound)}"
+    message = f"{significant(value)} {relation} {significant(bound)}"
+    return check.result(status, message, value, shown, threshold=bound, baseline_value=baseline_value, name=name)
 
 
 def _missing(check: Check, record: RunRecord) -> str:
@@ -325,82 +375,32 @@ def evaluate(
     run_dir = Path(run_dir) if run_dir is not None else None
     baseline_dir = Path(baseline_dir) if baseline_dir is not None else None
     for c in gate.checks:
-        base: dict[str, Any] = {
-            "name": c.name,
-            "severity": c.severity,
-            "metric": c.describe_value(),
-            "description": c.description,
-            "source": c.source,
-        }
         value, problem = _value(c, record, run_dir, cache)
         if problem:
-            results.append(CheckResult(status="ERROR", value=None, bound=c.describe_bound(), message=problem, **base))
+            results.append(c.result("ERROR", problem))
             continue
         bound, baseline_value = c.threshold, None
         if c.baseline_factor is not None:
             if baseline is None:
-                results.append(
-                    CheckResult(
-                        status="ERROR",
-                        value=value,
-                        bound=c.describe_bound(),
-                        message="a baseline-relative check, but no --baseline run was given",
-                        **base,
-                    )
-                )
+                results.append(c.result("ERROR", "a baseline-relative check, but no --baseline run was given", value))
                 continue
             baseline_value, problem = _value(c, baseline, baseline_dir, cache)
             if problem:
-                results.append(
-                    CheckResult(
-                        status="ERROR", value=value, bound=c.describe_bound(), message=f"baseline: {problem}", **base
-                    )
-                )
+                results.append(c.result("ERROR", f"baseline: {problem}", value))
                 continue
             if baseline_value is None or not math.isfinite(baseline_value):
                 results.append(
-                    CheckResult(
-                        status="FAIL",
-                        value=value,
-                        bound=c.describe_bound(baseline_value),
-                        message=f"the baseline's value is {significant(baseline_value)}; nothing to compare "
-                        "against, so the check fails closed",
-                        baseline_value=baseline_value,
-                        **base,
+                    c.no_baseline(
+                        f"the baseline's value is {significant(baseline_value)}; nothing to compare against, so the "
+                        "check fails closed",
+                        value,
+                        baseline_value,
                     )
                 )
                 continue
             bound = c.baseline_factor * baseline_value
-        shown_bound = c.describe_bound(baseline_value)
-        if value is None or not math.isfinite(value):
-            why = _missing(c, record) if value is None else ""
-            results.append(
-                CheckResult(
-                    status="FAIL",
-                    value=value,
-                    bound=shown_bound,
-                    threshold=bound,
-                    baseline_value=baseline_value,
-                    message=f"value is {significant(value)}" + (f" ({why})" if why else "") + ": the gate fails closed",
-                    **base,
-                )
-            )
-            continue
-        if bound is None:  # CheckSpec validation gives a threshold or a baseline_factor
-            results.append(CheckResult(status="ERROR", value=value, bound="", message="the check has no bound", **base))
-            continue
-        status, message = compare(c, value, bound)
-        results.append(
-            CheckResult(
-                status=status,
-                value=value,
-                bound=shown_bound,
-                threshold=bound,
-                baseline_value=baseline_value,
-                message=message,
-                **base,
-            )
-        )
+        why = _missing(c, record) if value is None else ""
+        results.append(judge(c, value, bound, baseline_value=baseline_value, why=why))
     return GateResult(
         str(run_dir) if run_dir else "", str(gate.path), str(baseline_dir) if baseline_dir else None, results
     )
