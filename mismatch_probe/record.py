@@ -301,7 +301,7 @@ class RunRecord(Section):
     corrections_by_turn: dict[str, dict[str, Any]] | None = None
     breakdowns: dict[str, list[dict[str, Any]]] | None = None
     breakdowns_by_turn: dict[str, dict[str, list[dict[str, Any]]]] | None = None
-    # MoE routing agreement (analysis/metrics.py: RoutingAccumulator), and where the reference also
+    # MoE routing agreement (analysis/routing_agreement.py: RoutingAccumulator), and where the reference also
     # scored with the engine's routing forced, ``replay``: the routing replay (R3) what-if, for all
     # tokens and each ``by_turn`` group (ReplayAccumulator)
     routing: dict[str, Any] | None = None

@@ -41,7 +41,7 @@ def metric_paths() -> set[str]:
     paths |= {f"corrections_by_turn.{g}.{k}" for g in ("first", "later") for k in corrections}
     paths |= {"routing.tokens_with_flip_share", "tokenization_check.n_differing"}
     paths |= {"server_template_check.share_differing", "server_template_check.n_differing"}
-    # the routing replay (R3) what-if (analysis/metrics.py: ReplayAccumulator)
+    # the routing replay (R3) what-if (analysis/routing_replay.py: ReplayAccumulator)
     paths |= {f"routing.replay.{k}" for k in ("k3_free", "k3_replayed", "gap_closed_share")}
     return paths
 
@@ -280,7 +280,7 @@ def _number(value) -> float | None:
 def sequence_statistic(values, statistic: str, above: float | None) -> float | None:
     import numpy as np
 
-    from mismatch_probe.analysis.metrics import quantiles
+    from mismatch_probe.analysis.terms import quantiles
 
     values = np.asarray(values, dtype=np.float64)
     if not len(values):
