@@ -233,7 +233,12 @@ def metrics_page() -> str:
         for f in figures
     ]
     out += [f"| none published | {precision} rollouts: {_cell(text)} | |" for precision, text in md.UNPUBLISHED.items()]
-    read = {"expected": "below {low:g}", "issue": "above {low:g}", "threshold": "{low:g}", "typical": "{low:g} to {high:g}"}
+    read = {
+        "expected": "below {low:g}",
+        "issue": "above {low:g}",
+        "threshold": "{low:g}",
+        "typical": "{low:g} to {high:g}",
+    }
     out += ["", "| other figure | value | source |", "|---|---|---|"]
     out += [
         f"| {_cell(f.where)} | {read[f.role].format(low=f.low, high=f.high)} | {_cell(f.source)} |"
