@@ -587,21 +587,21 @@ def import_(
     )
     with RichProgress(err) as progress:
         ctx = import_dump(dump_format, path, model=model, out=out_dir, options=options, progress=progress)
-    info = ctx.record.imported_from or {}
+    info = ctx.record.import_info()
     where = escape(portable_path(ctx.out))
-    step_text = f" step {info['step']}" if info.get("step") is not None else ""
+    step_text = f" step {info.step}" if info.step is not None else ""
     out.print(
-        f"imported {info.get('samples')} samples ({info.get('model_tokens')} model tokens) of the "
-        f"{info.get('format')} dump{step_text} into {where}"
+        f"imported {info.samples} samples ({info.model_tokens} model tokens) of the "
+        f"{info.format} dump{step_text} into {where}"
     )
-    for note in info.get("notes") or []:
+    for note in info.notes:
         out.print(f"note: {escape(note)}")
     sampled = ", ".join(
         f"{IMPORT_LABELS.get(key, key.partition('.')[2])} {ctx.record.lookup('spec.' + key)} ({source})"
-        for key, source in (info.get("settings_from") or {}).items()
+        for key, source in info.settings_from.items()
     )
     out.print(f"recorded as sampled with: {escape(sampled)}; flags set what the dump does not say")
-    if info.get("trainer_logprobs"):
+    if info.trainer_logprobs:
         out.print(f"next: mismatch-probe analyze {where}   (the engine against your trainer's own log-probs)")
         out.print(
             f"then: mismatch-probe score {where} --out {where}-reference --set reference.dtype=float32 "

@@ -125,7 +125,7 @@ def import_dump(
 ) -> RunContext:
     """Turn a dump into a run directory (rollouts; token shards when the trainer's log-probs are
     in it) and return its context, ready for ``score`` / ``analyze``."""
-    from mismatch_probe.modeling.loading import check_model_dir, load_tokenizer, read_config
+    from mismatch_probe.modeling.loading import check_model_dir, load_tokenizer, read_config, text_setting
 
     t0 = time.perf_counter()
     opts = options or ImportOptions()
@@ -134,7 +134,7 @@ def import_dump(
     model_path = check_model_dir(str(model))
     tokenizer = load_tokenizer(model_path, trust_remote_code=opts.trust_remote_code)
     config = read_config(model_path)
-    vocab_size = int(config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size") or len(tokenizer))
+    vocab_size = int(text_setting(config, "vocab_size") or len(tokenizer))
     reader = open_dump(fmt, path, step=opts.step, trust_pickle=opts.trust_pickle, trainer_path=opts.trainer_path)
     reader.want_trainer = opts.use_trainer
     if reader.tokenizer_dir is not None:
@@ -144,10 +144,10 @@ def import_dump(
     fingerprint = _import_fingerprint(fmt, reader, opts)
 
     def same_import(run: RunRecord) -> bool:
-        return (run.imported_from or {}).get("fingerprint") == fingerprint
+        return run.import_info().fingerprint == fingerprint
 
     earlier = None if overwrite or not out_dir.is_dir() else find_record(out_dir)
-    if earlier is not None and same_import(earlier) and (earlier.imported_from or {}).get("samples") is not None:
+    if earlier is not None and same_import(earlier) and earlier.import_info().samples is not None:
         # the same import, finished (and maybe analyzed since): nothing to redo, nothing to lose
         return open_run(out_dir, progress=progress, model=model_path)
     imported: dict[str, Any] = {
@@ -368,7 +368,9 @@ def _routing_layout(model_path: Path, trust_remote_code: bool) -> dict:
 def _moe_rows(experts: np.ndarray, layout: dict, config: dict) -> np.ndarray:
     """The MoE layers' routing, when a dump records every decoder layer (slime's R3 is
     ``[positions, num_layers, top-k]``; a dense layer's rows are padding)."""
-    n_layers = config.get("num_hidden_layers") or (config.get("text_config") or {}).get("num_hidden_layers")
+    from mismatch_probe.modeling.loading import text_setting
+
+    n_layers = text_setting(config, "num_hidden_layers")
     moe = layout["moe_layers"]
     if experts.ndim == 3 and experts.shape[1] == n_layers != len(moe):
         return experts[:, moe, :]

@@ -10,7 +10,10 @@ all read from it.
 from __future__ import annotations
 
 import math
-from typing import Literal, NamedTuple
+from collections.abc import Mapping
+from typing import Any, Literal, NamedTuple
+
+from mismatch_probe.record import RunRecord
 
 
 class MetricDoc(NamedTuple):
@@ -664,17 +667,18 @@ KEPT_K3_MEANING = (
 )
 
 
-def negative_chi2_note(record: dict) -> str | None:
+def negative_chi2_note(record: RunRecord | Mapping[str, Any]) -> str | None:
     """Why the run's chi-square estimates are negative, when one is (all tokens, and the turn
-    groups of a multi-turn run)."""
-    by_turn = record.get("metrics_by_turn") or {}
-    groups = [("", record.get("metrics"))]
-    if (by_turn.get("later") or {}).get("n_model_tokens"):  # else "first turns" is all of them again
-        groups += [(" (first turns)", by_turn.get("first")), (" (later turns)", by_turn.get("later"))]
+    groups of a multi-turn run). ``record``: the run's, or its ``metrics`` and ``metrics_by_turn``
+    sections as a mapping."""
+    run = record if isinstance(record, RunRecord) else RunRecord.model_validate(dict(record))
+    groups: list[tuple[str, str | None]] = [("", None)]
+    if run.metric("n_model_tokens", "later"):  # else "first turns" is all of them again
+        groups += [(" (first turns)", "first"), (" (later turns)", "later")]
     negative = []
-    for where, metrics in groups:
+    for where, group in groups:
         for key in ("chi2_token", "chi2_seq"):
-            value = (metrics or {}).get(key)
+            value = run.metric(key, group)
             if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
                 negative.append(f"{key}{where} = {value:.3g}")
     if not negative:

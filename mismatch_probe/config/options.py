@@ -100,11 +100,11 @@ def with_spec_options(
     from mismatch_probe.config.spec import spec_settings
 
     every = not sections and not keys
+    spellings = aliases or {}
     settings = [s for s in spec_settings().values() if every or s.section in sections or s.key in keys]
     own = [p for name, p in inspect.signature(command, eval_str=True).parameters.items() if name != "overrides"]
     spec_params = [
-        option_param(s, from_dump=s.key in from_dump, unset=unset, aliases=(aliases or {}).get(s.key, ()))
-        for s in settings
+        option_param(s, from_dump=s.key in from_dump, unset=unset, aliases=spellings.get(s.key, ())) for s in settings
     ]
 
     @functools.wraps(command)

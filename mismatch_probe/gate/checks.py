@@ -12,16 +12,14 @@ from __future__ import annotations
 import math
 import operator
 import re
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 from mismatch_probe.config.keys import closest
 from mismatch_probe.config.thresholds import OPS as CHECK_OPS
 from mismatch_probe.config.thresholds import SYNC_VALUES, load_thresholds
 from mismatch_probe.numbers import significant
-from mismatch_probe.record import RunRecord, read_record
+from mismatch_probe.record import RunRecord, SyncInfo, read_record
 
 OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge, "==": operator.eq}
 assert tuple(OPS) == CHECK_OPS
@@ -59,31 +57,30 @@ def resolve_metric(name: str) -> str:
 SYNC_FIDELITY = {"sync_fidelity_max_abs": "max_abs_dlogp", "sync_fidelity_k3": "k3"}
 
 
-def sync_value(name: str, sync: Mapping[str, Any] | None) -> tuple[float | None, str]:
-    """A value of :data:`SYNC_VALUES` from run.json's ``sync`` section, or None and why it is
-    missing (the check then fails closed). A NaN in any sync is the value (it fails closed too)."""
+def sync_value(name: str, sync: SyncInfo | None) -> tuple[float | None, str]:
+    """A value of :data:`SYNC_VALUES` from run.json's ``sync`` section (:meth:`RunRecord.sync_info`),
+    or None and why it is missing (the check then fails closed). A NaN in any sync is the value (it
+    fails closed too)."""
     if sync is None:
         return None, "the run has no sync section (it did not probe the weight sync)"
     if name == "sync_findings":
-        findings = sync.get("findings")
-        if not isinstance(findings, list):
+        if sync.findings is None:
             return None, "its sync section lists no findings"
-        return float(len(findings)), ""
+        return float(len(sync.findings)), ""
     if name == "sync_stale_cache_k3":
-        stale = sync.get("stale_cache")
-        if not isinstance(stale, Mapping):
+        if sync.stale_cache is None:
             return None, "the run did not measure a stale prefix cache (sync.stale_cache is null)"
-        value = _number(stale.get("k3"))
+        value = _number(sync.stale_cache.k3)
         return value, "" if value is not None else "sync.stale_cache has no k3"
     key = SYNC_FIDELITY[name]
-    repeats = sync.get("repeats") or []
-    if not repeats:
+    if not sync.repeats:
         return None, "its sync section has no syncs (repeats)"
     values = []
-    for k, r in enumerate(repeats):
-        value = _number((r.get("fidelity") or {}).get(key))
+    for k, r in enumerate(sync.repeats):
+        value = _number(r.fidelity.get(key))
         if value is None:
-            return None, f"sync {r.get('repeat', k + 1)} has no fidelity.{key} (its log-probs were not compared)"
+            repeat = r.repeat if r.repeat is not None else k + 1
+            return None, f"sync {repeat} has no fidelity.{key} (its log-probs were not compared)"
         values.append(value)
     return next((v for v in values if math.isnan(v)), max(values)), ""
 
@@ -308,7 +305,7 @@ def sequence_values(run_dir: str | Path) -> dict[str, dict]:
 def _value(check: Check, record: RunRecord, run_dir: Path | None, cache: dict):
     """(value, None) or (None, error message) for a check on one run."""
     if check.metric in SYNC_VALUES:
-        return sync_value(check.metric, record.sync)[0], None
+        return sync_value(check.metric, record.sync_info())[0], None
     if check.metric:
         return _number(record.lookup(check.metric)), None
     if check.sequence_metric is None or check.statistic is None:  # CheckSpec validation gives both
@@ -357,7 +354,7 @@ def judge(
 def _missing(check: Check, record: RunRecord) -> str:
     """Why a check's value is missing from the run, where the gate can say (else "")."""
     if check.metric in SYNC_VALUES:
-        return sync_value(check.metric, record.sync)[1]
+        return sync_value(check.metric, record.sync_info())[1]
     return ""
 
 
