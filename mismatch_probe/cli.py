@@ -7,7 +7,6 @@ with ``--debug`` or ``MISMATCH_PROBE_DEBUG=1``.
 from __future__ import annotations
 
 import functools
-import inspect
 import json
 import os
 import sys
@@ -19,7 +18,9 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from mismatch_probe.config.options import key_values, with_spec_options
 from mismatch_probe.dumps import FORMATS as _DUMP_FORMATS
+from mismatch_probe.dumps import SAMPLED_SETTINGS as _DUMP_SAMPLED
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.files import portable_path, write_atomic
 
@@ -108,88 +109,9 @@ class RichProgress:
         self.bars.console.log(message)
 
 
-# ---- the spec's settings as options ----------------------------------------------------------
-
-
-def _toml_value(raw: str) -> object:
-    """A value as TOML reads it (2, 1e-3, true, "text"), or the text itself when it is not TOML (bfloat16)."""
-    import tomllib
-
-    try:
-        return tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        return raw
-
-
-def _key_values(pairs: list[str], flag: str, example: str) -> dict[str, object]:
-    """``KEY=VALUE`` flags as a dict, the values read as TOML."""
-    from mismatch_probe.errors import ConfigError
-
-    out: dict[str, object] = {}
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"{flag} {pair!r} is not KEY=VALUE", hint=f"e.g. {flag} {example}")
-        out[key.strip()] = _toml_value(raw)
-    return out
-
-
-def _option_param(setting) -> inspect.Parameter:
-    """One Typer option for a spec setting (config/spec.py declares its flag, help and panel).
-    Every option defaults to unset (None), so a spec file's value stands unless a flag is given."""
-    info = setting.info
-    choices = [str(c) for c in setting.choices]
-    if setting.key == "engine.extra_args":
-        kind: object = list[str] | None
-    elif info.flags[1:]:
-        kind = bool | None
-    else:
-        plain = setting.value_types
-        kind = int | None if plain == (int,) else float | None if plain == (float,) else str | None
-    default = setting.default
-    shown = (
-        None
-        if default is None or default == {}
-        else str(default).lower()
-        if isinstance(default, bool)
-        else str(default)
-    )
-    option = typer.Option(
-        info.flag,
-        help=setting.help,
-        rich_help_panel=info.group or None,
-        metavar=info.metavar or ("[" + "|".join(choices) + "]" if choices else None),
-        show_default=shown if shown is not None else False,
-    )
-    return inspect.Parameter(
-        setting.key.replace(".", "__"), inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[kind, option]
-    )
-
-
-def with_spec_options(command):
-    """Give ``command`` one option per spec setting (``compare``, ``sample``, ``sweep``): they arrive as
-    its ``overrides`` argument, ``{"sampling.top_p": 0.9, ...}``, the settings given on the command line."""
-    from mismatch_probe.config.spec import spec_settings
-
-    settings = list(spec_settings().values())
-    own = [p for name, p in inspect.signature(command, eval_str=True).parameters.items() if name != "overrides"]
-    spec_params = [_option_param(s) for s in settings]
-
-    @functools.wraps(command)
-    def wrapper(*args, **kwargs):
-        overrides: dict[str, object] = {}
-        for s in settings:
-            value = kwargs.pop(s.key.replace(".", "__"), None)
-            if s.key == "engine.extra_args" and value:
-                value = _key_values(value, s.info.flag, "max_logprobs=20")
-            overrides[s.key] = value or None if s.key == "engine.extra_args" else value
-        return command(*args, overrides=overrides, **kwargs)
-
-    params = own + spec_params
-    wrapper.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
-    wrapper.__annotations__ = {p.name: p.annotation for p in params}
-    del wrapper.__wrapped__  # Typer reads the signature above, not the function's own
-    return wrapper
+# the [reference] and [corrections] settings: what `score` and `import` may change about how the
+# same tokens are scored (`timeline`: [corrections] alone, its steps' reference is the trainer)
+SCORING = ("reference", "corrections")
 
 
 @app.command()
@@ -331,7 +253,7 @@ def _gate_exit(result) -> None:
 def parse_settings(pairs: list[str] | None) -> dict[str, object]:
     """``--set section.key=value`` flags as overrides; the value is read as TOML (2, 1e-3, true,
     "text"), or taken as a string when it is not TOML (bfloat16)."""
-    return _key_values(pairs or [], "--set", "reference.dtype=bfloat16")
+    return key_values(pairs or [], "--set", "reference.dtype=bfloat16")
 
 
 SET_HELP = "A setting as section.key=value (repeatable), e.g. reference.dtype=bfloat16."
@@ -361,20 +283,26 @@ def sample(
 
 @app.command()
 @friendly_errors
+@with_spec_options(sections=SCORING, unset="RUN_DIR's")
 def score(
     run_dir: Annotated[Path, typer.Argument(help="A run directory with rollouts (from sample).", show_default=False)],
+    *,
     out_dir: Annotated[
         Path | None,
-        typer.Option("--out", help="Score into a new run directory that links RUN_DIR's rollouts (with --set)."),
+        typer.Option(
+            "--out", help="Score into a new run directory that links RUN_DIR's rollouts (with reference settings)."
+        ),
     ] = None,
     settings: Annotated[
         list[str] | None, typer.Option("--set", help=SET_HELP + " Only \\[reference] and \\[corrections] settings.")
     ] = None,
     model: Annotated[Path | None, typer.Option(help="The checkpoint, when not where the run found it.")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing run in --out.")] = False,
+    overrides: dict[str, object],
 ) -> None:
     """Stage 2 alone: the reference scores the sampled tokens (the missing shards; a re-run resumes).
-    With --out and --set, another reference scores the same rollouts into a new run directory.
+    With --out and reference settings (flags or --set), another reference scores the same rollouts
+    into a new run directory.
     Under torchrun (one node or several), the ranks score as data-parallel groups of
     reference.sequence_parallel_size x tensor_parallel_size; RUN_DIR must be on a shared filesystem."""
     from contextlib import nullcontext
@@ -388,7 +316,8 @@ def score(
         ctx = pipeline.score(
             run_dir,
             out=out_dir,
-            overrides=parse_settings(settings),
+            overrides=overrides,
+            settings=parse_settings(settings),
             model=model,
             progress=progress,
             overwrite=overwrite,
@@ -594,11 +523,31 @@ def _report_json(run_dirs: list[Path], is_sweep: bool) -> str:
 IMPORT_LABELS = {"engine.name": "engine", "engine.logprobs_mode": "engine log-probs"}
 
 
+# how `import` and `timeline` read a dump, declared once
+TrustPickle = Annotated[
+    bool,
+    typer.Option(
+        "--trust-pickle", help="Read a pickled dump (verl's rollout cache), through an allow-list of its classes."
+    ),
+]
+TrainDump = Annotated[
+    Path | None,
+    typer.Option(help="slime: the train dump (--save-debug-train-data), when not train_data/ beside rollout_data/."),
+]
+
+
 @app.command("import")
 @friendly_errors
+@with_spec_options(
+    sections=SCORING,
+    keys=_DUMP_SAMPLED,
+    from_dump=_DUMP_SAMPLED,
+    aliases={"engine.logprobs_mode": ("--engine-logprobs",)},  # the spelling beside --trainer-logprobs
+)
 def import_(
     dump_format: Annotated[str, typer.Argument(metavar="FORMAT", help=DUMP_FORMATS + ".", show_default=False)],
     path: Annotated[Path, typer.Argument(help="The dump: a file, or the directory holding it.", show_default=False)],
+    *,
     model: Annotated[Path, typer.Option(help="The checkpoint the run sampled with (local directory).")],
     out_dir: Annotated[
         Path | None, typer.Option("--out", help="Run directory (default reports/<format>-step<N>-<time>).")
@@ -606,34 +555,12 @@ def import_(
     step: Annotated[
         int | None, typer.Option(help="The step (rollout id) to import, when the dump holds several.")
     ] = None,
-    engine: Annotated[
-        str | None, typer.Option(help="The engine that sampled (recorded; default: the framework's usual one).")
-    ] = None,
-    temperature: Annotated[
-        float | None, typer.Option(help="The run's sampling temperature (default: the dump's, else 1.0).")
-    ] = None,
-    top_p: Annotated[float | None, typer.Option(help="The run's top-p (default 1.0).")] = None,
-    top_k: Annotated[int | None, typer.Option(help="The run's top-k (default 0: off).")] = None,
-    engine_logprobs: Annotated[
-        str | None,
-        typer.Option(help="What the engine's log-probs are: raw (logits) or processed (after temperature...)."),
-    ] = None,
     trainer_logprobs: Annotated[
         str | None,
         typer.Option(help="What the trainer's log-probs are: raw, temperature (logits / T) or processed."),
     ] = None,
-    trust_pickle: Annotated[
-        bool,
-        typer.Option(
-            "--trust-pickle", help="Read a pickled dump (verl's rollout cache), through an allow-list of its classes."
-        ),
-    ] = False,
-    train_dump: Annotated[
-        Path | None,
-        typer.Option(
-            help="slime: the train dump (--save-debug-train-data), when not train_data/ beside rollout_data/."
-        ),
-    ] = None,
+    trust_pickle: TrustPickle = False,
+    train_dump: TrainDump = None,
     no_trainer: Annotated[
         bool, typer.Option("--no-trainer", help="Import the engine side only, even when the dump has the trainer's.")
     ] = False,
@@ -643,17 +570,14 @@ def import_(
         typer.Option("--set", help=SET_HELP + " Only \\[reference] and \\[corrections]: how `score` will re-score."),
     ] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing run in --out.")] = False,
+    overrides: dict[str, object],
 ) -> None:
     """Turn a training run's own rollout dump into a run directory: `analyze` it when the dump has the
     trainer's log-probs (what your run saw), `score` it to re-score the same tokens with the reference."""
     from mismatch_probe.importing import ImportOptions, import_dump
 
     options = ImportOptions(
-        engine=engine,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        engine_logprobs=engine_logprobs,
+        flags={k: v for k, v in overrides.items() if v is not None},
         trainer_logprobs=trainer_logprobs,
         step=step,
         trust_pickle=trust_pickle,
@@ -664,21 +588,21 @@ def import_(
     )
     with RichProgress(err) as progress:
         ctx = import_dump(dump_format, path, model=model, out=out_dir, options=options, progress=progress)
-    info = ctx.record.imported_from or {}
+    info = ctx.record.import_info()
     where = escape(portable_path(ctx.out))
-    step_text = f" step {info['step']}" if info.get("step") is not None else ""
+    step_text = f" step {info.step}" if info.step is not None else ""
     out.print(
-        f"imported {info.get('samples')} samples ({info.get('model_tokens')} model tokens) of the "
-        f"{info.get('format')} dump{step_text} into {where}"
+        f"imported {info.samples} samples ({info.model_tokens} model tokens) of the "
+        f"{info.format} dump{step_text} into {where}"
     )
-    for note in info.get("notes") or []:
+    for note in info.notes:
         out.print(f"note: {escape(note)}")
     sampled = ", ".join(
         f"{IMPORT_LABELS.get(key, key.partition('.')[2])} {ctx.record.lookup('spec.' + key)} ({source})"
-        for key, source in (info.get("settings_from") or {}).items()
+        for key, source in info.settings_from.items()
     )
     out.print(f"recorded as sampled with: {escape(sampled)}; flags set what the dump does not say")
-    if info.get("trainer_logprobs"):
+    if info.trainer_logprobs:
         out.print(f"next: mismatch-probe analyze {where}   (the engine against your trainer's own log-probs)")
         out.print(
             f"then: mismatch-probe score {where} --out {where}-reference --set reference.dtype=float32 "
@@ -690,8 +614,10 @@ def import_(
 
 @app.command()
 @friendly_errors
+@with_spec_options(sections=("corrections",))
 def timeline(
     source: Annotated[Path, typer.Argument(help="The run's dump directory (every step in it).", show_default=False)],
+    *,
     dump_format: Annotated[str, typer.Option("--format", help=DUMP_FORMATS + ".", show_default=False)],
     model: Annotated[
         Path | None,
@@ -720,16 +646,13 @@ def timeline(
     idle_exit: Annotated[
         float | None, typer.Option(help="--follow: stop after this many seconds without a new step (default: never).")
     ] = None,
-    trust_pickle: Annotated[
-        bool, typer.Option("--trust-pickle", help="Read pickled dumps (verl), through an allow-list of their classes.")
-    ] = False,
-    train_dump: Annotated[
-        Path | None, typer.Option(help="slime: the train dumps, when not train_data/ beside rollout_data/.")
-    ] = None,
+    trust_pickle: TrustPickle = False,
+    train_dump: TrainDump = None,
     settings: Annotated[
         list[str] | None, typer.Option("--set", help="Correction thresholds: --set corrections.token_tis=3.")
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print timeline.json instead of a summary.")] = False,
+    overrides: dict[str, object],
 ) -> None:
     """The mismatch across a run's training steps: import every step of its dumps (in parallel,
     resumable, only new steps on a re-run), test each metric for drift from its early steps, keep
@@ -740,10 +663,11 @@ def timeline(
     from mismatch_probe.report.timeline_view import timeline_summary
     from mismatch_probe.timeline.runner import TimelineOptions, build_timeline
 
-    overrides = parse_settings(settings)
-    bad = [k for k in overrides if not k.startswith("corrections.")]
+    given = parse_settings(settings)
+    bad = [k for k in given if not k.startswith("corrections.")]
     if bad:
         raise ConfigError(f"timeline --set {', '.join(bad)}: only corrections.* settings")
+    corrections = {k.partition(".")[2]: v for k, v in {**overrides, **given}.items() if v is not None}
     options = TimelineOptions(
         format=dump_format,
         source=str(source),
@@ -756,7 +680,7 @@ def timeline(
         alpha=alpha,
         trust_pickle=trust_pickle,
         train_dump=None if train_dump is None else str(train_dump),
-        corrections={k.partition(".")[2]: v for k, v in overrides.items()},
+        corrections=corrections,
         follow=follow,
         poll_s=poll,
         settle_s=settle,

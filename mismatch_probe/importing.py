@@ -27,8 +27,15 @@ from typing import Any
 
 import numpy as np
 
-from mismatch_probe.config.spec import FINGERPRINT_SCHEMA, EngineSpec, ProbeSpec, apply_overrides
-from mismatch_probe.dumps import DumpFormat, get_format, open_dump
+from mismatch_probe.config.spec import (
+    FINGERPRINT_SCHEMA,
+    EngineSpec,
+    ProbeSpec,
+    apply_overrides,
+    flag_of,
+    spec_settings,
+)
+from mismatch_probe.dumps import SAMPLED_SETTINGS, DumpFormat, get_format, open_dump
 from mismatch_probe.dumps.base import DumpReader
 from mismatch_probe.dumps.samples import Checked, to_rollout
 from mismatch_probe.errors import ConfigError
@@ -52,11 +59,9 @@ TRAINER_LOGPROBS = ("raw", "temperature", "processed")
 class ImportOptions:
     """How to read the dump and what it was sampled with (what the dump cannot say itself)."""
 
-    engine: str | None = None  # the engine that sampled (default: the format's usual one)
-    temperature: float | None = None  # default: the dump's own, else 1.0
-    top_p: float | None = None
-    top_k: int | None = None
-    engine_logprobs: str | None = None  # raw | processed (default: the format's)
+    # spec settings given as `import`'s flags, by key: what the run sampled with (SAMPLED_SETTINGS,
+    # which default to the dump's) and its [reference] / [corrections] settings
+    flags: dict[str, Any] = field(default_factory=dict)
     trainer_logprobs: str | None = None  # raw | temperature | processed (default: the format's)
     step: int | None = None
     trust_pickle: bool = False
@@ -64,7 +69,7 @@ class ImportOptions:
     use_trainer: bool = True  # False: import the engine side only, to score with the reference
     shard_size: int = 256
     trust_remote_code: bool = False
-    overrides: dict[str, Any] = field(default_factory=dict)  # [reference] / [corrections] settings
+    overrides: dict[str, Any] = field(default_factory=dict)  # [reference] / [corrections] settings (--set)
 
 
 @dataclass
@@ -120,7 +125,7 @@ def import_dump(
 ) -> RunContext:
     """Turn a dump into a run directory (rollouts; token shards when the trainer's log-probs are
     in it) and return its context, ready for ``score`` / ``analyze``."""
-    from mismatch_probe.modeling.loading import check_model_dir, load_tokenizer, read_config
+    from mismatch_probe.modeling.loading import check_model_dir, load_tokenizer, read_config, text_setting
 
     t0 = time.perf_counter()
     opts = options or ImportOptions()
@@ -129,7 +134,7 @@ def import_dump(
     model_path = check_model_dir(str(model))
     tokenizer = load_tokenizer(model_path, trust_remote_code=opts.trust_remote_code)
     config = read_config(model_path)
-    vocab_size = int(config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size") or len(tokenizer))
+    vocab_size = int(text_setting(config, "vocab_size") or len(tokenizer))
     reader = open_dump(fmt, path, step=opts.step, trust_pickle=opts.trust_pickle, trainer_path=opts.trainer_path)
     reader.want_trainer = opts.use_trainer
     if reader.tokenizer_dir is not None:
@@ -139,10 +144,10 @@ def import_dump(
     fingerprint = _import_fingerprint(fmt, reader, opts)
 
     def same_import(run: RunRecord) -> bool:
-        return (run.imported_from or {}).get("fingerprint") == fingerprint
+        return run.import_info().fingerprint == fingerprint
 
     earlier = None if overwrite or not out_dir.is_dir() else find_record(out_dir)
-    if earlier is not None and same_import(earlier) and (earlier.imported_from or {}).get("samples") is not None:
+    if earlier is not None and same_import(earlier) and earlier.import_info().samples is not None:
         # the same import, finished (and maybe analyzed since): nothing to redo, nothing to lose
         return open_run(out_dir, progress=progress, model=model_path)
     imported: dict[str, Any] = {
@@ -248,19 +253,15 @@ def _spec(
     values: dict[str, Any] = {}
     named: dict[str, str] = {}  # how an error names each setting: the import flag, or the dump
 
-    def pick(key: str, option: str, flag: Any, default: Any) -> None:
-        if flag is not None:
-            sources[key], values[key], named[key] = "flag", flag, option
+    own_defaults = {"engine.name": fmt.engine, "engine.logprobs_mode": fmt.engine_logprobs}
+    for key in SAMPLED_SETTINGS:
+        if opts.flags.get(key) is not None:
+            sources[key], values[key], named[key] = "flag", opts.flags[key], flag_of(key)
         elif key in reader.settings:
             sources[key], values[key], named[key] = "dump", reader.settings[key], f"the dump's {key}"
         else:
+            default = own_defaults.get(key, spec_settings()[key].default)
             sources[key], values[key], named[key] = "default", default, key
-
-    pick("sampling.temperature", "--temperature", opts.temperature, 1.0)
-    pick("sampling.top_p", "--top-p", opts.top_p, 1.0)
-    pick("sampling.top_k", "--top-k", opts.top_k, 0)
-    pick("engine.name", "--engine", opts.engine, fmt.engine)
-    pick("engine.logprobs_mode", "--engine-logprobs", opts.engine_logprobs, fmt.engine_logprobs)
     step = f"-step{reader.step}" if reader.step is not None else ""
     if out is None:
         out = Path("reports") / f"{fmt.name}{step}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
@@ -277,12 +278,16 @@ def _spec(
     # the dump's values, or the flags that stand for them, checked as any setting is
     spec = apply_overrides(spec, values, named_by=lambda key: named[key])
     spec.given_paths.update({"model": str(model), "prompts": str(path), "out": str(out)})
-    bad = [k for k in opts.overrides if k.partition(".")[0] not in ("reference", "corrections")]
+    flags = {k: v for k, v in opts.flags.items() if k not in SAMPLED_SETTINGS}
+    bad = [k for k in {**flags, **opts.overrides} if k.partition(".")[0] not in ("reference", "corrections")]
     if bad:
         raise ConfigError(
             f"import sets {', '.join(bad)}: only [reference] and [corrections] settings",
-            hint="the engine and sampling settings are the dump's (--engine, --temperature, --top-p, --top-k)",
+            hint="the engine and sampling settings are the dump's ("
+            + ", ".join(flag_of(k) for k in SAMPLED_SETTINGS)
+            + ")",
         )
+    spec = apply_overrides(spec, flags)
     spec = apply_overrides(spec, opts.overrides, named_by="set")
     if opts.trainer_logprobs not in (None, *TRAINER_LOGPROBS):
         raise ConfigError(
@@ -292,11 +297,24 @@ def _spec(
     return spec.normalized(), sources
 
 
+# the names the sampled settings had as ImportOptions fields, which import fingerprints have hashed
+# them by since imports existed: an import interrupted under an earlier version resumes
+_FINGERPRINTED_AS = {
+    "sampling.temperature": "temperature",
+    "sampling.top_p": "top_p",
+    "sampling.top_k": "top_k",
+    "engine.name": "engine",
+    "engine.logprobs_mode": "engine_logprobs",
+}
+
+
 def _import_fingerprint(fmt: DumpFormat, reader: DumpReader, opts: ImportOptions) -> str:
     """What decides an import's shards: the dump's files (name, size, modification time) and the options."""
     files = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in reader.files]
-    options = {k: v for k, v in vars(opts).items() if k not in ("overrides", "trust_remote_code")}
-    payload = {"format": fmt.name, "files": files, "step": reader.step, "options": options, "overrides": opts.overrides}
+    options = {k: v for k, v in vars(opts).items() if k not in ("flags", "overrides", "trust_remote_code")}
+    options |= {_FINGERPRINTED_AS[k]: opts.flags.get(k) for k in SAMPLED_SETTINGS}
+    overrides = {k: v for k, v in opts.flags.items() if k not in SAMPLED_SETTINGS and v is not None} | opts.overrides
+    payload = {"format": fmt.name, "files": files, "step": reader.step, "options": options, "overrides": overrides}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -350,7 +368,9 @@ def _routing_layout(model_path: Path, trust_remote_code: bool) -> dict:
 def _moe_rows(experts: np.ndarray, layout: dict, config: dict) -> np.ndarray:
     """The MoE layers' routing, when a dump records every decoder layer (slime's R3 is
     ``[positions, num_layers, top-k]``; a dense layer's rows are padding)."""
-    n_layers = config.get("num_hidden_layers") or (config.get("text_config") or {}).get("num_hidden_layers")
+    from mismatch_probe.modeling.loading import text_setting
+
+    n_layers = text_setting(config, "num_hidden_layers")
     moe = layout["moe_layers"]
     if experts.ndim == 3 and experts.shape[1] == n_layers != len(moe):
         return experts[:, moe, :]

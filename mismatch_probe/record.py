@@ -255,6 +255,74 @@ class FigureRef(Section):
     path: str
 
 
+# ---- typed readings of sections stored as plain mappings ---------------------------------------
+
+
+class SectionView(BaseModel):
+    """A typed reading of a section ``run.json`` keeps as a plain mapping, so that the record writes
+    back exactly what it read: declared keys are typed, absent ones read as their defaults, others
+    are kept, and an absent section reads as the empty view. Read-only: a change goes to the record's
+    own section. Got from the record's accessors (:meth:`RunRecord.import_info`, ...)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_as_empty(cls, data: Any) -> Any:
+        """A mapping or list stored as null (not measured) reads as empty, as an absent one does."""
+        if not isinstance(data, Mapping):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].default_factory is None}
+
+
+class ImportInfo(SectionView):
+    """``imported_from``: the dump a run was imported from (importing.py)."""
+
+    format: str | None = None
+    path: str | None = None
+    step: int | None = None
+    fingerprint: str | None = None
+    samples: int | None = None  # None until the import finished
+    model_tokens: int | None = None
+    trainer_logprobs: bool = False
+    notes: list[str] = Field(default_factory=list)
+    settings_from: dict[str, str] = Field(default_factory=dict)  # setting -> flag | dump | default
+
+
+class RolloutsSource(SectionView):
+    """``rollouts_from``: the run whose rollouts this one scored (``--rollouts-from``, ``score --out``)."""
+
+    run: str | None = None  # relative to this run's directory
+
+
+class SyncRepeat(SectionView):
+    """One sync of ``sync.repeats`` (analysis/sync.py): its fidelity against a fresh engine and what
+    its weight digest found."""
+
+    repeat: int | None = None
+    fidelity: dict[str, Any] = Field(default_factory=dict)
+    weights: dict[str, Any] = Field(default_factory=dict)
+
+
+class StaleCache(SectionView):
+    """``sync.stale_cache``: greedy answers from a prefix cache holding the old weights' entries
+    against after a reset, and ``floor``, what a cache hit alone moves them (absent in runs made
+    before it was measured)."""
+
+    max_abs_dlogp: float | None = None
+    k3: float | None = None
+    floor: dict[str, Any] = Field(default_factory=dict)
+
+
+class SyncInfo(SectionView):
+    """``sync``: the weight-sync probe ([sync]; ARCHITECTURE.md, Weight sync)."""
+
+    repeats: list[SyncRepeat] = Field(default_factory=list)
+    stale_cache: StaleCache | None = None
+    findings: list[Any] | None = None
+
+
 METRIC_SECTIONS = ("metrics", "decode_vs_prefill", "corrections", "routing")
 GROUPED_METRIC_SECTIONS = ("metrics_by_turn", "metrics_by_turn_index", "corrections_by_turn", "trainer")
 
@@ -301,7 +369,7 @@ class RunRecord(Section):
     corrections_by_turn: dict[str, dict[str, Any]] | None = None
     breakdowns: dict[str, list[dict[str, Any]]] | None = None
     breakdowns_by_turn: dict[str, dict[str, list[dict[str, Any]]]] | None = None
-    # MoE routing agreement (analysis/metrics.py: RoutingAccumulator), and where the reference also
+    # MoE routing agreement (analysis/routing_agreement.py: RoutingAccumulator), and where the reference also
     # scored with the engine's routing forced, ``replay``: the routing replay (R3) what-if, for all
     # tokens and each ``by_turn`` group (ReplayAccumulator)
     routing: dict[str, Any] | None = None
@@ -341,6 +409,49 @@ class RunRecord(Section):
         """A metric of all tokens, or of a turn group ("first" / "later"); None when absent."""
         section = self.metrics if group is None else (self.metrics_by_turn or {}).get(group)
         return None if section is None else section.get(key)
+
+    def import_info(self) -> ImportInfo:
+        """``imported_from``, typed (empty for a run that was not imported)."""
+        return ImportInfo.model_validate(self.imported_from or {})
+
+    def rollouts_source(self) -> RolloutsSource:
+        """``rollouts_from``, typed (empty for a run that sampled its own rollouts)."""
+        return RolloutsSource.model_validate(self.rollouts_from or {})
+
+    def sync_info(self) -> SyncInfo | None:
+        """``sync``, typed; None when the run did not probe the weight sync."""
+        return None if self.sync is None else SyncInfo.model_validate(self.sync)
+
+    def moe(self) -> dict[str, Any]:
+        """The checkpoint's MoE layout from ``architecture`` (modeling/architecture.py); empty for a
+        dense model or a run recorded without it."""
+        return (self.architecture or {}).get("moe") or {}
+
+    def correction(self, key: str) -> Any:
+        """A value of ``corrections`` (a correction's share or the K3 it keeps); None when absent."""
+        return (self.corrections or {}).get(key)
+
+    def correction_thresholds(self) -> dict[str, dict[str, float]]:
+        """``corrections.thresholds``: each correction's bounds as applied (``{"token_tis_clipped_share":
+        {"ratio_above": 2.0}, ...}``); empty for a run analysed before they were recorded."""
+        return self.correction("thresholds") or {}
+
+    def breakdown(self, name: str) -> list[dict[str, Any]]:
+        """The rows of one of ``breakdowns`` (by p_infer bucket, position, length); empty when absent."""
+        return (self.breakdowns or {}).get(name) or []
+
+    def replay(self, group: str | None = None) -> dict[str, Any]:
+        """The routing replay (R3) what-if of ``routing.replay``, of all tokens or of a turn group of
+        ``routing.by_turn``; empty when the run did not replay its routing."""
+        routing = self.routing or {}
+        if group is not None:
+            routing = (routing.get("by_turn") or {}).get(group) or {}
+        return routing.get("replay") or {}
+
+    def reused_shards(self, kind: str) -> int:
+        """Shards of ``kind`` (``resumed``'s keys, e.g. ``rollout_shards_reused``) that an earlier,
+        interrupted invocation had written; 0 for a run that did not resume."""
+        return (self.resumed or {}).get(kind, 0)
 
     def lookup(self, path: str) -> Any:
         """The value at a dotted path of the record as stored (None when any part is absent);

@@ -43,6 +43,11 @@ class SweepPointRecord(_Section):
     cost: dict[str, Any] = Field(default_factory=dict)
     gate: str | None = None  # PASS | WARN | FAIL | ERROR with --gate
 
+    def effect(self, metric: str) -> dict[str, Any]:
+        """The point's effect on ``metric`` against the baseline (``delta_vs_baseline``: ratio with its
+        interval, within_noise); empty when not measured."""
+        return self.delta_vs_baseline.get(metric) or {}
+
 
 class SweepRecord(_Section):
     schema_version: int = SWEEP_SCHEMA_VERSION
@@ -66,9 +71,30 @@ class SweepRecord(_Section):
     # each invocation that reached the summary: finished_at, engine_starts, timings
     invocations: list[dict[str, Any]] = Field(default_factory=list)
 
+    def floor(self, metric: str) -> dict[str, Any]:
+        """The noise floor of ``metric`` (``noise_floor.metrics``: its repeats' values, range, spread);
+        empty when the sweep measured none."""
+        metrics = self.noise_floor.get("metrics")
+        floor = metrics.get(metric) if isinstance(metrics, dict) else None
+        return floor if isinstance(floor, dict) else {}
+
+    def gate_bounds(self) -> dict[str, Any]:
+        """The thresholds the sweep's points were gated on (``gate.bounds``); empty without --gate."""
+        bounds = self.gate.get("bounds") if self.gate else None
+        return dict(bounds or {})
+
+    def prefill_determinism(self, check: str) -> dict[str, Any] | None:
+        """One of the baseline engine's prefill determinism checks (``determinism.prefill``), or None."""
+        prefill = self.determinism.get("prefill") if self.determinism else None
+        return prefill.get(check) if prefill else None
+
+    def determinism_note(self, key: str) -> str | None:
+        """A note of the determinism checks (``prefill_skipped``, ``same_seed_note``), or None."""
+        return self.determinism.get(key) if self.determinism else None
+
     def repeat_values(self, metric: str) -> list[float]:
         """The finite values of ``metric`` over the baseline's repeats (the noise floor's runs)."""
-        values = ((self.noise_floor.get("metrics") or {}).get(metric) or {}).get("values") or []
+        values = self.floor(metric).get("values") or []
         return [float(v) for v in values if isinstance(v, int | float) and math.isfinite(v)]
 
     def point(self, name: str) -> SweepPointRecord:

@@ -66,6 +66,10 @@ class TimelineRecord(_Section):
     figures: list[str] = Field(default_factory=list)
     timings: dict[str, Any] = Field(default_factory=dict)
 
+    def drift_of(self, metric: str) -> dict[str, Any]:
+        """The drift test of ``metric`` (analysis/drift.py: DriftResult.to_dict()); empty when not tested."""
+        return self.drift.get(metric) or {}
+
     def write(self, directory: str | Path) -> Path:
         path = Path(directory) / TIMELINE_JSON
         write_atomic(path, json.dumps(json_safe(self.model_dump(mode="python")), indent=2, allow_nan=False) + "\n")

@@ -226,24 +226,24 @@ def metrics_page() -> str:
         "| K3 (mismatch-KL) | where | source |",
         "|---|---|---|",
     ]
-    gpu_source = (
-        "Liu, Li et al., *When Speed Kills Stability: Demystifying RL Collapse from the Training-Inference "
-        "Mismatch* (2025)"
-    )
+    figures = [f for f in md.PUBLISHED if f.metric == "k3_kl"]
     out += [
-        f"| {md.fmt_range(low, high)} | bf16 rollouts, {where} | {gpu_source} |" for where, low, high in md.K3_BY_GPU
+        f"| {md.fmt_range(f.low, f.high)} | {_cell(('bf16 rollouts, ' if f.role == 'gpu' else '') + f.where)} "
+        f"| {_cell(f.source)} |"
+        for f in figures
     ]
-    out += [f"| {md.fmt_range(f.low, f.high)} | {_cell(f.where)} | {_cell(f.source)} |" for f in md.PUBLISHED_K3]
     out += [f"| none published | {precision} rollouts: {_cell(text)} | |" for precision, text in md.UNPUBLISHED.items()]
+    read = {
+        "expected": "below {low:g}",
+        "issue": "above {low:g}",
+        "threshold": "{low:g}",
+        "typical": "{low:g} to {high:g}",
+    }
+    out += ["", "| other figure | value | source |", "|---|---|---|"]
     out += [
-        "",
-        "| other figure | value | source |",
-        "|---|---|---|",
-        f"| mean \\|Δp\\| expected | below {md.VERL_PROB_DIFF_EXPECTED:g} | verl, docs/faq/faq.rst "
-        + "(`training/rollout_probs_diff_mean`) |",
-        f"| mean \\|Δp\\| that indicates a precision issue | above {md.VERL_PROB_DIFF_ISSUE:g} | verl, docs/faq/faq.rst |",
-        f"| token mult. prob error threshold | {md.NEMO_RL_MULT_ERROR_THRESHOLD:g} | NeMo-RL "
-        + "(`token_mult_prob_error`) |",
+        f"| {_cell(f.where)} | {read[f.role].format(low=f.low, high=f.high)} | {_cell(f.source)} |"
+        for f in md.PUBLISHED
+        if f.metric != "k3_kl"
     ]
     return "\n".join(out) + "\n"
 

@@ -25,8 +25,9 @@ def synthetic_run(n_tokens: int = 5000, *, imported: str = "", rescored: bool = 
     (``rescored``: re-scored by a reference, the trainer's comparisons beside it, and decode vs
     prefill measured)."""
     from mismatch_probe.analysis.distributions import DistributionAccumulator, with_sequences
-    from mismatch_probe.analysis.metrics import MetricsAccumulator, segment_starts
+    from mismatch_probe.analysis.metrics import MetricsAccumulator
     from mismatch_probe.analysis.sequences import SCHEMA, SequenceIds, sequence_table
+    from mismatch_probe.analysis.terms import segment_starts
 
     sample, position, turn, lt, li = synthetic_tokens(n_tokens)
     acc, dist = MetricsAccumulator(), DistributionAccumulator()

@@ -16,17 +16,11 @@ import numpy as np
 import pyarrow as pa
 
 from mismatch_probe.analysis.distributions import DistributionAccumulator
-from mismatch_probe.analysis.metrics import (
-    GROUP_TURNS,
-    CorrectionThresholds,
-    MetricsAccumulator,
-    ReplayAccumulator,
-    RoutingAccumulator,
-    compare_routing,
-    segment_starts,
-    token_terms,
-)
+from mismatch_probe.analysis.metrics import GROUP_TURNS, CorrectionThresholds, MetricsAccumulator
+from mismatch_probe.analysis.routing_agreement import RoutingAccumulator, compare_routing
+from mismatch_probe.analysis.routing_replay import ReplayAccumulator
 from mismatch_probe.analysis.sequences import SequenceCollector
+from mismatch_probe.analysis.terms import segment_starts, token_terms
 from mismatch_probe.table.tokens import iter_model_tokens
 
 

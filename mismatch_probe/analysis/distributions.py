@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mismatch_probe.analysis.metrics import TokenTerms, segment_starts, token_terms
+from mismatch_probe.analysis.terms import TokenTerms, segment_starts, token_terms
 from mismatch_probe.files import write_atomic
 
 if TYPE_CHECKING:

@@ -1,24 +1,19 @@
 """What each metric means, which direction is better, and the published points to read it against.
 
 One table used by every renderer (Markdown, HTML, comparison highlighting), so a definition is
-written once. Sources of the reference points:
-
-- mismatch-KL by GPU type: Liu, Li et al., "When Speed Kills Stability: Demystifying RL Collapse
-  from the Training-Inference Mismatch" (2025): H20 ~5e-4..1e-3, L20 ~1e-3..1e-2, A100 up to 1e-1
-  until cascade attention was disabled.
-- NeMo-RL's ``token_mult_prob_error`` (mean exp|delta|) and its 1.05 threshold.
-- verl's rollout correction defaults: ``rollout_is_threshold`` 2.0, geometric bounds "typically
-  1.0002 - 1.001", token veto "typically 1e-4 to 1e-6".
-- verl's FAQ (docs/faq/faq.rst): ``training/rollout_probs_diff_mean`` (mean |Δp|) "should be below
-  0.005"; above 0.01 "indicates a precision issue".
-- K3 under FP8 rollouts (``PUBLISHED_K3``): NeMo-RL's Qwen3.5 guide (PR #2744) and xtuner's FP8
-  alignment fix (PR #2044); docs/how-to/precision.md lists them with verl PR #7519's K1 and Pearson figures.
+written once. The published figures are one table too, :data:`PUBLISHED` (each with its source):
+the metrics' "read against" lines, the report's placement of a run (:func:`k3_context`,
+:func:`prob_diff_context`), the timeline's reference bands and the docs' "Published figures" are
+all read from it.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from collections.abc import Mapping
+from typing import Any, Literal, NamedTuple
+
+from mismatch_probe.record import RunRecord
 
 
 class MetricDoc(NamedTuple):
@@ -39,6 +34,121 @@ class MetricDoc(NamedTuple):
     behaviour: str  # bias, sign, ideal value, behaviour near 0, outliers, dependence on length
 
 
+class Published(NamedTuple):
+    """A figure a source published for a metric this tool computes the same way, or a bound a
+    framework reads that metric against."""
+
+    metric: str  # the key it is read against (METRIC_DOC)
+    # how it is read: "gpu", the range of bf16 rollouts on that GPU (``where``); "precision", the
+    # range of rollouts of ``precision``; "expected" / "issue", a value below which a framework
+    # expects it and above which it sees a problem; "threshold"; "typical", a correction's usual bounds
+    role: Literal["gpu", "precision", "expected", "issue", "threshold", "typical"]
+    low: float
+    high: float  # = low for a single value
+    where: str  # where and how it was measured, or what the bound is
+    source: str
+    precision: str = "bf16"  # the rollouts' precision, as report.labels.rollout_precision names it
+
+
+_LIU_LI = (
+    "Liu, Li et al., *When Speed Kills Stability: Demystifying RL Collapse from the Training-Inference Mismatch* (2025)"
+)
+# Only K3 figures whose metric is K3 by the source's own code (docs/how-to/precision.md: published
+# figures). verl PR #7519's FP8 figures (0.0100 -> 0.0313) are its rollout_corr/kl, which is K1
+# (signed), so they are cited in the docs and not placed on a K3 card. The per-GPU ranges are the
+# seeds' figures: H20 and L20 runs, A100 with cascade attention on (until it was disabled), lowest first.
+PUBLISHED = (
+    Published("k3_kl", "gpu", 5e-4, 1e-3, "H20", _LIU_LI),
+    Published("k3_kl", "gpu", 1e-3, 1e-2, "L20", _LIU_LI),
+    Published("k3_kl", "gpu", 1e-2, 1e-1, "A100, cascade attention", _LIU_LI),
+    Published(
+        "k3_kl",
+        "precision",
+        0.0024,
+        0.0031,
+        "NeMo-RL, Qwen3.5-35B-A3B, blockwise FP8 vLLM rollouts and FP8 Megatron training, over 126 steps",
+        "NVIDIA-NeMo/RL PR #2744, docs/guides/models/qwen/qwen3-5.md (train/gen_kl_error)",
+        precision="fp8",
+    ),
+    Published(
+        "k3_kl",
+        "precision",
+        3.7e-4,
+        8.7e-3,
+        "xtuner, Qwen3.5-35B-A3B FP8 rollouts at step 2: 8.7e-3 with train and rollout quantizing "
+        "differently, 3.7e-4 once aligned",
+        "InternLM/xtuner PR #2044 (mismatch/mismatch_k3_kl)",
+        precision="fp8",
+    ),
+    Published(
+        "prob_diff_mean",
+        "expected",
+        0.005,
+        0.005,
+        "mean |Δp| expected",
+        "verl, docs/faq/faq.rst (`training/rollout_probs_diff_mean`)",
+    ),
+    Published(
+        "prob_diff_mean", "issue", 0.01, 0.01, "mean |Δp| that indicates a precision issue", "verl, docs/faq/faq.rst"
+    ),
+    Published(
+        "mult_prob_error",
+        "threshold",
+        1.05,
+        1.05,
+        "token mult. prob error threshold",
+        "NeMo-RL (`token_mult_prob_error`)",
+    ),
+    Published(
+        "seq_geo_ratio_mean",
+        "typical",
+        1.0002,
+        1.001,
+        "geometric rejection bounds 1 + ε",
+        "verl, rollout correction (geometric RS thresholds)",
+    ),
+    Published(
+        "seq_min_token_ratio_min",
+        "typical",
+        1e-6,
+        1e-4,
+        "token veto threshold τ",
+        "verl, rollout correction (token veto)",
+    ),
+)
+
+
+def published(metric: str, role: str) -> tuple[Published, ...]:
+    """The figures :data:`PUBLISHED` holds for ``metric`` read as ``role``."""
+    return tuple(f for f in PUBLISHED if f.metric == metric and f.role == role)
+
+
+# derived views of the table, as the report, the timeline and the docs read them
+PUBLISHED_K3 = published("k3_kl", "precision")
+K3_BY_GPU = tuple((f.where, f.low, f.high) for f in published("k3_kl", "gpu"))  # (where, low, high), lowest first
+(VERL_PROB_DIFF_EXPECTED,) = (f.low for f in published("prob_diff_mean", "expected"))
+(VERL_PROB_DIFF_ISSUE,) = (f.low for f in published("prob_diff_mean", "issue"))
+(NEMO_RL_MULT_ERROR_THRESHOLD,) = (f.low for f in published("mult_prob_error", "threshold"))
+(_GEO_BOUNDS,) = published("seq_geo_ratio_mean", "typical")
+(_TOKEN_VETO,) = published("seq_min_token_ratio_min", "typical")
+
+
+def _sci(x: float) -> str:
+    """1e-3 as the literature writes it, "1e-3" (not Python's "1e-03")."""
+    mantissa, _, exponent = f"{x:.0e}".partition("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def _k3_by_gpu_reference() -> str:
+    """The per-GPU ranges as the metrics' "read against" line quotes them; a range measured under a
+    condition (A100 with cascade attention) by its upper end, as the paper reports it."""
+    parts = []
+    for where, low, high in K3_BY_GPU:
+        gpu, _, condition = where.partition(", ")
+        parts.append(f"{gpu} up to {_sci(high)} with {condition}" if condition else f"{gpu} ~{_sci(low)}–{_sci(high)}")
+    return "published: " + ", ".join(parts)
+
+
 # the |δ| quantiles, one rule for the three (analysis/order_stats.py reproduces numpy.quantile's "linear")
 _QUANTILE = (
     "of |δ_t| over the group's N model tokens, each |δ_t| rounded to float32 and the order statistics selected "
@@ -52,7 +162,7 @@ METRIC_DOCS = (
         key="k3_kl",
         label="K3 KL (mismatch-KL)",
         meaning="mean of ratio − δ − 1 over tokens, the 'vllm-kl' of the literature; ≥ 0, 0 is perfect",
-        reference="published: H20 ~5e-4–1e-3, L20 ~1e-3–1e-2, A100 up to 1e-1 with cascade attention",
+        reference=_k3_by_gpu_reference(),
         better="lower",
         formula="(1/N) Σ_t (r_t − 1 − δ_t), a mean over the group's N model tokens (a sequence weighs by its "
         "length), each term computed in float64 as expm1(δ_t) − δ_t so tiny δ keep their precision; a token with "
@@ -259,7 +369,7 @@ METRIC_DOCS = (
         key="seq_geo_ratio_mean",
         label="seq geometric-mean ratio (mean)",
         meaning="mean over sequences of exp(Σδ / length), what geometric rejection bounds to [1 − ε, 1 + ε]",
-        reference="1.0 is perfect; verl's geometric bounds are typically 1.0002–1.001",
+        reference=f"1.0 is perfect; verl's geometric bounds are typically {_GEO_BOUNDS.low:g}–{_GEO_BOUNDS.high:g}",
         better="one",
         formula="(1/S) Σ_s exp(L_s / n_s) with L_s = Σ_{t∈s} δ_t (not clamped): per sequence the geometric mean of "
         "r_t over its n_s model tokens, then a mean over the S sequences; a sequence with a p_train = 0 token "
@@ -274,7 +384,7 @@ METRIC_DOCS = (
         key="seq_min_token_ratio_min",
         label="smallest token ratio",
         meaning="min over tokens of exp(δ), what worst-token rejection compares with τ",
-        reference="1.0 is perfect; verl's token veto is typically 1e-4 to 1e-6",
+        reference=f"1.0 is perfect; verl's token veto is typically {_sci(_TOKEN_VETO.high)} to {_sci(_TOKEN_VETO.low)}",
         better="one",
         formula="exp(min_t δ_t) = min_t r_t over every model token of the group (the minimum taken on δ, then "
         "exponentiated); 0 when any token has p_train = 0.",
@@ -288,7 +398,7 @@ METRIC_DOCS = (
         key="mult_prob_error",
         label="token mult. prob error",
         meaning="mean exp(|δ|); 1.0 is perfect",
-        reference="NeMo-RL's token_mult_prob_error; its threshold is 1.05",
+        reference=f"NeMo-RL's token_mult_prob_error; its threshold is {NEMO_RL_MULT_ERROR_THRESHOLD:g}",
         better="lower",
         formula="(1/N) Σ_t exp(|δ_t|) = (1/N) Σ_t max(r_t, 1/r_t), a mean over the group's N model tokens in "
         "float64; +inf when any token has p_train = 0.",
@@ -557,17 +667,18 @@ KEPT_K3_MEANING = (
 )
 
 
-def negative_chi2_note(record: dict) -> str | None:
+def negative_chi2_note(record: RunRecord | Mapping[str, Any]) -> str | None:
     """Why the run's chi-square estimates are negative, when one is (all tokens, and the turn
-    groups of a multi-turn run)."""
-    by_turn = record.get("metrics_by_turn") or {}
-    groups = [("", record.get("metrics"))]
-    if (by_turn.get("later") or {}).get("n_model_tokens"):  # else "first turns" is all of them again
-        groups += [(" (first turns)", by_turn.get("first")), (" (later turns)", by_turn.get("later"))]
+    groups of a multi-turn run). ``record``: the run's, or its ``metrics`` and ``metrics_by_turn``
+    sections as a mapping."""
+    run = record if isinstance(record, RunRecord) else RunRecord.model_validate(dict(record))
+    groups: list[tuple[str, str | None]] = [("", None)]
+    if run.metric("n_model_tokens", "later"):  # else "first turns" is all of them again
+        groups += [(" (first turns)", "first"), (" (later turns)", "later")]
     negative = []
-    for where, metrics in groups:
+    for where, group in groups:
         for key in ("chi2_token", "chi2_seq"):
-            value = (metrics or {}).get(key)
+            value = run.metric(key, group)
             if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
                 negative.append(f"{key}{where} = {value:.3g}")
     if not negative:
@@ -580,53 +691,11 @@ def negative_chi2_note(record: dict) -> str | None:
     )
 
 
-class PublishedK3(NamedTuple):
-    """A K3 a team published for rollouts of one precision (K3 as this tool computes it: the mean
-    of r − 1 − log r over the policy's tokens), with where it was measured and its source."""
-
-    precision: str  # what rollout_precision() calls the run's precision
-    low: float
-    high: float
-    where: str
-    source: str
-
-
-# Only figures whose metric is K3 by the source's own code (docs/how-to/precision.md: published figures).
-# verl PR #7519's FP8 figures (0.0100 -> 0.0313) are its rollout_corr/kl, which is K1 (signed), so
-# they are cited in the docs and not placed on a K3 card.
-PUBLISHED_K3 = (
-    PublishedK3(
-        "fp8",
-        0.0024,
-        0.0031,
-        "NeMo-RL, Qwen3.5-35B-A3B, blockwise FP8 vLLM rollouts and FP8 Megatron training, over 126 steps",
-        "NVIDIA-NeMo/RL PR #2744, docs/guides/models/qwen/qwen3-5.md (train/gen_kl_error)",
-    ),
-    PublishedK3(
-        "fp8",
-        3.7e-4,
-        8.7e-3,
-        "xtuner, Qwen3.5-35B-A3B FP8 rollouts at step 2: 8.7e-3 with train and rollout quantizing "
-        "differently, 3.7e-4 once aligned",
-        "InternLM/xtuner PR #2044 (mismatch/mismatch_k3_kl)",
-    ),
-)
 # What a rollout precision with no verified K3 figure says instead.
 UNPUBLISHED = {
     "fp16": "arXiv 2510.26788 shows FP16 on both sides shrinking the mismatch (its Figure 5) but "
     "publishes no K3: compare with a bf16 run of this model (probes/precision.toml)",
 }
-
-
-# The published per-GPU mismatch-KL ranges (the seeds' figures: H20 and L20 runs, A100 with cascade
-# attention on), lowest first: (where, low, high). The report's K3 card and the timeline's K3
-# figure read them from here.
-K3_BY_GPU = (("H20", 5e-4, 1e-3), ("L20", 1e-3, 1e-2), ("A100, cascade attention", 1e-2, 1e-1))
-# verl's FAQ (docs/faq/faq.rst): training/rollout_probs_diff_mean "should be below 0.005"; above 0.01
-# "indicates a precision issue"
-VERL_PROB_DIFF_EXPECTED, VERL_PROB_DIFF_ISSUE = 0.005, 0.01
-# NeMo-RL's token_mult_prob_error threshold (1.0 is perfect agreement)
-NEMO_RL_MULT_ERROR_THRESHOLD = 1.05
 
 
 def k3_context(value, precision: str | None = None) -> str:
@@ -654,7 +723,7 @@ def k3_context(value, precision: str | None = None) -> str:
     if not published:
         return f"{line}; {UNPUBLISHED.get(precision, f'no published K3 for {precision} rollouts was found')}"
 
-    def where(f: PublishedK3) -> str:
+    def where(f: Published) -> str:
         place = "below" if value < f.low else "above" if value > f.high else "inside"
         return f"{place} {fmt_range(f.low, f.high)} ({f.where})"
 
@@ -671,12 +740,6 @@ def prob_diff_context(mean) -> str:
     if mean <= VERL_PROB_DIFF_ISSUE:
         return f"above verl's expected {VERL_PROB_DIFF_EXPECTED:g}"
     return f"above {VERL_PROB_DIFF_ISSUE:g}, which verl's FAQ reads as a precision issue"
-
-
-def _sci(x: float) -> str:
-    """1e-3 as the literature writes it, "1e-3" (not Python's "1e-03")."""
-    mantissa, _, exponent = f"{x:.0e}".partition("e")
-    return f"{mantissa}e{int(exponent)}"
 
 
 def fmt_range(low: float, high: float) -> str:

@@ -1,4 +1,7 @@
-"""Mismatch metrics (ARCHITECTURE.md, Metrics) as pure, vectorized functions over model tokens.
+"""Mismatch metrics (ARCHITECTURE.md, Metrics): the batch metrics and correction what-ifs of a run,
+reduced in one streaming pass (:class:`MetricsAccumulator`) from the token and sequence terms of
+:mod:`mismatch_probe.analysis.terms`. MoE routing agreement is :mod:`.routing_agreement`, the
+routing replay (R3) what-if :mod:`.routing_replay`.
 
 Everything here takes NumPy arrays of model tokens only (prompt and tool tokens already
 removed), laid out so that the tokens of one sequence are contiguous. ``starts`` marks where
@@ -32,8 +35,16 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from mismatch_probe.analysis.order_stats import float32_bits, needed_ranks, order_statistics, quantiles_from_bits
+from mismatch_probe.analysis.terms import (
+    SequenceTerms,
+    TokenTerms,
+    bucket_index,
+    check_logprobs,
+    quantiles,
+    sequence_terms,
+    token_terms,
+)
 from mismatch_probe.config.spec import CorrectionThresholds
-from mismatch_probe.errors import DataError
 
 # The sequence log-ratio is clamped before exponentiating in chi2_seq, as verl's rollout
 # correction safety bound does ([exp(-20), exp(20)]).
@@ -83,147 +94,6 @@ KEPT_K3 = {
     "geo_rejected_share": "geo_kept_k3",
     "worst_token_rejected_share": "worst_token_kept_k3",
 }
-
-
-class TokenTerms(NamedTuple):
-    delta: np.ndarray
-    abs_delta: np.ndarray
-    ratio: np.ndarray
-    k1: np.ndarray
-    k2: np.ndarray
-    k3: np.ndarray
-    prob_diff: np.ndarray
-    mult_error: np.ndarray
-    p_train: np.ndarray
-    p_infer: np.ndarray
-
-
-def check_logprobs(logp_train: np.ndarray, logp_infer: np.ndarray) -> None:
-    """Raise :class:`DataError` when the log-probs violate the table's contract."""
-    if logp_train.shape != logp_infer.shape:
-        raise DataError(f"logp_train has {logp_train.shape[0]} values but logp_infer has {logp_infer.shape[0]}")
-    for name, arr in (("logp_train", logp_train), ("logp_infer", logp_infer)):
-        bad = np.isnan(arr)
-        if bad.any():
-            raise DataError(
-                f"{int(bad.sum())} model tokens have NaN {name} (first at model-token index "
-                f"{int(np.argmax(bad))}); the {'reference forward' if name == 'logp_train' else 'engine'} "
-                "produced NaN, often an fp16 overflow: try bfloat16 or float32"
-            )
-        if np.isposinf(arr).any():
-            raise DataError(f"{name} contains +inf, which is not a log-probability")
-    if np.isneginf(logp_infer).any():
-        raise DataError(
-            f"{int(np.isneginf(logp_infer).sum())} sampled tokens have logp_infer = -inf: the engine reports zero "
-            "probability for tokens it sampled, so its log-probs do not describe its sampler "
-            "(check logprobs_mode against the sampling settings)"
-        )
-
-
-def token_terms(logp_train: np.ndarray, logp_infer: np.ndarray) -> TokenTerms:
-    """Per-token mismatch terms in float64."""
-    lt = np.asarray(logp_train, dtype=np.float64)
-    li = np.asarray(logp_infer, dtype=np.float64)
-    with np.errstate(invalid="ignore", over="ignore"):
-        delta = lt - li
-        ratio = np.exp(delta)
-        p_train, p_infer = np.exp(lt), np.exp(li)
-        abs_delta = np.abs(delta)
-        # in place where a temporary would be (the same values; fewer fresh arrays of every token)
-        k2 = np.multiply(delta, delta)
-        k2 *= 0.5
-        # ratio - delta - 1 loses all precision for tiny |delta|; expm1 keeps it.
-        k3 = np.expm1(delta)
-        k3 -= delta
-        prob_diff = np.subtract(p_train, p_infer)
-        np.abs(prob_diff, out=prob_diff)
-        return TokenTerms(
-            delta=delta,
-            abs_delta=abs_delta,
-            ratio=ratio,
-            k1=np.negative(delta),
-            k2=k2,
-            k3=k3,
-            prob_diff=prob_diff,
-            mult_error=np.exp(abs_delta),
-            p_train=p_train,
-            p_infer=p_infer,
-        )
-
-
-def segment_starts(*keys: np.ndarray) -> np.ndarray:
-    """Start index of each run of equal consecutive keys (the sequences of a contiguous table)."""
-    if not keys or len(keys[0]) == 0:
-        return np.zeros(0, dtype=np.int64)
-    change = np.zeros(len(keys[0]), dtype=bool)
-    change[0] = True
-    for key in keys:
-        key = np.asarray(key)
-        change[1:] |= key[1:] != key[:-1]
-    return np.flatnonzero(change)
-
-
-class SequenceTerms(NamedTuple):
-    n_tokens: np.ndarray
-    max_mismatch: np.ndarray
-    mean_mismatch: np.ndarray
-    log_ppl_infer: np.ndarray
-    log_ppl_train: np.ndarray
-    log_ratio: np.ndarray
-    geo_ratio: np.ndarray
-    min_token_log_ratio: np.ndarray
-    k3_sum: np.ndarray  # sum of the tokens' K3: with n_tokens, the sufficient statistic of k3_kl
-    mult_error_sum: np.ndarray  # sum of the tokens' exp|delta|: with n_tokens, that of mult_prob_error
-
-
-def sequence_terms(
-    terms: TokenTerms, logp_train: np.ndarray, logp_infer: np.ndarray, starts: np.ndarray
-) -> SequenceTerms:
-    """Reduce each sequence over its own tokens (``starts`` from :func:`segment_starts`)."""
-    n = len(terms.delta)
-    if len(starts) == 0:
-        empty = np.zeros(0)
-        return SequenceTerms(np.zeros(0, dtype=np.int64), *([empty] * 9))
-    n_tokens = np.diff(np.append(starts, n))
-    lt = np.asarray(logp_train, dtype=np.float64)
-    li = np.asarray(logp_infer, dtype=np.float64)
-    with np.errstate(invalid="ignore", over="ignore"):
-        log_ratio = np.add.reduceat(terms.delta, starts)
-        return SequenceTerms(
-            n_tokens=n_tokens,
-            max_mismatch=np.maximum.reduceat(terms.prob_diff, starts),
-            mean_mismatch=np.add.reduceat(terms.prob_diff, starts) / n_tokens,
-            log_ppl_infer=-np.add.reduceat(li, starts) / n_tokens,
-            log_ppl_train=-np.add.reduceat(lt, starts) / n_tokens,
-            log_ratio=log_ratio,
-            geo_ratio=np.exp(log_ratio / n_tokens),
-            min_token_log_ratio=np.minimum.reduceat(terms.delta, starts),
-            k3_sum=np.add.reduceat(terms.k3, starts),
-            mult_error_sum=np.add.reduceat(terms.mult_error, starts),
-        )
-
-
-def quantiles(values: np.ndarray, qs: dict[str, float]) -> dict[str, float | None]:
-    """Linear-interpolation quantiles that stay ``inf`` (not NaN) when the tail is infinite."""
-    if len(values) == 0:
-        return {k: None for k in qs}
-    finite_max = np.finfo(np.float64).max
-    vals = np.minimum(np.asarray(values, dtype=np.float64), finite_max)
-    out = np.quantile(vals, list(qs.values()))
-    # An interpolation that touched an infinite neighbour lands above 1e300.
-    return {k: (math.inf if v > 1e300 else float(v)) for k, v in zip(qs, out)}
-
-
-def bucket_index(values: np.ndarray, edges: tuple) -> np.ndarray:
-    """Bucket ``i`` holds ``edges[i] <= v < edges[i+1]``; the last bucket also takes ``v >= edges[-1]``
-    for open-ended edges and ``v == edges[-1]`` for closed ones. (The number of inner edges at or
-    below each value: ``searchsorted(edges[1:-1], v, side="right")``, as branch-free comparisons,
-    several times faster for these few edges.)"""
-    values = np.asarray(values)
-    out = np.zeros(values.shape, dtype=np.uint8)
-    for edge in edges[1:-1]:
-        out += values >= edge
-    return out
 
 
 @dataclass
@@ -893,191 +763,6 @@ _EXTRA_KEYS = (
 METRIC_KEYS = CANONICAL_KEYS + _EXTRA_KEYS
 
 
-def _expert_bits(ids: np.ndarray, word: int) -> np.ndarray:
-    """The ids in [64 * word, 64 * word + 64) of each top-k set, as one uint64 bitmask per set."""
-    rel = ids.astype(np.int64) - 64 * word
-    inside = (rel >= 0) & (rel < 64)
-    bits = np.left_shift(np.uint64(1), np.clip(rel, 0, 63).astype(np.uint64))
-    return np.bitwise_or.reduce(np.where(inside, bits, np.uint64(0)), axis=-1)
-
-
-def shared_experts(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """``|A & B|`` for every pair of top-k expert sets (last axis), via bitmasks and popcount."""
-    if a.size == 0:
-        return np.zeros(a.shape[:-1], dtype=np.int64)
-    words = (int(max(a.max(), b.max())) + 64) // 64
-    out = np.zeros(a.shape[:-1], dtype=np.int64)
-    for w in range(words):
-        out += np.bitwise_count(_expert_bits(a, w) & _expert_bits(b, w))
-    return out
-
-
-class RoutingComparison(NamedTuple):
-    same: np.ndarray  # bool [tokens, layers]: the same expert set on both sides
-    shared: np.ndarray  # int [tokens, layers]: experts in common
-
-
-def compare_routing(
-    experts_infer: np.ndarray, experts_train: np.ndarray, n_layers: int, top_k: int
-) -> RoutingComparison:
-    """Per token and layer: same expert set?, and how many experts in common (sorted ids in)."""
-    shape = (len(experts_infer), n_layers, top_k)
-    ei, et = np.asarray(experts_infer).reshape(shape), np.asarray(experts_train).reshape(shape)
-    same = (ei == et).all(axis=-1)
-    shared = np.full(same.shape, top_k, dtype=np.int64)
-    differ = ~same  # usually a few percent of rows: only those need the set intersection
-    if differ.any():
-        shared[differ] = shared_experts(ei[differ], et[differ])
-    return RoutingComparison(same, shared)
-
-
-@dataclass
-class RoutingAccumulator:
-    """Per-layer agreement of the top-k expert sets behind each model token, engine vs reference.
-
-    Fed per-token comparisons (:func:`compare_routing`). A token "flips" when any layer sends it
-    to a different set of experts; the result splits the mismatch between flipped and agreeing
-    tokens, which is where MoE mismatch usually hides.
-    """
-
-    n_layers: int
-    top_k: int
-
-    def __post_init__(self) -> None:
-        self._n = 0
-        self._same = np.zeros(self.n_layers, dtype=np.int64)
-        self._overlap = np.zeros(self.n_layers, dtype=np.int64)
-        self._differing_hist = np.zeros(self.n_layers + 1, dtype=np.int64)
-        self._groups = {
-            g: {"n": 0, "abs_delta": 0.0, "prob_diff": 0.0, "k3": 0.0, "prob_diff_max": -math.inf}
-            for g in ("flipped", "agreed")
-        }
-
-    def add(
-        self,
-        comparison: RoutingComparison,
-        logp_train: np.ndarray | None = None,
-        logp_infer: np.ndarray | None = None,
-        terms: TokenTerms | None = None,
-        keep: np.ndarray | None = None,
-    ) -> None:
-        """Add the comparisons of some tokens, with their log-probs or their :func:`token_terms`;
-        ``keep`` (a mask) takes only some of them, without copying the terms it does not use."""
-        if terms is None:
-            if logp_train is None or logp_infer is None:
-                raise ValueError("RoutingAccumulator.add needs the log-probs or their token terms")
-            terms = token_terms(logp_train, logp_infer)
-        same, shared = comparison
-        abs_delta, prob_diff, k3 = terms.abs_delta, terms.prob_diff, terms.k3
-        if keep is not None:
-            same, shared = same[keep], shared[keep]
-            abs_delta, prob_diff, k3 = abs_delta[keep], prob_diff[keep], k3[keep]
-        n = len(abs_delta)
-        if n == 0:
-            return
-        self._n += n
-        self._same += same.sum(axis=0)
-        self._overlap += shared.sum(axis=0)
-        self._differing_hist += np.bincount(self.n_layers - same.sum(axis=-1), minlength=self.n_layers + 1)
-        flipped = ~same.all(axis=-1)
-        with np.errstate(invalid="ignore", over="ignore"):
-            for name, sel in (("flipped", flipped), ("agreed", ~flipped)):
-                g = self._groups[name]
-                if sel.any():
-                    g["n"] += int(sel.sum())
-                    g["abs_delta"] += float(abs_delta[sel].sum())
-                    g["prob_diff"] += float(prob_diff[sel].sum())
-                    g["k3"] += float(k3[sel].sum())
-                    g["prob_diff_max"] = max(g["prob_diff_max"], float(prob_diff[sel].max()))
-
-    def result(self, moe_layers: list[int] | None = None) -> dict:
-        n = self._n
-        groups: dict[str, dict[str, Any]] = {}
-        for name, g in self._groups.items():
-            groups[name] = {"n_tokens": g["n"]} | (
-                {
-                    "abs_delta_mean": g["abs_delta"] / g["n"],
-                    "prob_diff_mean": g["prob_diff"] / g["n"],
-                    "prob_diff_max": g["prob_diff_max"],
-                    "k3_mean": g["k3"] / g["n"],
-                }
-                if g["n"]
-                else {"abs_delta_mean": None, "prob_diff_mean": None, "prob_diff_max": None, "k3_mean": None}
-            )
-        return {
-            "moe_layers": list(moe_layers) if moe_layers is not None else list(range(self.n_layers)),
-            "top_k": self.top_k,
-            "n_tokens": n,
-            "set_agreement_by_layer": (self._same / n).tolist() if n else None,
-            "overlap_by_layer": (self._overlap / (n * self.top_k)).tolist() if n else None,
-            "set_agreement_mean": float((self._same / n).mean()) if n else None,
-            "tokens_with_flip_share": groups["flipped"]["n_tokens"] / n if n else None,
-            "layers_differing_histogram": self._differing_hist.tolist(),
-            "flipped": groups["flipped"],
-            "agreed": groups["agreed"],
-        }
-
-
-# what a ReplayAccumulator sums per group of tokens
-REPLAY_SUMS = ("n", "k3_free", "k3_replayed", "prob_diff_free", "prob_diff_replayed")
-
-
-@dataclass
-class ReplayAccumulator:
-    """The routing replay (R3) what-if: the engine against the reference routing freely, and
-    against the reference with the routing behind each token forced to the engine's experts, over
-    the same model tokens. What routing replay in the trainer would leave of the mismatch: K3 and
-    mean |p_train - p_infer| of each, for all tokens and for those whose routing flipped."""
-
-    def __post_init__(self) -> None:
-        self._sums = {g: dict.fromkeys(REPLAY_SUMS, 0.0) for g in ("all", "flipped")}
-
-    def add(
-        self, free: TokenTerms, replayed: TokenTerms, flipped: np.ndarray | None = None, keep: np.ndarray | None = None
-    ) -> None:
-        """Tokens' :func:`token_terms` with free and with replayed routing (the same tokens, in
-        order); ``flipped``: tokens whose routing differs in any layer; ``keep``: a mask of the
-        tokens to take."""
-        if flipped is None:
-            flipped = np.zeros(len(free.k3), dtype=bool)
-        columns = (free.k3, replayed.k3, free.prob_diff, replayed.prob_diff)
-        if keep is not None:
-            columns, flipped = tuple(c[keep] for c in columns), flipped[keep]
-        for name, sel in (("all", None), ("flipped", flipped)):
-            sums = self._sums[name]
-            sums["n"] += len(columns[0]) if sel is None else int(sel.sum())
-            for key, column in zip(REPLAY_SUMS[1:], columns):
-                sums[key] += float(column.sum() if sel is None else column[sel].sum())
-
-    @property
-    def n_tokens(self) -> int:
-        return int(self._sums["all"]["n"])
-
-    def result(self) -> dict:
-        """``n_tokens``, ``k3_free`` and ``k3_replayed`` (means), ``gap_closed_share`` (the share
-        of the free K3 that replay removes: 1 - replayed / free; None when free is 0), ``prob_diff_mean_free``
-        / ``_replayed``, and the same for the tokens whose routing flipped (``flipped``)."""
-        return replay_result(self._sums["all"]) | {"flipped": replay_result(self._sums["flipped"])}
-
-
-def replay_result(sums: dict[str, float]) -> dict:
-    """Means of a :class:`ReplayAccumulator`'s sums (None without tokens)."""
-    n = int(sums["n"])
-    if not n:
-        return {"n_tokens": 0} | dict.fromkeys(
-            ("k3_free", "k3_replayed", "gap_closed_share", "prob_diff_mean_free", "prob_diff_mean_replayed")
-        )
-    free, replayed = sums["k3_free"] / n, sums["k3_replayed"] / n
-    return {
-        "n_tokens": n,
-        "k3_free": free,
-        "k3_replayed": replayed,
-        "gap_closed_share": 1.0 - replayed / free if free > 0 else None,
-        "prob_diff_mean_free": sums["prob_diff_free"] / n,
-        "prob_diff_mean_replayed": sums["prob_diff_replayed"] / n,
-    }
-
-
 def compute_metrics(
     logp_train: np.ndarray,
     logp_infer: np.ndarray,
@@ -1095,25 +780,13 @@ __all__ = [
     "CORRECTION_KEYS",
     "GROUP_TURNS",
     "KEPT_K3",
+    "METRIC_KEYS",
     "CorrectionThresholds",
     "MetricsAccumulator",
     "Moments",
-    "ReplayAccumulator",
-    "RoutingAccumulator",
-    "RoutingComparison",
-    "SequenceTerms",
     "ShardTerms",
     "TokenStats",
-    "TokenTerms",
-    "bucket_index",
     "cell_stats",
-    "check_logprobs",
-    "compare_routing",
     "compute_metrics",
-    "quantiles",
-    "segment_starts",
     "self_normalized_chi2",
-    "sequence_terms",
-    "shared_experts",
-    "token_terms",
 ]

@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from mismatch_probe.analysis.metrics import GROUP_TURNS, MetricsAccumulator, SequenceTerms, ShardTerms
+from mismatch_probe.analysis.metrics import GROUP_TURNS, MetricsAccumulator, ShardTerms
+from mismatch_probe.analysis.terms import SequenceTerms
 
 SEQUENCE_GROUPS = ("all", "first", "later")
 

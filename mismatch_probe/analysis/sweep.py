@@ -136,6 +136,14 @@ def cost(
     return out
 
 
+def point_value(point: Mapping[str, Any], section: str, key: str) -> Any:
+    """A sweep point's value in one of its sections (``metrics``, ``delta_vs_baseline``: a
+    :class:`~mismatch_probe.sweep_record.SweepPointRecord` as a mapping); None when either is absent
+    (a refused point has neither)."""
+    values = point.get(section)
+    return values.get(key) if isinstance(values, Mapping) else None
+
+
 def recommend(points: Sequence[Mapping[str, Any]], metric: str = "k3_kl") -> dict[str, Any]:
     """Which change to make, from points with ``name``, ``status``, ``gate`` (``"PASS"``, ``"WARN"``,
     ``"FAIL"``, ...), ``cost`` (fraction of throughput lost; None unknown), ``settings`` and
@@ -170,7 +178,7 @@ def recommend(points: Sequence[Mapping[str, Any]], metric: str = "k3_kl") -> dic
 
     def order(p: Mapping[str, Any]) -> tuple[float, float]:
         c = p.get("cost")
-        value = (p.get("metrics") or {}).get(metric)
+        value = point_value(p, "metrics", metric)
         return (
             math.inf if c is None else float(c),
             math.inf if not isinstance(value, int | float) else float(value),
@@ -199,7 +207,7 @@ def attribution(points: Sequence[Mapping[str, Any]], metric: str = "k3_kl") -> l
     ratio interval and whether it is within noise; points without the metric are left out."""
     rows = []
     for p in points:
-        effect = (p.get("delta_vs_baseline") or {}).get(metric)
+        effect = point_value(p, "delta_vs_baseline", metric)
         if effect is None:
             continue
         ratio = effect["ratio"][0]

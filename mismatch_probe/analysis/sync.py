@@ -19,6 +19,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from mismatch_probe.record import StaleCache, SyncRepeat
+
 FINDING_KINDS = {
     "not_updated": "a parameter kept the weights the engine started from",
     "untied_lm_head": "the engine's LM head is a tensor of its own that the sync did not update",
@@ -204,8 +206,8 @@ def stale_beyond_floor(stale: dict) -> bool:
     """Whether a stale cache moved the greedy answers beyond kernel noise: by at least
     :data:`STALE_MIN_ABS`, and :data:`STALE_FLOOR_FACTOR` times what a cache hit alone moves them
     on this engine and machine (``floor``; absent in runs made before it was measured)."""
-    moved = stale.get("max_abs_dlogp") or 0.0
-    floor = (stale.get("floor") or {}).get("max_abs_dlogp") or 0.0
+    cache = StaleCache.model_validate(stale)
+    moved, floor = cache.max_abs_dlogp or 0.0, cache.floor.get("max_abs_dlogp") or 0.0
     return moved >= STALE_MIN_ABS and moved > STALE_FLOOR_FACTOR * floor
 
 
@@ -273,7 +275,7 @@ def sync_findings(repeats: list[dict], stale: dict | None, rollouts: dict | None
                 )
             )
     if stale is not None and stale_beyond_floor(stale):
-        floor = (stale.get("floor") or {}).get("max_abs_dlogp")
+        floor = StaleCache.model_validate(stale).floor.get("max_abs_dlogp")
         out.append(
             finding(
                 "stale_prefix_cache",
@@ -284,8 +286,9 @@ def sync_findings(repeats: list[dict], stale: dict | None, rollouts: dict | None
                 + ": reset the prefix cache after every weight update",
             )
         )
-    differing = [(r.get("weights") or {}).get("differing") for r in repeats]
-    fidelity = [(r.get("fidelity") or {}).get("max_abs_dlogp") for r in repeats]
+    syncs = [SyncRepeat.model_validate(r) for r in repeats]
+    differing = [r.weights.get("differing") for r in syncs]
+    fidelity = [r.fidelity.get("max_abs_dlogp") for r in syncs]
     changed = [
         r["repeat"]
         for r, d, f in zip(repeats[1:], differing[1:], fidelity[1:])

@@ -22,11 +22,9 @@ from mismatch_probe.analysis.metrics import (
     METRIC_KEYS,
     CorrectionThresholds,
     MetricsAccumulator,
-    RoutingAccumulator,
-    SequenceTerms,
-    compare_routing,
-    segment_starts,
 )
+from mismatch_probe.analysis.routing_agreement import RoutingAccumulator, compare_routing
+from mismatch_probe.analysis.terms import SequenceTerms, segment_starts
 
 STEP_GROUPS = ("all", *GROUP_TURNS)  # all model tokens; the first assistant turn; the later ones
 # the metrics whose per-step bootstrap interval is kept: the ones the drift test and the page read

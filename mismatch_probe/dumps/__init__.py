@@ -35,6 +35,11 @@ class DumpFormat:
     trainer_logprobs: str
 
 
+# The settings an imported run records as sampled with (run.json's imported_from.settings_from, in
+# this order): `import`'s flag (the spec's own), else the dump's value (DumpReader.settings), else the
+# format's engine and engine_logprobs, else the setting's default.
+SAMPLED_SETTINGS = ("sampling.temperature", "sampling.top_p", "sampling.top_k", "engine.name", "engine.logprobs_mode")
+
 FORMATS: dict[str, DumpFormat] = {
     f.name: f
     for f in (

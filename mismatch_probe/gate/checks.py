@@ -12,16 +12,14 @@ from __future__ import annotations
 import math
 import operator
 import re
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 from mismatch_probe.config.keys import closest
 from mismatch_probe.config.thresholds import OPS as CHECK_OPS
 from mismatch_probe.config.thresholds import SYNC_VALUES, load_thresholds
 from mismatch_probe.numbers import significant
-from mismatch_probe.record import RunRecord, read_record
+from mismatch_probe.record import RunRecord, SyncInfo, read_record
 
 OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge, "==": operator.eq}
 assert tuple(OPS) == CHECK_OPS
@@ -41,7 +39,7 @@ def metric_paths() -> set[str]:
     paths |= {f"corrections_by_turn.{g}.{k}" for g in ("first", "later") for k in corrections}
     paths |= {"routing.tokens_with_flip_share", "tokenization_check.n_differing"}
     paths |= {"server_template_check.share_differing", "server_template_check.n_differing"}
-    # the routing replay (R3) what-if (analysis/metrics.py: ReplayAccumulator)
+    # the routing replay (R3) what-if (analysis/routing_replay.py: ReplayAccumulator)
     paths |= {f"routing.replay.{k}" for k in ("k3_free", "k3_replayed", "gap_closed_share")}
     return paths
 
@@ -59,31 +57,30 @@ def resolve_metric(name: str) -> str:
 SYNC_FIDELITY = {"sync_fidelity_max_abs": "max_abs_dlogp", "sync_fidelity_k3": "k3"}
 
 
-def sync_value(name: str, sync: Mapping[str, Any] | None) -> tuple[float | None, str]:
-    """A value of :data:`SYNC_VALUES` from run.json's ``sync`` section, or None and why it is
-    missing (the check then fails closed). A NaN in any sync is the value (it fails closed too)."""
+def sync_value(name: str, sync: SyncInfo | None) -> tuple[float | None, str]:
+    """A value of :data:`SYNC_VALUES` from run.json's ``sync`` section (:meth:`RunRecord.sync_info`),
+    or None and why it is missing (the check then fails closed). A NaN in any sync is the value (it
+    fails closed too)."""
     if sync is None:
         return None, "the run has no sync section (it did not probe the weight sync)"
     if name == "sync_findings":
-        findings = sync.get("findings")
-        if not isinstance(findings, list):
+        if sync.findings is None:
             return None, "its sync section lists no findings"
-        return float(len(findings)), ""
+        return float(len(sync.findings)), ""
     if name == "sync_stale_cache_k3":
-        stale = sync.get("stale_cache")
-        if not isinstance(stale, Mapping):
+        if sync.stale_cache is None:
             return None, "the run did not measure a stale prefix cache (sync.stale_cache is null)"
-        value = _number(stale.get("k3"))
+        value = _number(sync.stale_cache.k3)
         return value, "" if value is not None else "sync.stale_cache has no k3"
     key = SYNC_FIDELITY[name]
-    repeats = sync.get("repeats") or []
-    if not repeats:
+    if not sync.repeats:
         return None, "its sync section has no syncs (repeats)"
     values = []
-    for k, r in enumerate(repeats):
-        value = _number((r.get("fidelity") or {}).get(key))
+    for k, r in enumerate(sync.repeats):
+        value = _number(r.fidelity.get(key))
         if value is None:
-            return None, f"sync {r.get('repeat', k + 1)} has no fidelity.{key} (its log-probs were not compared)"
+            repeat = r.repeat if r.repeat is not None else k + 1
+            return None, f"sync {repeat} has no fidelity.{key} (its log-probs were not compared)"
         values.append(value)
     return next((v for v in values if math.isnan(v)), max(values)), ""
 
@@ -115,6 +112,37 @@ class Check:
             base = "baseline" if baseline_value is None else f"baseline {significant(baseline_value)}"
             return f"{self.op} {self.baseline_factor:g} x {base}"
         return f"{self.op} {self.threshold:g}"
+
+    def result(
+        self,
+        status: str,
+        message: str,
+        value: float | None = None,
+        bound: str | None = None,
+        *,
+        threshold: float | None = None,
+        baseline_value: float | None = None,
+        name: str | None = None,
+    ) -> CheckResult:
+        """This check's result (``name``: a timeline's ``check @ step N``; ``bound``: the check's own
+        wording unless given)."""
+        return CheckResult(
+            name=self.name if name is None else name,
+            status=status,
+            value=value,
+            bound=self.describe_bound() if bound is None else bound,
+            message=message,
+            severity=self.severity,
+            metric=self.describe_value(),
+            description=self.description,
+            source=self.source,
+            threshold=threshold,
+            baseline_value=baseline_value,
+        )
+
+    def no_baseline(self, message: str, value: float | None, baseline_value: float | None = None) -> CheckResult:
+        """A growth or baseline check with no finite baseline value: it fails closed."""
+        return self.result("FAIL", message, value, self.describe_bound(baseline_value), baseline_value=baseline_value)
 
 
 @dataclass
@@ -249,7 +277,7 @@ def _number(value) -> float | None:
 def sequence_statistic(values, statistic: str, above: float | None) -> float | None:
     import numpy as np
 
-    from mismatch_probe.analysis.metrics import quantiles
+    from mismatch_probe.analysis.terms import quantiles
 
     values = np.asarray(values, dtype=np.float64)
     if not len(values):
@@ -277,7 +305,7 @@ def sequence_values(run_dir: str | Path) -> dict[str, dict]:
 def _value(check: Check, record: RunRecord, run_dir: Path | None, cache: dict):
     """(value, None) or (None, error message) for a check on one run."""
     if check.metric in SYNC_VALUES:
-        return sync_value(check.metric, record.sync)[0], None
+        return sync_value(check.metric, record.sync_info())[0], None
     if check.metric:
         return _number(record.lookup(check.metric)), None
     if check.sequence_metric is None or check.statistic is None:  # CheckSpec validation gives both
@@ -296,18 +324,37 @@ def _value(check: Check, record: RunRecord, run_dir: Path | None, cache: dict):
     return sequence_statistic(seqs[check.turns][check.sequence_metric], check.statistic, check.above), None
 
 
-def compare(check: Check, value: float, bound: float) -> tuple[str, str]:
-    """(status, message) of a finite value against its bound: PASS, else WARN or FAIL by severity."""
+def judge(
+    check: Check,
+    value: float | None,
+    bound: float | None,
+    *,
+    baseline_value: float | None = None,
+    shown_bound: str | None = None,
+    name: str | None = None,
+    why: str = "",
+) -> CheckResult:
+    """The gate's one judgement of a check's value against its bound, for a run and for each step of
+    a timeline: PASS when the bound holds, else WARN or FAIL by severity; FAIL for a missing, NaN or
+    infinite value (the gate fails closed; ``why`` says why it is missing, where the gate can say).
+    ``shown_bound`` is how the result states the bound (default: the check's own wording)."""
+    shown = check.describe_bound(baseline_value) if shown_bound is None else shown_bound
+    if value is None or not math.isfinite(value):
+        message = f"value is {significant(value)}" + (f" ({why})" if why else "") + ": the gate fails closed"
+        return check.result("FAIL", message, value, shown, threshold=bound, baseline_value=baseline_value, name=name)
+    if bound is None:  # CheckSpec validation gives a threshold or a baseline_factor
+        return check.result("ERROR", "the check has no bound", value, "", name=name)
     ok = OPS[check.op](value, bound)
     status = "PASS" if ok else ("WARN" if check.severity == "warn" else "FAIL")
     relation = check.op if ok else f"is not {check.op}"
-    return status, f"{significant(value)} {relation} {significant(bound)}"
+    message = f"{significant(value)} {relation} {significant(bound)}"
+    return check.result(status, message, value, shown, threshold=bound, baseline_value=baseline_value, name=name)
 
 
 def _missing(check: Check, record: RunRecord) -> str:
     """Why a check's value is missing from the run, where the gate can say (else "")."""
     if check.metric in SYNC_VALUES:
-        return sync_value(check.metric, record.sync)[1]
+        return sync_value(check.metric, record.sync_info())[1]
     return ""
 
 
@@ -325,82 +372,32 @@ def evaluate(
     run_dir = Path(run_dir) if run_dir is not None else None
     baseline_dir = Path(baseline_dir) if baseline_dir is not None else None
     for c in gate.checks:
-        base: dict[str, Any] = {
-            "name": c.name,
-            "severity": c.severity,
-            "metric": c.describe_value(),
-            "description": c.description,
-            "source": c.source,
-        }
         value, problem = _value(c, record, run_dir, cache)
         if problem:
-            results.append(CheckResult(status="ERROR", value=None, bound=c.describe_bound(), message=problem, **base))
+            results.append(c.result("ERROR", problem))
             continue
         bound, baseline_value = c.threshold, None
         if c.baseline_factor is not None:
             if baseline is None:
-                results.append(
-                    CheckResult(
-                        status="ERROR",
-                        value=value,
-                        bound=c.describe_bound(),
-                        message="a baseline-relative check, but no --baseline run was given",
-                        **base,
-                    )
-                )
+                results.append(c.result("ERROR", "a baseline-relative check, but no --baseline run was given", value))
                 continue
             baseline_value, problem = _value(c, baseline, baseline_dir, cache)
             if problem:
-                results.append(
-                    CheckResult(
-                        status="ERROR", value=value, bound=c.describe_bound(), message=f"baseline: {problem}", **base
-                    )
-                )
+                results.append(c.result("ERROR", f"baseline: {problem}", value))
                 continue
             if baseline_value is None or not math.isfinite(baseline_value):
                 results.append(
-                    CheckResult(
-                        status="FAIL",
-                        value=value,
-                        bound=c.describe_bound(baseline_value),
-                        message=f"the baseline's value is {significant(baseline_value)}; nothing to compare "
-                        "against, so the check fails closed",
-                        baseline_value=baseline_value,
-                        **base,
+                    c.no_baseline(
+                        f"the baseline's value is {significant(baseline_value)}; nothing to compare against, so the "
+                        "check fails closed",
+                        value,
+                        baseline_value,
                     )
                 )
                 continue
             bound = c.baseline_factor * baseline_value
-        shown_bound = c.describe_bound(baseline_value)
-        if value is None or not math.isfinite(value):
-            why = _missing(c, record) if value is None else ""
-            results.append(
-                CheckResult(
-                    status="FAIL",
-                    value=value,
-                    bound=shown_bound,
-                    threshold=bound,
-                    baseline_value=baseline_value,
-                    message=f"value is {significant(value)}" + (f" ({why})" if why else "") + ": the gate fails closed",
-                    **base,
-                )
-            )
-            continue
-        if bound is None:  # CheckSpec validation gives a threshold or a baseline_factor
-            results.append(CheckResult(status="ERROR", value=value, bound="", message="the check has no bound", **base))
-            continue
-        status, message = compare(c, value, bound)
-        results.append(
-            CheckResult(
-                status=status,
-                value=value,
-                bound=shown_bound,
-                threshold=bound,
-                baseline_value=baseline_value,
-                message=message,
-                **base,
-            )
-        )
+        why = _missing(c, record) if value is None else ""
+        results.append(judge(c, value, bound, baseline_value=baseline_value, why=why))
     return GateResult(
         str(run_dir) if run_dir else "", str(gate.path), str(baseline_dir) if baseline_dir else None, results
     )

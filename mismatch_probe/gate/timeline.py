@@ -11,9 +11,7 @@ statistics need a step's sequences: gate a kept step's run directory for those.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -21,7 +19,7 @@ import pyarrow.compute as pc
 
 from mismatch_probe.analysis.timeline import VALUE_COLUMNS
 from mismatch_probe.config.thresholds import SYNC_VALUES
-from mismatch_probe.gate.checks import CheckResult, GateResult, GateSpec, compare, load_gate
+from mismatch_probe.gate.checks import CheckResult, GateResult, GateSpec, judge, load_gate
 from mismatch_probe.numbers import significant
 from mismatch_probe.timeline_record import STEPS_PARQUET, read_timeline
 
@@ -54,12 +52,6 @@ def run_timeline_gate(timeline_dir: str | Path, thresholds: str | Path, gate: Ga
     window = int(record.options.get("baseline_steps") or 20)
     results: list[CheckResult] = []
     for c in gate.checks:
-        base: dict[str, Any] = {
-            "severity": c.severity,
-            "metric": c.describe_value(),
-            "description": c.description,
-            "source": c.source,
-        }
         where = step_column(c.metric) if c.metric and c.metric not in SYNC_VALUES else None
         if where is None:
             why = (
@@ -68,9 +60,7 @@ def run_timeline_gate(timeline_dir: str | Path, thresholds: str | Path, gate: Ga
                 if c.sequence_metric
                 else f"{c.describe_value()} is not a per-step value of a timeline"
             )
-            results.append(
-                CheckResult(name=c.name, status="ERROR", value=None, bound=c.describe_bound(), message=why, **base)
-            )
+            results.append(c.result("ERROR", why))
             continue
         group, column = where
         rows = table.filter(pc.equal(table.column("group"), group))
@@ -84,14 +74,10 @@ def run_timeline_gate(timeline_dir: str | Path, thresholds: str | Path, gate: Ga
             baseline_value = float(np.median(early)) if len(early) else None
             if baseline_value is None:
                 results.append(
-                    CheckResult(
-                        name=c.name,
-                        status="FAIL",
-                        value=None,
-                        bound=c.describe_bound(None),
-                        message=f"no finite value of {column} in the first {window} steps: nothing to grow from, "
+                    c.no_baseline(
+                        f"no finite value of {column} in the first {window} steps: nothing to grow from, "
                         "so the check fails closed",
-                        **base,
+                        None,
                     )
                 )
                 continue
@@ -101,35 +87,10 @@ def run_timeline_gate(timeline_dir: str | Path, thresholds: str | Path, gate: Ga
             if c.baseline_factor is not None
             else c.describe_bound()
         )
-        for step, value in zip(steps.tolist(), values.tolist()):
-            name = f"{c.name} @ step {step}"
-            if value is None or not math.isfinite(value) or bound is None:
-                results.append(
-                    CheckResult(
-                        name=name,
-                        status="FAIL",
-                        value=value,
-                        bound=shown,
-                        threshold=bound,
-                        baseline_value=baseline_value,
-                        message=f"value is {significant(value)}: the gate fails closed",
-                        **base,
-                    )
-                )
-                continue
-            status, message = compare(c, value, bound)
-            results.append(
-                CheckResult(
-                    name=name,
-                    status=status,
-                    value=value,
-                    bound=shown,
-                    threshold=bound,
-                    baseline_value=baseline_value,
-                    message=message,
-                    **base,
-                )
-            )
+        results += [
+            judge(c, value, bound, baseline_value=baseline_value, shown_bound=shown, name=f"{c.name} @ step {step}")
+            for step, value in zip(steps.tolist(), values.tolist())
+        ]
     return GateResult(str(directory), str(gate.path), None, results)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from mismatch_probe.errors import ConfigError
 
@@ -66,7 +67,7 @@ def check_sync_start(start: str | Path, model_path: Path) -> Path:
         )
 
     def vocab(cfg: dict) -> object:
-        return cfg.get("vocab_size", (cfg.get("text_config") or {}).get("vocab_size"))
+        return text_setting(cfg, "vocab_size")
 
     if vocab(mine) != vocab(theirs):
         raise ConfigError(
@@ -177,6 +178,13 @@ def read_config(path: Path) -> dict:
         return json.loads((path / "config.json").read_text())
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path / 'config.json'} is not valid JSON ({exc})") from None
+
+
+def text_setting(config: dict, key: str) -> Any:
+    """A language model's setting from its config.json (``vocab_size``, ``num_hidden_layers``): at the
+    top, or in ``text_config`` where a multimodal checkpoint keeps its text model's; None when absent."""
+    value, text = config.get(key), config.get("text_config")
+    return value if value is not None or not isinstance(text, dict) else text.get(key)
 
 
 def checkpoint_dtype(path: Path) -> str:

@@ -98,13 +98,15 @@ def score(
     *,
     out: str | Path | None = None,
     overrides: dict[str, Any] | None = None,
+    settings: dict[str, Any] | None = None,
     model: str | Path | None = None,
     progress: Progress | None = None,
     overwrite: bool = False,
 ) -> RunContext:
     """``mismatch-probe score``: the reference, on a sampled run. With ``out``, a new run directory
-    that links ``run_dir``'s rollouts and scores them with ``overrides`` of its ``[reference]`` and
-    ``[corrections]``; without, the missing token shards of ``run_dir`` itself.
+    that links ``run_dir``'s rollouts and scores them with other ``[reference]`` and ``[corrections]``
+    settings: ``overrides`` (the flags; an error names the flag), then ``settings`` (``--set``);
+    without, the missing token shards of ``run_dir`` itself.
 
     Under torchrun every rank calls this: the ranks join torchrun's process group and score as
     data-parallel groups (:mod:`mismatch_probe.reference.data_parallel`); rank 0 alone writes the record."""
@@ -114,7 +116,8 @@ def score(
     source = open_run(run_dir, progress=progress, model=model)
     require_shards(source, ROLLOUTS_DIR, "rollout", f"mismatch-probe sample (its spec, --out {run_dir})")
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
-    bad = [k for k in overrides if k.partition(".")[0] not in ("reference", "corrections")]
+    settings = {k: v for k, v in (settings or {}).items() if v is not None}
+    bad = [k for k in {**overrides, **settings} if k.partition(".")[0] not in ("reference", "corrections")]
     if bad:
         raise ConfigError(
             f"score sets {', '.join(bad)}: only [reference] and [corrections] settings score the same rollouts",
@@ -122,13 +125,14 @@ def score(
         )
     spec = source.spec
     if out is not None:
-        spec = apply_overrides(source.spec, overrides, named_by="set")
+        spec = apply_overrides(source.spec, overrides)
+        spec = apply_overrides(spec, settings, named_by="set")
         spec = spec.model_copy(update={"out": str(out), "name": None}).normalized()
         if launch is None and spec.reference.sequence_parallel_size * spec.reference.tensor_parallel_size > 1:
             from mismatch_probe.reference.distributed import check_reference_layout
 
             check_reference_layout(source.model_path, spec.reference, trust_remote_code=spec.trust_remote_code)
-    elif overrides:
+    elif overrides or settings:
         raise ConfigError(
             "other reference settings score into a new run directory, next to this one",
             hint=f"add --out NEW_DIR (it links the rollouts of {run_dir})",

@@ -247,7 +247,7 @@ def create_run(
         shards=shards,
         t_start=time.perf_counter() if t_start is None else t_start,
         resuming=previous is not None,
-        earlier_rollouts_from=(previous.rollouts_from or {}).get("run") if previous is not None else None,
+        earlier_rollouts_from=previous.rollouts_source().run if previous is not None else None,
     )
     ctx.save()
     return ctx

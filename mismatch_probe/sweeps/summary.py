@@ -53,7 +53,7 @@ def _columns(run_dir: Path) -> dict:
 def _share_done(record: RunRecord, key: str) -> float:
     """The share of a run's shards its last invocation produced (its timings cover only those)."""
     total = (record.inputs.n_shards if record.inputs is not None else None) or 1
-    reused = (record.resumed or {}).get(key, 0)
+    reused = record.reused_shards(key)
     return max(total - reused, 0) / total
 
 
@@ -202,7 +202,7 @@ def summarize(sweep: SweepRun) -> SweepRecord:
     dumped = [p.model_dump() for p in point_records]
     recommendation: dict[str, Any]
     if sweep.gate is not None and base_record is not None:
-        candidates = [{**p, "cost": (p.get("cost") or {}).get("cost")} for p in dumped]
+        candidates = [{**p, "cost": p["cost"].get("cost")} for p in dumped]  # SweepPointRecord.cost: a mapping
         recommendation = recommend(candidates) | {"gate": gate_file}
         if recommendation.get("point"):
             chosen = next(p for p in dumped if p["name"] == recommendation["point"])

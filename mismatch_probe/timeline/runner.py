@@ -166,10 +166,9 @@ def _check(opts: TimelineOptions) -> None:
 def _source(opts: TimelineOptions) -> DumpSource:
     vocab = NO_VOCABULARY
     if opts.model is not None:
-        from mismatch_probe.modeling.loading import check_model_dir, read_config
+        from mismatch_probe.modeling.loading import check_model_dir, read_config, text_setting
 
-        config = read_config(check_model_dir(opts.model))
-        vocab = int(config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size") or NO_VOCABULARY)
+        vocab = int(text_setting(read_config(check_model_dir(opts.model)), "vocab_size") or NO_VOCABULARY)
     return DumpSource(
         format=opts.format,
         path=str(Path(opts.source).resolve()),

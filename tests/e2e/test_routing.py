@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import DENSE, MOE, SINGLE_TURN
 
-from mismatch_probe.analysis.metrics import RoutingAccumulator, compare_routing
+from mismatch_probe.analysis.routing_agreement import RoutingAccumulator, compare_routing
 from mismatch_probe.config.spec import EngineSpec, ReferenceSpec, SamplingSpec
 from mismatch_probe.engines import GenerationRequest, load_engine
 from mismatch_probe.modeling.loading import load_tokenizer, stop_token_ids
@@ -103,7 +103,7 @@ def test_engine_routing_matches_router_logits():
 
 
 def test_shared_experts_against_python_sets():
-    from mismatch_probe.analysis.metrics import shared_experts
+    from mismatch_probe.analysis.routing_agreement import shared_experts
 
     rng = np.random.default_rng(1)
     a = np.sort(np.stack([rng.choice(200, 8, replace=False) for _ in range(300)]), -1).reshape(50, 6, 8)

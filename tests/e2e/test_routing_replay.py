@@ -14,7 +14,7 @@ import torch
 from conftest import MOE, SINGLE_TURN, cli
 from reference_checks import RAW, make_rollouts
 
-from mismatch_probe.analysis.metrics import token_terms
+from mismatch_probe.analysis.terms import token_terms
 from mismatch_probe.config.spec import ReferenceSpec
 from mismatch_probe.errors import DataError
 from mismatch_probe.modeling.routing import ForcedRouting

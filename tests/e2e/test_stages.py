@@ -52,14 +52,24 @@ def test_sample_score_analyze_is_exactly_compare(staged):
     assert (run / "report.html").is_file() and (run / "sequences.parquet").is_file()
 
 
-def test_score_out_rescores_the_same_rollouts_with_another_reference(staged, tmp_path):
+# the same setting as --set, or as its flag (score's [reference] / [corrections] flags are the spec's)
+@pytest.mark.parametrize(
+    "setting",
+    [("--set", "reference.dtype=bfloat16"), ("--train-dtype", "bfloat16", "--token-tis", "3")],
+    ids=["set", "flags"],
+)
+def test_score_out_rescores_the_same_rollouts_with_another_reference(staged, tmp_path, setting):
     _, run = staged
     other = tmp_path / "bf16"
-    result = cli("score", str(run), "--out", str(other), "--set", "reference.dtype=bfloat16")
+    result = cli("score", str(run), "--out", str(other), *setting)
     assert result.returncode == 0, result.stderr[-2000:]
     assert cli("analyze", str(other)).returncode == 0
     rec = json.loads((other / "run.json").read_text())
     assert rec["spec"]["reference"]["dtype"] == "bfloat16" and rec["reference"]["dtype"] == "bfloat16"
+    if "--token-tis" in setting:
+        assert rec["spec"]["corrections"]["token_tis"] == 3 and rec["corrections"]["thresholds"][
+            "token_tis_clipped_share"
+        ] == {"ratio_above": 3}
     assert rec["rollouts_from"]["run"] == relative_to_dir(run, other)
     a, b = token_rows(run, model_only=True), token_rows(other, model_only=True)
     assert np.array_equal(a.column("token_id").to_numpy(), b.column("token_id").to_numpy())
@@ -75,6 +85,8 @@ def test_score_out_rescores_the_same_rollouts_with_another_reference(staged, tmp
     ("args", "message"),
     [
         (("--set", "reference.dtype=bfloat16"), "add --out NEW_DIR"),
+        (("--train-dtype", "bfloat16"), "add --out NEW_DIR"),
+        (("--out", "X", "--train-dtype", "fp33"), "--train-dtype must be one of float32, bfloat16"),
         (("--out", "X", "--set", "engine.dtype=float32"), "only [reference] and [corrections]"),
         (("--out", "X", "--set", "reference.dtype"), "is not KEY=VALUE"),
         (("--out", "X", "--set", "reference.dtype=fp33"), "--set reference.dtype must be one of float32, bfloat16"),

@@ -21,7 +21,7 @@ from engine_families import run_families
 from model_support import Differs, Refused
 from tiny_models import FAMILIES
 
-from mismatch_probe.analysis.metrics import token_terms
+from mismatch_probe.analysis.terms import token_terms
 from mismatch_probe.config.spec import ReferenceSpec
 from mismatch_probe.modeling.logprobs import LogprobSemantics
 from mismatch_probe.reference.scorer import ReferenceScorer

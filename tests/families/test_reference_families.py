@@ -24,7 +24,8 @@ from model_support import Refused
 from reference_checks import independent, make_rollouts
 from tiny_models import FAMILIES
 
-from mismatch_probe.analysis.metrics import RoutingAccumulator, compare_routing, token_terms
+from mismatch_probe.analysis.routing_agreement import RoutingAccumulator, compare_routing
+from mismatch_probe.analysis.terms import token_terms
 from mismatch_probe.config.spec import EngineSpec, ReferenceSpec, SamplingSpec
 from mismatch_probe.engines import GenerationRequest, ScoreRequest, load_engine
 from mismatch_probe.engines.hf import HFEngine

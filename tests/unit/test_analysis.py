@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from mismatch_probe.analysis.analyze import analyze
-from mismatch_probe.analysis.metrics import CANONICAL_KEYS, compute_metrics, segment_starts
+from mismatch_probe.analysis.metrics import CANONICAL_KEYS, compute_metrics
+from mismatch_probe.analysis.terms import segment_starts
 from mismatch_probe.record import json_safe
 from mismatch_probe.table.tokens import TOKENS_DIR, Rollout, shard_name, token_table, write_table_atomic
 

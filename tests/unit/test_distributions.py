@@ -22,8 +22,9 @@ from mismatch_probe.analysis.distributions import (
     with_sequences,
     worst_sequences,
 )
-from mismatch_probe.analysis.metrics import MetricsAccumulator, segment_starts
+from mismatch_probe.analysis.metrics import MetricsAccumulator
 from mismatch_probe.analysis.sequences import SCHEMA, SequenceIds, sequence_table
+from mismatch_probe.analysis.terms import segment_starts
 from mismatch_probe.table.tokens import TOKEN_SCHEMA, TOKENS_DIR, shard_name, write_table_atomic
 
 

@@ -94,8 +94,11 @@ def test_import_in_process_writes_a_run_and_refuses_bad_input(tmp_path):
     args = [*generic, "--out", str(tmp_path / "x")]
     bad = runner.invoke(app, [*args, "--trainer-logprobs", "logits"])
     assert bad.exit_code == 2 and "--trainer-logprobs 'logits': choose one of raw, temperature, processed" in bad.output
-    bad = runner.invoke(app, [*args, "--engine-logprobs", "sampled"])
-    assert bad.exit_code == 2 and "--engine-logprobs must be one of raw, processed, got 'sampled'" in bad.output
+    for flag in ("--logprobs-mode", "--engine-logprobs"):  # the spec's flag, and import's spelling of it
+        bad = runner.invoke(app, [*args, flag, "sampled"])
+        assert bad.exit_code == 2 and "--logprobs-mode must be one of raw, processed, got 'sampled'" in bad.output
+    bad = runner.invoke(app, [*args, "--train-dtype", "int3"])  # a [reference] flag, from the spec's declaration
+    assert bad.exit_code == 2 and "--train-dtype must be one of" in bad.output
     assert not (tmp_path / "x").exists()
 
 
@@ -105,7 +108,7 @@ def test_a_trainer_that_scores_another_distribution_is_said(tmp_path):
     from mismatch_probe.importing import ImportOptions, import_dump
     from mismatch_probe.report.labels import notes
 
-    options = ImportOptions(trust_pickle=True, temperature=0.8, top_p=0.9)
+    options = ImportOptions(trust_pickle=True, flags={"sampling.temperature": 0.8, "sampling.top_p": 0.9})
     ctx = import_dump("verl", DUMPS / "verl", model=MODEL, out=tmp_path / "run", options=options)
     sem = ctx.record.logprob_semantics
     assert sem.engine.distribution == "log_softmax(top_p(logits / temperature))"

@@ -14,8 +14,9 @@ from mismatch_probe.analysis.intervals import (
     evaluate,
     paired_intervals,
 )
-from mismatch_probe.analysis.metrics import MetricsAccumulator, segment_starts
+from mismatch_probe.analysis.metrics import MetricsAccumulator
 from mismatch_probe.analysis.sequences import SequenceIds, group_columns, sequence_table
+from mismatch_probe.analysis.terms import segment_starts
 
 
 def tokens(seed: int, n_seq: int = 40, zero_prob: bool = False):

@@ -10,13 +10,8 @@ import numpy as np
 import pytest
 
 from mismatch_probe.analysis.distributions import LENGTH_EDGES, LOG_RATIO_EDGES, MISMATCH_LOG_EDGES, bin_index
-from mismatch_probe.analysis.metrics import (
-    P_INFER_BUCKET_EDGES,
-    POSITION_BUCKET_EDGES,
-    MetricsAccumulator,
-    bucket_index,
-    segment_starts,
-)
+from mismatch_probe.analysis.metrics import P_INFER_BUCKET_EDGES, POSITION_BUCKET_EDGES, MetricsAccumulator
+from mismatch_probe.analysis.terms import bucket_index, segment_starts
 
 
 # exact today (order statistics, counts, maxima, per-sequence values); the rest are sums whose

@@ -18,8 +18,8 @@ from mismatch_probe.analysis.metrics import (
     CorrectionThresholds,
     MetricsAccumulator,
     compute_metrics,
-    segment_starts,
 )
+from mismatch_probe.analysis.terms import segment_starts
 from mismatch_probe.errors import DataError
 
 

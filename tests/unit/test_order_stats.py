@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mismatch_probe.analysis import order_stats
-from mismatch_probe.analysis.metrics import QUANTILES, quantiles
+from mismatch_probe.analysis.metrics import QUANTILES
 from mismatch_probe.analysis.order_stats import (
     float32_bits,
     linear_ranks,
@@ -16,6 +16,7 @@ from mismatch_probe.analysis.order_stats import (
     order_statistics,
     quantiles_from_bits,
 )
+from mismatch_probe.analysis.terms import quantiles
 
 
 def _values(kind: int, n: int, rng: np.random.Generator) -> np.ndarray:

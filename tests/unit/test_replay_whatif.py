@@ -1,5 +1,5 @@
 """The routing replay (R3) what-if without a model: its sums against float64
-(``analysis/metrics.py: ReplayAccumulator``), how the report shows it (or why it was not run), and
+(``analysis/routing_replay.py: ReplayAccumulator``), how the report shows it (or why it was not run), and
 when the score stage asks the reference for it."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from conftest import MOE
 
-from mismatch_probe.analysis.metrics import ReplayAccumulator, token_terms
+from mismatch_probe.analysis.routing_replay import ReplayAccumulator
+from mismatch_probe.analysis.terms import token_terms
 from mismatch_probe.record import RunRecord
 from mismatch_probe.report.run_view import routing_tables
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from mismatch_probe.analysis.intervals import unpaired_intervals
-from mismatch_probe.analysis.metrics import MetricsAccumulator, segment_starts
+from mismatch_probe.analysis.metrics import MetricsAccumulator
 from mismatch_probe.analysis.sequences import SequenceIds, group_columns, sequence_table
 from mismatch_probe.analysis.sweep import (
     COST_RESOLUTION,
@@ -21,6 +21,7 @@ from mismatch_probe.analysis.sweep import (
     noise_floor,
     recommend,
 )
+from mismatch_probe.analysis.terms import segment_starts
 
 
 def run_columns(sample, lt, li):
