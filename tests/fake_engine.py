@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from mismatch_probe.engines import Completion
+from mismatch_probe.engines import NOTHING_OPTIONAL, Completion
 from mismatch_probe.modeling.logprobs import LogprobSemantics
 
 
 class FakeEngine:
     name = "fake"
+    capabilities = NOTHING_OPTIONAL
     calls: list[int] = []  # requests per generate() call, across instances
     fail_on_call: int | None = None
     logprob = float(np.log(0.5))

@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 
-from mismatch_probe.engines import Completion
+from mismatch_probe.engines import NOTHING_OPTIONAL, Completion
 from mismatch_probe.errors import ConfigError
 from mismatch_probe.modeling.logprobs import LogprobSemantics
 
@@ -23,6 +23,8 @@ def _count_call() -> int:
 
 
 class _Scripted:
+    capabilities = NOTHING_OPTIONAL
+
     def __init__(self, model_path, spec, *, trust_remote_code=False):
         self.spec = spec
 

@@ -12,6 +12,7 @@ read from these declarations (:func:`mismatch_probe.config.spec.spec_settings`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -26,6 +27,8 @@ Affects = Literal["rollouts", "run", "nothing"]
 
 # Every engine honours a setting whose ``engines`` is this.
 EVERY_ENGINE = None
+# ``engines`` left out: the engines that ``engine_args`` names (none: every engine)
+_ENGINES_OF_ARGS: Any = object()
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,8 @@ class SettingInfo:
     flag: str  # the CLI flag: "--top-p"; a boolean's "--packing/--no-packing" (on/off)
     affects: Affects
     engines: frozenset[str] | None = EVERY_ENGINE  # [engine] settings: the engines that honour it
+    # [engine] settings: each engine's own argument(s) that take the value, (engine, (argument, ...)) pairs
+    engine_args: tuple[tuple[str, tuple[str, ...]], ...] = ()
     # the record schema from which run.json records the setting at its default; an older record
     # holds it only when it was set (so its fingerprints were computed without it)
     since: int = 3
@@ -47,6 +52,19 @@ class SettingInfo:
         """The flag's spellings: ``("--top-p",)``, or a boolean's ``("--packing", "--no-packing")``."""
         return tuple(self.flag.split("/"))
 
+    def args_of(self, engine: str) -> tuple[str, ...]:
+        """``engine``'s own argument(s) for this setting; () where it has none (or takes it otherwise)."""
+        return dict(self.engine_args).get(engine, ())
+
+
+def engine_args_phrase(engine_args: Mapping[str, str | tuple[str, ...]]) -> str:
+    """How a help text names each engine's own argument: ``vllm: max_num_seqs; sglang: max_running_requests``,
+    engines that share the name together (``vllm, sglang: quantization``)."""
+    by_args: dict[tuple[str, ...], list[str]] = {}
+    for engine, args in engine_args.items():
+        by_args.setdefault((args,) if isinstance(args, str) else tuple(args), []).append(engine)
+    return "; ".join(f"{', '.join(engines)}: {', '.join(args)}" for args, engines in by_args.items())
+
 
 def setting(
     default: Any = None,
@@ -54,7 +72,8 @@ def setting(
     *,
     flag: str,
     affects: Affects,
-    engines: tuple[str, ...] | None = EVERY_ENGINE,
+    engines: tuple[str, ...] | None = _ENGINES_OF_ARGS,
+    engine_args: Mapping[str, str | tuple[str, ...]] | None = None,
     since: int = 3,
     group: str = "",
     choices: tuple[str, ...] = (),
@@ -64,11 +83,25 @@ def setting(
     default_factory: Any = None,
     **constraints: Any,
 ) -> Any:
-    """A spec field: ``Field(default, description=help, **constraints)`` carrying its :class:`SettingInfo`."""
+    """A spec field: ``Field(default, description=help, **constraints)`` carrying its :class:`SettingInfo`.
+
+    ``engine_args``: each engine's own argument name(s) for the setting (``{"vllm": "max_num_seqs",
+    "sglang": "max_running_requests"}``), the one place they are written: the adapters build their
+    arguments from them, and ``{args}`` in ``help`` names them (:func:`engine_args_phrase`).
+    ``engines``: the engines that honour it, by default those ``engine_args`` names (every engine
+    when neither is given); name them where an engine honours it without an argument of its own."""
+    args = {engine: (a,) if isinstance(a, str) else tuple(a) for engine, a in (engine_args or {}).items()}
+    if engines is _ENGINES_OF_ARGS:
+        engines = tuple(args) or EVERY_ENGINE
+    if engines is not None and not set(args) <= set(engines):
+        raise ValueError(f"engine_args names engines the setting does not list: {sorted(set(args) - set(engines))}")
+    if "{args}" in help:
+        help = help.replace("{args}", engine_args_phrase(args))
     info = SettingInfo(
         flag=flag,
         affects=affects,
         engines=None if engines is None else frozenset(engines),
+        engine_args=tuple(args.items()),
         since=since,
         group=group,
         choices=choices,

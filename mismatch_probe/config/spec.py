@@ -50,7 +50,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 
 from mismatch_probe.config.keys import KeyLines, unknown_key
-from mismatch_probe.config.settings import SettingInfo, info_of, setting
+from mismatch_probe.config.settings import EVERY_ENGINE, SettingInfo, info_of, setting
 from mismatch_probe.config.sweep_spec import SweepSpec
 from mismatch_probe.config.validation import (
     choices_of,
@@ -84,6 +84,8 @@ __all__ = [
     "SyncSpec",
     "VariantSpec",
     "apply_overrides",
+    "default_logprobs_mode",
+    "engine_arguments",
     "engine_settings",
     "flag_of",
     "load_spec_file",
@@ -135,9 +137,21 @@ ReferenceLogprobs = Literal["engine", "raw", "temperature", "processed"]
 ExecutorBackend = Literal["mp", "ray", "uni", "external_launcher"]  # vLLM 0.32's ParallelConfig choices
 # openai: /v1/completions (vllm serve); sglang: SGLang's /generate; swift: ms-swift's `swift rollout` (/infer/)
 RemoteApi = Literal["openai", "sglang", "swift"]
-# what each engine returns when nobody asks: SGLang's sampler gives log_softmax(logits / T)
-# and ms-swift's rollout server forces vLLM's processed_logprobs (swift/pipelines/infer/rollout.py: get_infer_engine)
-ENGINE_DEFAULT_LOGPROBS_MODE = {"sglang": "processed", "remote-sglang": "processed", "remote-swift": "processed"}
+# what each engine returns when nobody asks (raw where not named): SGLang's sampler gives
+# log_softmax(logits / T) and ms-swift's rollout server forces vLLM's processed_logprobs
+# (swift/pipelines/infer/rollout.py: get_infer_engine); a remote engine by its API ("remote-<api>").
+# The one place it is written: spec normalization and the adapters read it (default_logprobs_mode).
+ENGINE_DEFAULT_LOGPROBS_MODE: dict[str, LogprobsMode] = {
+    "sglang": "processed",
+    "remote-sglang": "processed",
+    "remote-swift": "processed",
+}
+
+
+def default_logprobs_mode(engine: str, api: str | None = None) -> LogprobsMode:
+    """The log-probs ``engine`` returns when ``engine.logprobs_mode`` is unset (a remote engine's: its API's)."""
+    return ENGINE_DEFAULT_LOGPROBS_MODE.get(f"{engine}-{api}" if api else engine, "raw")
+
 
 # help panels of the CLI
 INPUTS, ENGINE, LAYOUT, REMOTE, SAMPLING, REFERENCE, CORRECTIONS, SYNC = (
@@ -207,6 +221,8 @@ class EngineSpec(_Settings):
         "Engine dtype (auto: the checkpoint's own).",
         flag="--engine-dtype",
         affects="rollouts",
+        engines=EVERY_ENGINE,
+        engine_args={"vllm": "dtype", "sglang": "dtype"},
         group=ENGINE,
         choices=("auto", *DTYPES),
     )
@@ -237,6 +253,7 @@ class EngineSpec(_Settings):
         flag="--engine-device",
         affects="rollouts",
         engines=("hf", "sglang"),
+        engine_args={"sglang": "device"},
         group=ENGINE,
     )
     attn_implementation: AttnImplementation | None = setting(
@@ -258,30 +275,30 @@ class EngineSpec(_Settings):
     )
     tensor_parallel_size: int = setting(
         1,
-        "Engine tensor-parallel size.",
+        "Engine tensor-parallel size ({args}).",
         flag="--tp",
         affects="rollouts",
-        engines=("vllm", "sglang"),
+        engine_args={"vllm": "tensor_parallel_size", "sglang": "tp_size"},
         group=ENGINE,
         ge=1,
     )
     # across GPUs and machines (docs/engines-multinode.md); one name means one thing in both engines
     pipeline_parallel_size: int = setting(
         1,
-        "Engine pipeline-parallel size (sglang: pp_size).",
+        "Engine pipeline-parallel size ({args}).",
         flag="--pp",
         affects="rollouts",
-        engines=("vllm", "sglang"),
+        engine_args={"vllm": "pipeline_parallel_size", "sglang": "pp_size"},
         group=LAYOUT,
         since=4,
         ge=1,
     )
     data_parallel_size: int = setting(
         1,
-        "Engine replicas (sglang: dp_size).",
+        "Engine replicas ({args}).",
         flag="--dp",
         affects="rollouts",
-        engines=("vllm", "sglang"),
+        engine_args={"vllm": "data_parallel_size", "sglang": "dp_size"},
         group=LAYOUT,
         since=4,
         ge=1,
@@ -291,7 +308,7 @@ class EngineSpec(_Settings):
         "Machines the engine spans (the other nodes are started by hand).",
         flag="--nnodes",
         affects="rollouts",
-        engines=("vllm", "sglang"),
+        engine_args={"vllm": "nnodes", "sglang": "nnodes"},
         group=LAYOUT,
         since=4,
         ge=1,
@@ -301,7 +318,7 @@ class EngineSpec(_Settings):
         "This machine's rank in the engine's nodes; mismatch-probe drives rank 0.",
         flag="--node-rank",
         affects="run",
-        engines=("vllm", "sglang"),
+        engine_args={"vllm": "node_rank", "sglang": "node_rank"},
         group=LAYOUT,
         since=4,
         not_an_axis="mismatch-probe runs node rank 0",
@@ -309,10 +326,10 @@ class EngineSpec(_Settings):
     )
     dist_init_addr: str | None = setting(
         None,
-        "HOST:PORT of node rank 0 where the engine's nodes meet (vllm: master_addr, master_port).",
+        "HOST:PORT of node rank 0 where the engine's nodes meet ({args}).",
         flag="--dist-init-addr",
         affects="run",
-        engines=("vllm", "sglang"),
+        engine_args={"vllm": ("master_addr", "master_port"), "sglang": "dist_init_addr"},
         group=LAYOUT,
         since=4,
         not_an_axis="it is where the nodes meet, not what they compute",
@@ -322,16 +339,16 @@ class EngineSpec(_Settings):
         "vLLM's executor backend (default: vLLM's choice).",
         flag="--distributed-executor-backend",
         affects="rollouts",
-        engines=("vllm",),
+        engine_args={"vllm": "distributed_executor_backend"},
         group=LAYOUT,
         since=4,
     )
     enforce_eager: bool | None = setting(
         None,
-        "Eager mode, or torch.compile + CUDA graphs (vllm; sglang: disable_cuda_graph; default: the engine's).",
+        "Eager mode, or torch.compile + CUDA graphs ({args}; default: the engine's).",
         flag="--enforce-eager/--compiled",
         affects="rollouts",
-        engines=("vllm", "sglang"),
+        engine_args={"vllm": "enforce_eager", "sglang": "disable_cuda_graph"},
         group=ENGINE,
     )
     cascade_attn: bool | None = setting(
@@ -344,122 +361,122 @@ class EngineSpec(_Settings):
     )
     chunked_prefill: bool | None = setting(
         None,
-        "Chunked prefill (vllm, sglang).",
+        "Chunked prefill ({args}).",
         flag="--chunked-prefill/--no-chunked-prefill",
         affects="rollouts",
-        engines=("vllm", "sglang"),
+        engine_args={"vllm": "enable_chunked_prefill", "sglang": "chunked_prefill_size"},
         group=ENGINE,
     )
     prefix_caching: bool | None = setting(
         None,
-        "Prefix caching (vllm; sglang: the radix cache).",
+        "Prefix caching, SGLang's radix cache ({args}).",
         flag="--prefix-caching/--no-prefix-caching",
         affects="rollouts",
-        engines=("vllm", "sglang"),
+        engine_args={"vllm": "enable_prefix_caching", "sglang": "disable_radix_cache"},
         group=ENGINE,
     )
     batch_invariant: bool = setting(
         False,
-        "Batch-invariant kernels (vllm: VLLM_BATCH_INVARIANT=1, GPU builds; sglang: enable_deterministic_inference).",
+        "Batch-invariant kernels (vllm: VLLM_BATCH_INVARIANT=1, GPU builds; {args}).",
         flag="--batch-invariant/--no-batch-invariant",
         affects="rollouts",
         engines=("vllm", "sglang"),
+        engine_args={"sglang": "enable_deterministic_inference"},
         group=ENGINE,
     )
     max_num_seqs: int | None = setting(
         None,
-        "Most sequences per engine step (vllm; sglang: max_running_requests).",
+        "Most sequences per engine step ({args}).",
         flag="--max-num-seqs",
         affects="rollouts",
-        engines=("vllm", "sglang"),
+        engine_args={"vllm": "max_num_seqs", "sglang": "max_running_requests"},
         group=ENGINE,
         ge=1,
     )
     max_num_batched_tokens: int | None = setting(
         None,
-        "Most tokens per engine step (vllm).",
+        "Most tokens per engine step ({args}).",
         flag="--max-num-batched-tokens",
         affects="rollouts",
-        engines=("vllm",),
+        engine_args={"vllm": "max_num_batched_tokens"},
         group=ENGINE,
         ge=1,
     )
     gpu_memory_utilization: float | None = setting(
         None,
-        "Share of accelerator memory the engine may take (vllm: on CPU builds, of the NUMA node's memory; "
-        "sglang: mem_fraction_static).",
+        "Share of accelerator memory the engine may take ({args}; on vLLM's CPU builds, of the NUMA node's memory).",
         flag="--gpu-memory-utilization",
         affects="rollouts",
-        engines=("vllm", "sglang"),
+        engine_args={"vllm": "gpu_memory_utilization", "sglang": "mem_fraction_static"},
         group=ENGINE,
         gt=0,
         le=1,
     )
     kv_cache_dtype: str | None = setting(
         None,
-        "KV-cache dtype, e.g. auto, fp8, fp8_e5m2 (vllm, sglang).",
+        "KV-cache dtype, e.g. auto, fp8, fp8_e5m2 ({args}).",
         flag="--kv-cache-dtype",
         affects="rollouts",
-        engines=("vllm", "sglang"),
+        engine_args={"vllm": "kv_cache_dtype", "sglang": "kv_cache_dtype"},
         group=ENGINE,
     )
     quantization: str | None = setting(
         None,
-        "Weight quantization method, e.g. fp8 (vllm, sglang).",
+        "Weight quantization method, e.g. fp8 ({args}).",
         flag="--quantization",
         affects="rollouts",
-        engines=("vllm", "sglang"),
+        engine_args={"vllm": "quantization", "sglang": "quantization"},
         group=ENGINE,
     )
     max_model_len: int | None = setting(
         None,
-        "Engine context length (vllm; sglang: context_length).",
+        "Engine context length ({args}).",
         flag="--max-model-len",
         affects="rollouts",
-        engines=("vllm", "sglang"),
+        engine_args={"vllm": "max_model_len", "sglang": "context_length"},
         group=ENGINE,
         ge=1,
     )
     kv_cache_memory_bytes: int | None = setting(
         None,
-        "KV-cache size in bytes per rank (vllm; default on its CPU build: what the run needs, capped at half the "
-        "NUMA node's free memory).",
+        "KV-cache size in bytes per rank ({args}; default on vLLM's CPU build: what the run needs, capped at half "
+        "the NUMA node's free memory).",
         flag="--kv-cache-memory-bytes",
         affects="rollouts",
-        engines=("vllm",),
+        engine_args={"vllm": "kv_cache_memory_bytes"},
         group=ENGINE,
         ge=1,
     )
     attention_backend: str | None = setting(
         None,
-        "Engine attention backend, e.g. flashinfer, fa3, triton, torch_native (sglang).",
+        "Engine attention backend, e.g. flashinfer, fa3, triton, torch_native ({args}).",
         flag="--attention-backend",
         affects="rollouts",
-        engines=("sglang",),
+        engine_args={"sglang": "attention_backend"},
         group=ENGINE,
     )
     rl_on_policy_target: str | None = setting(
         None,
-        "SGLang's true on-policy mode for a trainer, e.g. fsdp (sglang; implies deterministic inference).",
+        "SGLang's true on-policy mode for a trainer, e.g. fsdp ({args}; implies deterministic inference).",
         flag="--rl-on-policy-target",
         affects="rollouts",
-        engines=("sglang",),
+        engine_args={"sglang": "rl_on_policy_target"},
         group=ENGINE,
     )
     logits_fp32: bool | None = setting(
         None,
-        "Engine LM head in float32 (sglang: enable_fp32_lm_head).",
+        "Engine LM head in float32 ({args}).",
         flag="--engine-logits-fp32/--no-engine-logits-fp32",
         affects="rollouts",
-        engines=("sglang",),
+        engine_args={"sglang": "enable_fp32_lm_head"},
         group=ENGINE,
     )
     max_total_tokens: int | None = setting(
         None,
-        "Engine KV-cache size in tokens, a memory cap (sglang).",
+        "Engine KV-cache size in tokens, a memory cap ({args}).",
         flag="--max-total-tokens",
         affects="rollouts",
-        engines=("sglang",),
+        engine_args={"sglang": "max_total_tokens"},
         group=ENGINE,
         ge=1,
     )
@@ -1155,8 +1172,7 @@ class ProbeSpec(_Settings):
             e.name = "remote"
         if e.logprobs_mode is None:
             # a server's default: vLLM's raw_logprobs; SGLang's log_softmax(logits / T)
-            name = f"remote-{e.api}" if e.name == "remote" else e.name
-            e.logprobs_mode = ENGINE_DEFAULT_LOGPROBS_MODE.get(name, "raw")  # type: ignore[assignment]
+            e.logprobs_mode = default_logprobs_mode(e.name, e.api if e.name == "remote" else None)
         if s.top_k == -1:
             s.top_k = 0
         if e.logprobs_mode == "processed" and s.temperature == 0:
@@ -1357,6 +1373,18 @@ def engine_settings(engine: str) -> frozenset[str]:
         for s in spec_settings().values()
         if s.section == "engine" and s.info.engines is not None and engine in s.info.engines
     )
+
+
+def engine_arguments(engine: str) -> dict[str, tuple[str, ...]]:
+    """The ``[engine]`` settings that ``engine`` takes as arguments of its own, each with its
+    argument name(s), in declaration order: ``{"max_num_seqs": ("max_running_requests",), ...}``
+    (the declarations' ``engine_args``). The adapters build their arguments, and read back what the
+    engine resolved, by these names; how a value converts is the adapter's."""
+    return {
+        s.name: s.info.args_of(engine)
+        for s in spec_settings().values()
+        if s.section == "engine" and s.info.args_of(engine)
+    }
 
 
 COMMON_ENGINE_SETTINGS = frozenset(

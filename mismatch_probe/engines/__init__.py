@@ -19,7 +19,16 @@ from importlib.metadata import entry_points
 
 from mismatch_probe.config.keys import did_you_mean
 from mismatch_probe.config.spec import COMMON_ENGINE_SETTINGS, EngineSpec, engine_settings, flag_of, spec_settings
-from mismatch_probe.engines.base import Completion, Engine, GenerationRequest, PrefillScorer, ScoreRequest
+from mismatch_probe.engines.base import (
+    NOTHING_OPTIONAL,
+    Completion,
+    Engine,
+    EngineCapabilities,
+    GenerationRequest,
+    PrefillScorer,
+    ScoreRequest,
+    SyncSupport,
+)
 from mismatch_probe.errors import ConfigError
 
 ENTRY_POINT_GROUP = "mismatch_probe.engines"
@@ -91,7 +100,7 @@ BUILTIN_ENGINES = {
         description="vLLM offline engine (vllm.LLM), CUDA or CPU build",
         settings=engine_settings("vllm"),
         memory_hint=_memory_hint("kv_cache_memory_bytes", "gpu_memory_utilization", "max_model_len"),
-        check="mismatch_probe.engines.vllm:check_spec",
+        check="mismatch_probe.engines.vllm_args:check_spec",
     ),
     "sglang": EngineEntry(
         name="sglang",
@@ -102,7 +111,7 @@ BUILTIN_ENGINES = {
         description="SGLang offline engine (sglang.Engine), CUDA or CPU",
         settings=engine_settings("sglang"),
         memory_hint=_memory_hint("max_total_tokens", "gpu_memory_utilization", "max_model_len"),
-        check="mismatch_probe.engines.sglang:check_spec",
+        check="mismatch_probe.engines.sglang_args:check_spec",
     ),
     "remote": EngineEntry(
         name="remote",
@@ -205,12 +214,15 @@ __all__ = [
     "BUILTIN_ENGINES",
     "COMMON_SETTINGS",
     "ENTRY_POINT_GROUP",
+    "NOTHING_OPTIONAL",
     "Completion",
     "Engine",
+    "EngineCapabilities",
     "EngineEntry",
     "GenerationRequest",
     "PrefillScorer",
     "ScoreRequest",
+    "SyncSupport",
     "get_entry",
     "load_engine",
     "register_engine",

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mismatch_probe.config.spec import EngineSpec, SamplingSpec
-from mismatch_probe.engines.base import Completion, GenerationRequest, ScoreRequest, batch_seed
+from mismatch_probe.config.spec import EngineSpec, SamplingSpec, default_logprobs_mode
+from mismatch_probe.engines.base import Completion, EngineCapabilities, GenerationRequest, ScoreRequest, batch_seed
 from mismatch_probe.environment import cuda_numerics
 from mismatch_probe.modeling.loading import (
     choose_attention,
@@ -27,20 +27,25 @@ from mismatch_probe.modeling.loading import (
     resolve_device,
     resolve_dtype,
 )
-from mismatch_probe.modeling.logprobs import LogprobSemantics, engine_semantics, processed_logits
+from mismatch_probe.modeling.logprobs import LogprobSemantics, processed_logits
 from mismatch_probe.modeling.routing import RouterRecorder
 
 DEFAULT_BATCH_SIZE = 32
+# its prefill re-scores with the same forward; no weight-update path
+CAPABILITIES = EngineCapabilities(prefill=True, logprobs_mode=default_logprobs_mode("hf"))
 
 
 class HFEngine:
     name = "hf"
+    capabilities = CAPABILITIES
 
     def __init__(self, model_path: str | Path, spec: EngineSpec, *, trust_remote_code: bool = False):
         from transformers import DynamicCache  # noqa: F401  (fail early if the API moved)
 
         self.model_path = Path(model_path)
-        self.spec = spec if spec.logprobs_mode else spec.model_copy(update={"logprobs_mode": "raw"})
+        self.spec = (
+            spec if spec.logprobs_mode else spec.model_copy(update={"logprobs_mode": CAPABILITIES.logprobs_mode})
+        )
         self.device = resolve_device(spec.device)
         self.dtype = resolve_dtype(spec.dtype, self.model_path)
         self.batch_size = spec.batch_size or DEFAULT_BATCH_SIZE
@@ -60,7 +65,7 @@ class HFEngine:
             self.routing = None  # a dense model
 
     def semantics(self, sampling: SamplingSpec) -> LogprobSemantics:
-        return engine_semantics(self.spec.logprobs_mode, sampling.temperature, sampling.top_k, sampling.top_p)
+        return self.capabilities.semantics(self.spec.logprobs_mode, sampling)
 
     def info(self) -> dict:
         import transformers

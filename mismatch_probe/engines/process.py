@@ -21,7 +21,7 @@ import numpy as np
 
 from mismatch_probe.config.spec import EngineSpec, SamplingSpec, SyncSpec
 from mismatch_probe.engines import wire
-from mismatch_probe.engines.base import Completion, GenerationRequest, ScoreRequest
+from mismatch_probe.engines.base import Completion, EngineCapabilities, GenerationRequest, ScoreRequest
 from mismatch_probe.errors import ConfigError, EngineError, ProbeError
 from mismatch_probe.files import portable_path
 from mismatch_probe.modeling.logprobs import LogprobSemantics
@@ -112,9 +112,8 @@ class EngineProcess:
             },
             expect="started",
         )
-        self.supports_prefill = bool(started.header.get("prefill"))
-        self.prefill_unavailable: str | None = started.header.get("prefill_unavailable")
-        self.supports_digest = bool(started.header.get("digest"))
+        # what the adapter declared it can do (engines/base.py: EngineCapabilities), as its worker reported it
+        self.capabilities = EngineCapabilities.from_header(started.header["capabilities"])
 
     # ---- Engine protocol -----------------------------------------------------------------
     def semantics(self, sampling: SamplingSpec) -> LogprobSemantics:

@@ -55,8 +55,15 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from mismatch_probe.config.spec import EngineSpec, SamplingSpec, SyncSpec
-from mismatch_probe.engines.base import Completion, GenerationRequest, ScoreRequest, batch_seed
+from mismatch_probe.config.spec import EngineSpec, SamplingSpec, SyncSpec, default_logprobs_mode
+from mismatch_probe.engines.base import (
+    Completion,
+    EngineCapabilities,
+    GenerationRequest,
+    ScoreRequest,
+    SyncSupport,
+    batch_seed,
+)
 from mismatch_probe.engines.http_client import (
     AUTH_HINT,
     Client,
@@ -252,6 +259,11 @@ class RemoteEngine:
     name = "remote"
     keeps_state = True  # the worker gives it a directory for the journal of answers received
     weight_sync = True  # the worker passes a [sync] table to the constructor (routes: check_sync)
+    # what any server may offer (engines/base.py: EngineCapabilities); each instance narrows it to its dialect's
+    capabilities = EngineCapabilities(
+        keeps_state=True,
+        sync=SyncSupport(transfers=("tensor", "disk"), nccl=NCCL_REFUSAL, nccl_group="the server's"),
+    )
 
     def __init__(
         self,
@@ -280,6 +292,14 @@ class RemoteEngine:
         # why the server cannot re-score the sampled ids with its prefill (None: it can)
         self.prefill_unavailable = self.dialect.prefill_unavailable
         self.supports_prefill = self.prefill_unavailable is None
+        self.capabilities = EngineCapabilities(
+            prefill=self.supports_prefill,
+            prefill_unavailable=self.prefill_unavailable,
+            keeps_state=True,
+            logprobs_mode=default_logprobs_mode("remote", spec.api),
+            sync=type(self).capabilities.sync if spec.api != "swift" else None,
+            sync_unavailable=SWIFT_SYNC_REFUSAL if spec.api == "swift" else None,
+        )
         self.client = Client(
             url=spec.url,
             api_key=api_key_from(spec.api_key_env),

@@ -2,9 +2,10 @@
 
 Runs inside the engine worker process (never in the CLI's own process), usually from its own
 venv (``--engine-python``): SGLang and vLLM pin conflicting versions. Every setting maps to the
-``ServerArgs`` field of the same meaning; after start-up the configuration SGLang actually
-resolved is read back (``get_server_info()``) and compared with what was asked for, so a setting
-the installed build overrides is an error rather than a silent no-op.
+``ServerArgs`` field its declaration names (``engines/sglang_args.py``); after start-up the
+configuration SGLang actually resolved is read back (``get_server_info()``) and compared with what
+was asked for, so a setting the installed build overrides is an error rather than a silent no-op.
+What it can do beyond sampling (prefill, weight sync, its default log-probs) is :data:`CAPABILITIES`.
 
 Log-probs. SGLang's sampler returns ``log(softmax(logits / T))``: after temperature, before
 top-k/top-p (the sampling itself does apply top-k/top-p). That is ``logprobs_mode = processed``
@@ -25,8 +26,17 @@ from pathlib import Path
 
 import numpy as np
 
-from mismatch_probe.config.spec import LAYOUT_SETTINGS, EngineSpec, SamplingSpec, SyncSpec
-from mismatch_probe.engines.base import Completion, GenerationRequest, ScoreRequest, batch_seed, check_extra_args
+from mismatch_probe.config.spec import EngineSpec, SamplingSpec, SyncSpec, default_logprobs_mode
+from mismatch_probe.engines.base import (
+    Completion,
+    EngineCapabilities,
+    GenerationRequest,
+    ScoreRequest,
+    SelfFlush,
+    SyncSupport,
+    batch_seed,
+    check_sync,
+)
 from mismatch_probe.engines.cpu_threads import cpu_thread_binding
 from mismatch_probe.engines.routed_experts import (
     MoeLayout,
@@ -34,79 +44,20 @@ from mismatch_probe.engines.routed_experts import (
     decode_sglang_int32_b64,
     moe_layout,
 )
+from mismatch_probe.engines.sglang_args import (
+    ENV_RECORDED,
+    RECORDED,
+    check_cpu_quantization,
+    check_spec,
+    layout_phrase,
+    local_world_size,
+    server_args,
+    world_size,
+)
+from mismatch_probe.engines.sglang_logprobs import PrefillLogprobs, finish_reason, sampled_logprobs
 from mismatch_probe.errors import ConfigError, EngineError
 from mismatch_probe.modeling.logprobs import LogprobSemantics
 
-# EngineSpec field -> (ServerArgs field, spec value -> ServerArgs value)
-SETTINGS = {
-    "dtype": ("dtype", lambda v: v),
-    "tensor_parallel_size": ("tp_size", lambda v: v),
-    "pipeline_parallel_size": ("pp_size", lambda v: v),
-    "data_parallel_size": ("dp_size", lambda v: v),
-    "nnodes": ("nnodes", lambda v: v),
-    "node_rank": ("node_rank", lambda v: v),
-    "dist_init_addr": ("dist_init_addr", lambda v: v),
-    "device": ("device", lambda v: v),
-    "enforce_eager": ("disable_cuda_graph", lambda v: v),
-    "prefix_caching": ("disable_radix_cache", lambda v: not v),
-    "batch_invariant": ("enable_deterministic_inference", lambda v: v),
-    "max_num_seqs": ("max_running_requests", lambda v: v),
-    "gpu_memory_utilization": ("mem_fraction_static", lambda v: v),
-    "kv_cache_dtype": ("kv_cache_dtype", lambda v: v),
-    "quantization": ("quantization", lambda v: v),
-    "max_model_len": ("context_length", lambda v: v),
-    "attention_backend": ("attention_backend", lambda v: v),
-    "rl_on_policy_target": ("rl_on_policy_target", lambda v: v),
-    "logits_fp32": ("enable_fp32_lm_head", lambda v: v),
-    "max_total_tokens": ("max_total_tokens", lambda v: v),
-}
-# Passed only when they differ from the spec's defaults (SGLang's own defaults too): an older SGLang
-# may lack them
-ONLY_WHEN_SET = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "nnodes", "node_rank")
-# Read back from get_server_info() into run.json (beside the mapped settings above).
-RECORDED = (
-    "dtype",
-    "tp_size",
-    "pp_size",
-    "dp_size",
-    "nnodes",
-    "node_rank",
-    "dist_init_addr",
-    "device",
-    "attention_backend",
-    "prefill_attention_backend",
-    "decode_attention_backend",
-    "sampling_backend",
-    "disable_cuda_graph",
-    "enable_torch_compile",
-    "disable_radix_cache",
-    "chunked_prefill_size",
-    "enable_deterministic_inference",
-    "rl_on_policy_target",
-    "enable_fp32_lm_head",
-    "mem_fraction_static",
-    "max_total_tokens",
-    "max_total_num_tokens",
-    "max_running_requests",
-    "max_prefill_tokens",
-    "context_length",
-    "kv_cache_dtype",
-    "quantization",
-    "page_size",
-    "disable_overlap_schedule",
-    "random_seed",
-    "schedule_policy",
-)
-ENV_RECORDED = (
-    "SGLANG_USE_CPU_ENGINE",
-    "SGLANG_CPU_OMP_THREADS_BIND",
-    "SGLANG_RETURN_ORIGINAL_LOGPROB",
-    "SGLANG_ENABLE_DETERMINISTIC_INFERENCE",
-    "SGLANG_ATTENTION_BACKEND",
-    "CUDA_VISIBLE_DEVICES",
-)
-# On CPU, without a cap, SGLang sizes the KV cache from free system memory (15.6 GB on a 24 GB
-# machine): mismatch-probe caps it unless the spec sets max_total_tokens or gpu_memory_utilization.
 # measured with SGLang 0.5.23's CPU engine: --enable-return-routed-experts allocates its capture
 # buffer with alloc_with_host_register (mem_cache/pool_host/common.py), which pins it through
 # torch.cuda.cudart(): the engine dies at start on a CPU build of torch
@@ -195,17 +146,8 @@ def unpinned_capture_workaround(cpu_allocator: str | None) -> dict:
     return {"routed_experts_host_buffer_unpinned_on_cpu": {"what": UNPINNED_CAPTURE_WORKAROUND}}
 
 
-CPU_MAX_TOTAL_TOKENS = 32768
-# Set by the adapter where the spec leaves them open: SGLang's CPU defaults need sgl-kernel's CPU ops.
-CPU_DEFAULTS = {"attention_backend": "torch_native", "disable_cuda_graph": True}
-# SGLang's scheduler polls its sockets in a busy loop while it has no request: one core at 100%
-# (sgl-project/sglang#1730). On CPU that core is one the reference's scoring, and any other process
-# of the run, needs; sleep_on_idle (where this SGLang has it) parks the scheduler in zmq's poll until
-# a request comes. It changes no number, only when an idle scheduler wakes.
-CPU_IDLE_DEFAULTS = {"sleep_on_idle": True}
-
-# ---- weight sync (ARCHITECTURE.md, Weight sync) ---------------------------------------------------
-# Where SGLang flushes its radix cache by itself, in the installed sources (sglang/...)
+# ---- what SGLang can do (ARCHITECTURE.md, Engine contract; Weight sync) ------------------------------
+# Where SGLang flushes its radix cache by itself, in the installed sources (sglang/...); recorded with each sync
 DISK_FLUSH_BY = (
     "srt/managers/scheduler_components/weight_updater.py: SchedulerWeightUpdaterManager.update_weights_from_disk "
     "-> flush_cache_after_weight_update (UpdateWeightFromDiskReqInput.flush_cache defaults to True, and "
@@ -215,6 +157,13 @@ SLEEP_FLUSH_BY = (
     "srt/managers/scheduler_components/weight_updater.py: SchedulerWeightUpdaterManager.release_memory_occupation "
     "(the kv_cache tag: memory_saver_adapter.pause(KV cache), then self.flush_cache())"
 )
+# the colocate cycle flushes the radix cache in the engine and in a server alike
+SLEEP_FLUSH = SelfFlush(
+    when="sleep",
+    event="when it releases the KV cache's memory",
+    by=SLEEP_FLUSH_BY,
+    hint="drop --sync-sleep-level, or --no-sync-reset-prefix-cache",
+)
 CPU_SLEEP_REFUSAL = (
     "SGLang's colocate cycle (Engine.release_memory_occupation / resume_memory_occupation) frees and restores "
     "memory through torch_memory_saver, switched on by enable_memory_saver (srt/utils/torch_memory_saver_adapter.py: "
@@ -223,54 +172,64 @@ CPU_SLEEP_REFUSAL = (
     "'enable_memory_saver is enabled, but torch-memory-saver is not installed'), and with it off the calls reach "
     "_TorchMemorySaverAdapterNoop, whose pause/resume do nothing, so sync.sleep_level cannot run on CPU"
 )
-NCCL_REFUSAL = (
-    "SGLang's update_weights_from_distributed receives over the process group that init_weights_update_group opens, "
-    "with backend 'nccl' by default (srt/entrypoints/engine.py: Engine.init_weights_update_group(..., "
-    "backend='nccl')), and NCCL needs GPUs; on CPU use sync.transfer = 'tensor' (update_weights_from_tensor) or "
-    "'disk' (update_weights_from_disk)"
+SINGLE_REPLICA = (
+    "SGLang updates weights from tensors only with one data-parallel replica "
+    "(srt/managers/tokenizer_control_mixin.py: update_weights_from_tensor asserts dp_size == 1: "
+    "'data-parallel replicas are not supported for update weights from tensor')"
 )
+NCCL_PATH = (
+    "update_weights_from_distributed over the process group init_weights_update_group opens, with backend 'nccl' "
+    "by default: srt/entrypoints/engine.py: Engine.init_weights_update_group(..., backend='nccl')"
+)
+# SGLang's log-probs when engine.logprobs_mode is unset: log_softmax(logits / T), top-k/top-p not applied
+LOGPROBS = {"logprobs_mode": default_logprobs_mode("sglang"), "processed_by": "temperature"}
 
-
-def check_sync(sync: SyncSpec, *, on_cpu: bool, version: str, data_parallel_size: int = 1) -> None:
-    """What this SGLang cannot do of a [sync] table here; raises :class:`ConfigError` before the engine starts."""
-    if sync.transfer == "nccl":
-        if on_cpu:
-            raise ConfigError(f"SGLang {version}: {NCCL_REFUSAL}", hint="--sync-transfer tensor")
-        raise ConfigError(
-            f"sync.transfer = 'nccl' on SGLang {version} (init_weights_update_group + "
-            "update_weights_from_distributed) is not driven by mismatch-probe yet: it needs a trainer process in "
-            "the NCCL group",
-            hint="measure the path with --sync-transfer tensor or disk; the NCCL leg adds no rounding of its own",
-        )
-    if sync.sleep_level and on_cpu:
-        raise ConfigError(f"SGLang {version}: {CPU_SLEEP_REFUSAL}", hint="drop --sync-sleep-level on CPU")
-    if data_parallel_size > 1:
-        raise ConfigError(
-            f"SGLang {version} updates weights from tensors only with one data-parallel replica "
-            "(srt/managers/tokenizer_control_mixin.py: update_weights_from_tensor asserts dp_size == 1: "
-            f"'data-parallel replicas are not supported for update weights from tensor'); data_parallel_size is "
-            f"{data_parallel_size}",
-            hint="run [sync] with data_parallel_size 1 (the probe's digest of the weights goes that way too)",
-        )
-    if not sync.reset_prefix_cache:
-        if sync.transfer == "disk":
-            raise ConfigError(
-                f"SGLang {version} flushes its radix cache by itself after update_weights_from_disk ({DISK_FLUSH_BY}), "
-                "so sync.reset_prefix_cache = false cannot be honored with sync.transfer = 'disk'",
+CAPABILITIES = EngineCapabilities(
+    prefill=True,
+    weight_digest=True,
+    **LOGPROBS,
+    sync=SyncSupport(
+        transfers=("tensor", "disk"),
+        nccl=NCCL_PATH,
+        sleep_cpu_refusal=CPU_SLEEP_REFUSAL,
+        cache="radix cache",
+        flushes=(
+            SelfFlush(
+                when="disk",
+                event="after update_weights_from_disk",
+                by=DISK_FLUSH_BY,
                 hint="use --sync-transfer tensor (update_weights_from_tensor(flush_cache=False)) to keep the cache, "
                 "or drop --no-sync-reset-prefix-cache",
-            )
-        if sync.sleep_level:
-            raise ConfigError(
-                f"SGLang {version} flushes its radix cache by itself when it releases the KV cache's memory "
-                f"({SLEEP_FLUSH_BY}), so sync.reset_prefix_cache = false cannot be honored with sync.sleep_level",
-                hint="drop --sync-sleep-level, or --no-sync-reset-prefix-cache",
-            )
+            ),
+            SLEEP_FLUSH,
+        ),
+        single_replica=SINGLE_REPLICA,
+        # the probe's digest of the weights and its faults go through update_weights_from_tensor too
+        single_replica_transfers=("tensor", "disk"),
+    ),
+)
+# What an SGLang server (python -m sglang.launch_server) declares, for the remote engine's sglang dialect:
+# the same facts over its HTTP routes, where /update_weights_from_disk takes flush_cache in its body
+SERVER_CAPABILITIES = EngineCapabilities(
+    prefill=True,
+    keeps_state=True,
+    **LOGPROBS,
+    sync=SyncSupport(
+        transfers=("tensor", "disk"),
+        nccl="/init_weights_update_group + /update_weights_from_distributed",
+        nccl_group="the server's",
+        sleep_cpu_refusal=CPU_SLEEP_REFUSAL,
+        cache="radix cache",
+        flushes=(SLEEP_FLUSH,),
+        single_replica=SINGLE_REPLICA,
+        single_replica_transfers=("tensor",),
+    ),
+)
 
 
 class SGLangEngine:
     name = "sglang"
-    weight_sync = True  # the worker passes a [sync] table to the constructor
+    capabilities = CAPABILITIES
 
     def __init__(
         self,
@@ -282,7 +241,7 @@ class SGLangEngine:
     ):
         import torch
 
-        spec = spec if spec.logprobs_mode else spec.model_copy(update={"logprobs_mode": "processed"})
+        spec = spec if spec.logprobs_mode else spec.model_copy(update={"logprobs_mode": CAPABILITIES.logprobs_mode})
         self.spec = spec
         self.model_path = Path(model_path)
         self.prefill_reader = PrefillLogprobs(self.model_path)
@@ -316,8 +275,9 @@ class SGLangEngine:
         if self.sync is not None:
             check_sync(
                 self.sync,
+                CAPABILITIES,
+                engine=f"SGLang {self.version}",
                 on_cpu=self.device == "cpu",
-                version=self.version,
                 data_parallel_size=spec.data_parallel_size,
             )
         self.requested, self.defaults_applied = self._server_args(spec, trust_remote_code)
@@ -413,11 +373,7 @@ class SGLangEngine:
 
     # ---- Engine protocol -----------------------------------------------------------------
     def semantics(self, sampling: SamplingSpec) -> LogprobSemantics:
-        if self.spec.logprobs_mode == "raw" or sampling.temperature <= 0:
-            return LogprobSemantics("raw")
-        # temperature only: SGLang applies top-k/top-p to the sampling probabilities, not to the
-        # log-probs it returns
-        return LogprobSemantics("processed", sampling.temperature, 0, 1.0)
+        return self.capabilities.semantics(self.spec.logprobs_mode, sampling)
 
     def info(self) -> dict:
         import torch
@@ -724,234 +680,3 @@ class SGLangEngine:
             import shutil
 
             shutil.rmtree(control_dir, ignore_errors=True)
-
-
-def server_args(
-    spec: EngineSpec, model_path: str | Path, *, device: str, trust_remote_code: bool, version: str, known: set[str]
-) -> tuple[dict, dict]:
-    """The ``sglang.Engine`` / ``ServerArgs`` keyword arguments for ``spec`` on ``device``, and the
-    CPU defaults mismatch-probe set among them; ``known`` are the installed SGLang's ServerArgs fields."""
-    args: dict = {
-        "model_path": str(model_path),
-        "skip_tokenizer_init": True,  # token ids in, token ids out: nothing is re-tokenized
-        "trust_remote_code": trust_remote_code,
-        "log_level": "warning",
-    }
-    for field_name, (arg, convert) in SETTINGS.items():
-        value = getattr(spec, field_name)
-        if field_name == "dtype" and value == "auto":
-            value = None
-        if field_name in ONLY_WHEN_SET and value == EngineSpec.model_fields[field_name].default:
-            value = None
-        if field_name == "batch_invariant" and not value:
-            value = None
-        if field_name == "device":
-            value = device
-        if value is not None:
-            # the layout settings are refused by name where the installed SGLang lacks them
-            if field_name in LAYOUT_SETTINGS and arg not in known:
-                raise ConfigError(
-                    f"SGLang {version} has no server argument {arg!r}, so engine.{field_name} cannot be honored",
-                    hint="upgrade SGLang in the engine's python, or remove the setting",
-                )
-            args[arg] = convert(value)
-    if spec.chunked_prefill is False:
-        args["chunked_prefill_size"] = -1  # SGLang's switch for "no chunked prefill"
-    elif spec.chunked_prefill:
-        args["chunked_prefill_size"] = None  # its default size, chosen per device
-    # sampling is seeded per request where SGLang allows it (see info()); elsewhere it draws from
-    # this engine seed, fixed so that runs repeat, and [engine.extra_args] random_seed varies it
-    defaults: dict = {"random_seed": 0}
-    if device == "cpu":
-        for key, value in CPU_DEFAULTS.items():
-            if key not in args:
-                defaults[key] = value
-        defaults.update({k: v for k, v in CPU_IDLE_DEFAULTS.items() if k in known and k not in args})
-        if spec.max_total_tokens is None and spec.gpu_memory_utilization is None:
-            defaults["max_total_tokens"] = CPU_MAX_TOTAL_TOKENS
-    check_extra_args(spec.extra_args, known, args, f"SGLang {version}", "sglang.srt.server_args.ServerArgs")
-    # the user's own value wins over a CPU default
-    defaults = {k: v for k, v in defaults.items() if k not in spec.extra_args}
-    return {**args, **spec.extra_args, **defaults}, defaults
-
-
-def world_size(spec: EngineSpec) -> int:
-    """SGLang's ranks over every node: data x tensor x pipeline parallel."""
-    return spec.data_parallel_size * spec.tensor_parallel_size * spec.pipeline_parallel_size
-
-
-def local_world_size(spec: EngineSpec) -> int:
-    """SGLang's ranks on this node: its world shared out over the nodes."""
-    return max(1, world_size(spec) // spec.nnodes)
-
-
-def layout_phrase(spec: EngineSpec) -> str:
-    names = ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size")
-    parts = [f"{name} {getattr(spec, name)}" for name in names]
-    return " x ".join(parts) + (f" over {spec.nnodes} nodes" if spec.nnodes > 1 else "")
-
-
-def check_spec(spec: EngineSpec) -> None:
-    """What SGLang's offline engine cannot run for mismatch-probe whatever the platform; raises
-    :class:`ConfigError` before any engine process starts (``EngineEntry.check``)."""
-    if spec.node_rank > 0:
-        raise ConfigError(
-            f"engine.node_rank = {spec.node_rank}: mismatch-probe runs SGLang's node rank 0, the only one with a "
-            "tokenizer manager to take requests; the other nodes run SGLang's schedulers only",
-            hint=f"run mismatch-probe on node rank 0; on node R run: python -m sglang.launch_server --model-path "
-            f"MODEL --nnodes {spec.nnodes} --node-rank R --dist-init-addr {spec.dist_init_addr or 'HOST:PORT'} "
-            f"--tp-size {spec.tensor_parallel_size} --pp-size {spec.pipeline_parallel_size} "
-            f"--dp-size {spec.data_parallel_size}",
-        )
-
-
-# the CPU ops SGLang's own CPU quantization calls (srt/layers/quantization/w8a8_int8.py and fp8.py,
-# on CPUs with AMX); sgl-kernel's CPU build registers them, and PyPI has no CPU build of it
-CPU_QUANT_OPS = {"w8a8_int8": "int8_scaled_mm_with_quant", "fp8": "fp8_scaled_mm_cpu"}
-
-
-def check_cpu_quantization(spec: EngineSpec, model_path: Path, version: str) -> None:
-    """What quantization SGLang's CPU engine cannot run; raises :class:`ConfigError` before the engine
-    starts. On CPU SGLang quantizes only with its own w8a8_int8 and (block) fp8 methods, through
-    sgl-kernel's CPU ops; the compressed-tensors schemes (fixtures/quantize.py's exports) have no CPU
-    path at all."""
-    from mismatch_probe.modeling.loading import read_config
-
-    declared = read_config(model_path).get("quantization_config") or {}
-    method = spec.quantization or (declared.get("quant_method") if isinstance(declared, dict) else None)
-    if not method:
-        return
-    if method == "compressed-tensors":
-        raise ConfigError(
-            f"SGLang {version} runs compressed-tensors checkpoints on CUDA only: picking each layer's scheme "
-            "asks the CUDA device for its capability (srt/layers/quantization/compressed_tensors/compressed_tensors.py: "
-            "_check_scheme_supported -> "
-            "torch.cuda.get_device_capability; without this check the engine dies at start with 'Torch not "
-            "compiled with CUDA enabled'), and the schemes call CUDA kernels (W8A8 int8: sgl_kernel.int8_scaled_mm, "
-            "imported only when is_cuda(); WNA16: Marlin)",
-            hint="run this checkpoint with vLLM (its CPU build runs W8A8, W4A16 and FP8_DYNAMIC), or SGLang on a GPU",
-        )
-    import torch
-
-    op = CPU_QUANT_OPS.get(str(method))
-    if op is None or not hasattr(torch.ops.sgl_kernel, op):
-        need = (
-            f"sgl-kernel's CPU op torch.ops.sgl_kernel.{op}, which this installation lacks (PyPI has no CPU "
-            "build of sgl-kernel)"
-            if op
-            else f"a CPU path, which {method!r} does not have (SGLang quantizes on CPU only with "
-            f"{' and '.join(CPU_QUANT_OPS)})"
-        )
-        raise ConfigError(
-            f"SGLang {version}'s CPU engine cannot run quantization {method!r}: it needs {need}",
-            hint="run the quantized rollout with vLLM's CPU build, or SGLang on a GPU",
-        )
-
-
-def finish_reason(meta: dict, what: str) -> str:
-    """ "stop" or "length" from SGLang's ``meta_info``. An aborted request (prompt over the context
-    length, KV cache too small for it, ...) is not a sample to score: its tokens stop wherever the
-    abort hit, so it raises with SGLang's own message instead of passing for a normal stop."""
-    finish = meta.get("finish_reason") or {}
-    kind = finish.get("type")
-    if kind == "abort":
-        raise RuntimeError(
-            f"SGLang aborted {what}: {finish.get('message') or 'no message'} (status "
-            f"{finish.get('status_code')}); if it names the KV cache or the context length, raise "
-            "--max-total-tokens / --max-model-len or lower --max-tokens"
-        )
-    return "length" if kind in (None, "length") else "stop"
-
-
-# SGLang (0.5.23 and earlier) reports the id of every prompt token equal to the vocabulary's last
-# id, V - 1, as 0 in ``input_token_logprobs``: logprob_result_processor.py clips the ids it returns
-# with ``x if x < vocab_size - 1 else 0`` (meant for multimodal hash pads, >= V), while the log-prob
-# beside it is gathered at the real id (schedule_batch.py clamps to V - 1 inclusive). Only that
-# pair, on the prefill path alone, is taken as the token it is; every other position stays checked.
-LAST_ID_FINDING = "docs/engine-findings/sglang-last-vocab-id-reported-as-0.md"
-LAST_ID_WORKAROUND = (
-    "a prompt log-prob entry SGLang reports for token 0 where the token is the vocabulary's last id "
-    "(V - 1) is taken as that token's: SGLang rewrites the returned id (x < vocab_size - 1 else 0), "
-    f"not the log-prob ({LAST_ID_FINDING})"
-)
-
-
-def text_vocab_size(model_path: Path) -> int | None:
-    """The vocabulary size SGLang's ModelConfig reads (the text config's ``vocab_size``), from the
-    checkpoint's config.json; None when it has none."""
-    import json
-
-    try:
-        config = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    size = text.get("vocab_size", config.get("vocab_size"))
-    return int(size) if isinstance(size, int) else None
-
-
-def last_id_workaround(last_id: int | None, restored: int) -> dict:
-    """run.json's ``engine.workarounds`` entry for :data:`LAST_ID_WORKAROUND`: what it does and how
-    many prompt log-prob entries it has restored so far (0: it never applied)."""
-    if last_id is None:
-        return {}
-    return {"last_vocab_id_reported_as_0": {"what": LAST_ID_WORKAROUND, "token_id": last_id, "restored": restored}}
-
-
-class PrefillLogprobs:
-    """Reads SGLang's prefill log-probs of a checkpoint, for the in-process adapter and the remote
-    engine's ``sglang`` dialect alike: :data:`LAST_ID_WORKAROUND` applied and counted, every other
-    id checked (:func:`sampled_logprobs`)."""
-
-    def __init__(self, model_path: Path) -> None:
-        vocab_size = text_vocab_size(model_path)
-        self.last_id = None if vocab_size is None else vocab_size - 1
-        self.restored = 0
-
-    def read(self, entries, token_ids: np.ndarray) -> np.ndarray:
-        """The log-prob of each of ``token_ids`` from the entries that score them (SGLang's
-        ``input_token_logprobs`` less its first, which has none)."""
-        entries, restored = restore_last_id(entries, token_ids, self.last_id)
-        self.restored += restored
-        return sampled_logprobs(entries, token_ids)
-
-    def workarounds(self) -> dict:
-        return last_id_workaround(self.last_id, self.restored)
-
-
-def restore_last_id(entries, token_ids: np.ndarray, last_id: int | None) -> tuple[list | None, int]:
-    """Prefill entries with the id SGLang rewrote to 0 at the vocabulary's last id put back (see
-    :data:`LAST_ID_WORKAROUND`), and how many were; anything else is left for
-    :func:`sampled_logprobs` to check."""
-    if not entries or last_id is None or len(entries) != len(token_ids):
-        return entries, 0
-    at = [k for k, (e, t) in enumerate(zip(entries, token_ids)) if int(t) == last_id and e[1] == 0]
-    if not at:
-        return entries, 0
-    fixed = list(entries)
-    for k in at:
-        fixed[k] = (fixed[k][0], last_id, *fixed[k][2:])
-    return fixed, len(at)
-
-
-def sampled_logprobs(entries, token_ids: np.ndarray) -> np.ndarray:
-    """The log-prob of each of ``token_ids`` from SGLang's ``(logprob, token_id, text)`` triples,
-    one per position; a missing entry or one for another token is an engine bug and raises."""
-    n = len(token_ids)
-    if n == 0:
-        return np.zeros(0, np.float32)
-    if entries is None or len(entries) != n:
-        got = "none" if entries is None else len(entries)
-        raise RuntimeError(f"SGLang returned {got} log-prob entries for {n} tokens (return_logprob was requested)")
-    values = np.array([e[0] if e[0] is not None else np.nan for e in entries], dtype=np.float64)
-    ids = np.array([e[1] for e in entries], dtype=np.int64)
-    wrong = np.flatnonzero(ids != np.asarray(token_ids, dtype=np.int64))
-    if wrong.size:
-        k = int(wrong[0])
-        raise RuntimeError(
-            f"SGLang's log-prob entry {k} is for token {int(ids[k])}, but the token there is {int(token_ids[k])}"
-        )
-    if np.isnan(values).any():
-        k = int(np.flatnonzero(np.isnan(values))[0])
-        raise RuntimeError(f"SGLang returned no log-prob for token {int(token_ids[k])} at position {k}")
-    return values.astype(np.float32)

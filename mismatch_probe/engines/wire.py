@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from mismatch_probe.engines.base import Completion, GenerationRequest, ScoreRequest
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: the start reply carries the adapter's capabilities
 
 
 @dataclass

@@ -18,6 +18,7 @@ import traceback
 
 from mismatch_probe.config.spec import EngineSpec, SamplingSpec, SyncSpec
 from mismatch_probe.engines import wire
+from mismatch_probe.engines.base import EngineCapabilities, check_sync
 from mismatch_probe.errors import ConfigError, ProbeError
 from mismatch_probe.version import __version__
 
@@ -25,6 +26,21 @@ from mismatch_probe.version import __version__
 def _load(target: str):
     module_name, _, class_name = target.partition(":")
     return getattr(importlib.import_module(module_name), class_name)
+
+
+def _declared(cls, target: str) -> EngineCapabilities:
+    """What the adapter class declares it can do (ARCHITECTURE.md, Engine contract)."""
+    try:
+        declared = cls.capabilities
+    except AttributeError:
+        declared = None
+    if not isinstance(declared, EngineCapabilities):
+        raise ConfigError(
+            f"the engine adapter {target} declares no capabilities",
+            hint="give its class capabilities = EngineCapabilities(...) (mismatch_probe.engines.base; "
+            "EngineCapabilities() when it has nothing optional)",
+        )
+    return declared
 
 
 def _peak_rss_mib() -> float:
@@ -57,27 +73,17 @@ def serve(requests, replies) -> bool:
             if op == "start":
                 spec = EngineSpec(**h["spec"])
                 cls = _load(h["target"])
+                declared = _declared(cls, h["target"])
                 # an adapter that keeps state between runs (a remote engine's answers received) gets a place for it
-                state = (
-                    {"state_dir": h["state_dir"]} if h.get("state_dir") and getattr(cls, "keeps_state", False) else {}
-                )
+                state: dict = {"state_dir": h["state_dir"]} if h.get("state_dir") and declared.keeps_state else {}
                 if h.get("sync"):  # a [sync] probe: the adapter readies its weight-update path
-                    if not getattr(cls, "weight_sync", False):
-                        raise ConfigError(
-                            f"engine {spec.name!r} has no weight-update path, so [sync] cannot run on it",
-                            hint="sync with the vllm or sglang engine, or a remote SGLang server",
-                        )
-                    state["sync"] = SyncSpec(**h["sync"])
+                    sync = SyncSpec(**h["sync"])
+                    if declared.sync is None:  # refused here; the adapter checks the rest where it knows its platform
+                        check_sync(sync, declared, engine=f"engine {spec.name!r}", on_cpu=None)
+                    state["sync"] = sync
                 engine = cls(h["model"], spec, trust_remote_code=h["trust_remote_code"], **state)
-                wire.send(
-                    replies,
-                    {
-                        "op": "started",
-                        "prefill": getattr(engine, "supports_prefill", hasattr(engine, "prefill_logprobs")),
-                        "prefill_unavailable": getattr(engine, "prefill_unavailable", None),
-                        "digest": hasattr(engine, "weight_digest"),
-                    },
-                )
+                # the instance's: an adapter may narrow its class's (a remote engine's, by its dialect)
+                wire.send(replies, {"op": "started", "capabilities": engine.capabilities.to_header()})
             elif op == "sync_weights":
                 started = engine.sync
                 if h.get("transfer"):  # this sync only (the transfer needs nothing at the start)

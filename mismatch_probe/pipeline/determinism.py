@@ -49,9 +49,9 @@ def engine_determinism(
     from mismatch_probe.engines import GenerationRequest, ScoreRequest
 
     result: dict[str, Any] = {"n_sequences": len(chosen)}
-    if not getattr(engine, "supports_prefill", hasattr(engine, "prefill_logprobs")):
+    if not engine.capabilities.prefill:
         result["prefill"] = None
-        result["prefill_skipped"] = f"the {engine_name} engine cannot re-score sequences with its own prefill"
+        result["prefill_skipped"] = engine.capabilities.why_no_prefill(engine_name)
     elif chosen:
         requests = [ScoreRequest(r.token_ids, first_scored(r)) for r in chosen]
         neighbours = [ScoreRequest(r.token_ids, first_scored(r)) for r in others]

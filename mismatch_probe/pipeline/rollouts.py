@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from mismatch_probe.config.spec import ProbeSpec, rollout_fingerprint
-from mismatch_probe.engines.base import Engine, ScoreRequest
+from mismatch_probe.engines.base import Engine, ScoreRequest, prefill_scorer
 from mismatch_probe.errors import ConfigError, DataError
 from mismatch_probe.files import atomic_path, relative_to_dir
 from mismatch_probe.modeling.logprobs import LogprobSemantics, reference_semantics
@@ -125,7 +125,7 @@ def sample_shards(ctx: RunContext, engine: Engine, missing: list[int]) -> None:
         if prefill_skip is None:
             n_prompt = [len(c.ids[0]) for c in conversations]  # the prompt as the engine saw it
             with timed(ctx.timings, "prefill_s"):
-                scored = engine.prefill_logprobs(  # type: ignore[attr-defined]  # supports_prefill said so
+                scored = prefill_scorer(engine).prefill_logprobs(
                     [ScoreRequest(r.token_ids, n) for r, n in zip(rollouts, n_prompt)],
                     on_progress=lambda k: progress.advance("prefill", k),
                 )
@@ -157,10 +157,8 @@ def prefill_skip_reason(spec: ProbeSpec, engine: Engine, semantics: LogprobSeman
     """Why the decode-vs-prefill check does not run, or None when it does."""
     if not spec.engine.prefill_check:
         return "turned off (engine.prefill_check = false)"
-    if not getattr(engine, "supports_prefill", hasattr(engine, "prefill_logprobs")):
-        if why := getattr(engine, "prefill_unavailable", None):
-            return why
-        return f"the {spec.engine.name} engine cannot re-score sequences with its own prefill"
+    if not engine.capabilities.prefill:
+        return engine.capabilities.why_no_prefill(spec.engine.name)
     if semantics.transforms_logits:
         return (
             f"the engine returns processed log-probs ({semantics.describe()['distribution']}) but prefill "

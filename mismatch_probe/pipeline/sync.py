@@ -140,12 +140,12 @@ def sample_synced(ctx: RunContext, missing: list[int], sample_shards) -> None:
     digests: dict[str, dict] = {}
     stale = None
     try:
-        if not engine.supports_prefill:
+        if not engine.capabilities.prefill:
             raise ConfigError(
                 f"engine {entry.name!r} cannot re-score tokens with its own prefill, which the sync probe compares",
                 hint="sync with the vllm or sglang engine",
             )
-        if engine.supports_digest:
+        if engine.capabilities.weight_digest:
             digests["before"] = engine.weight_digest(sync_dir / "digest-before.npz")
         if sync.warm_cache:
             _sample_prompts(engine, ctx, WARM_MAX_TOKENS, seed=spec.sampling.seed)
@@ -153,7 +153,7 @@ def sample_synced(ctx: RunContext, missing: list[int], sample_shards) -> None:
             progress.log(f"[sync] {r}/{sync.repeats}: {sync.transfer} transfer into {entry.name}")
             report = engine.sync_weights(ctx.model_path, sync_dir / "trainer-checkpoint", fault=fault)
             timings["sync_s"].append(report.get("seconds"))
-            if engine.supports_digest:
+            if engine.capabilities.weight_digest:
                 digests[f"repeat-{r}"] = engine.weight_digest(sync_dir / f"digest-repeat-{r}.npz")
             scored = _prefill(engine, prompts, [1] * len(prompts))
             np.savez(sync_dir / f"prompts-synced-{r}.npz", *scored)
@@ -196,7 +196,7 @@ def sample_synced(ctx: RunContext, missing: list[int], sample_shards) -> None:
         )
         timings["fresh_engine_start_s"] = round(time.perf_counter() - t0, 3)
         try:
-            if fresh.supports_digest:
+            if fresh.capabilities.weight_digest:
                 digests["fresh"] = fresh.weight_digest(sync_dir / "digest-fresh.npz")
             fresh_prompts = _prefill(fresh, prompts, [1] * len(prompts))
             _write_prefill(ctx, fresh, FRESH_PREFILL)

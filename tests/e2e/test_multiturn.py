@@ -7,7 +7,7 @@ import pytest
 from conftest import DENSE, MULTI_TURN
 
 from mismatch_probe.config.spec import ProbeSpec
-from mismatch_probe.engines import Completion
+from mismatch_probe.engines import NOTHING_OPTIONAL, Completion
 from mismatch_probe.modeling.logprobs import LogprobSemantics
 from mismatch_probe.pipeline import compare
 from mismatch_probe.rollout.multiturn import ToolTurnTemplate
@@ -24,6 +24,7 @@ class ScriptedAssistant:
     """Answers turn k with the k-th scripted text (tokenized here), log-prob -0.25 per token."""
 
     name = "scripted"
+    capabilities = NOTHING_OPTIONAL
 
     def __init__(self, tokenizer, turns: list[str]):
         self.tokenizer, self.turns, self.requests = tokenizer, turns, []

@@ -28,8 +28,8 @@ from engine_fixtures import CONFIGS, FIRST_PROMPTS, SharedEngine, first_batch, s
 
 from mismatch_probe.config.spec import EngineSpec
 from mismatch_probe.engines import Completion, GenerationRequest, ScoreRequest, get_entry
-from mismatch_probe.engines import sglang as sglang_adapter
-from mismatch_probe.engines import vllm as vllm_adapter
+from mismatch_probe.engines import sglang_args as sglang_adapter
+from mismatch_probe.engines import vllm_args as vllm_adapter
 from mismatch_probe.engines.process import EngineProcess
 from mismatch_probe.errors import ConfigError
 
@@ -180,7 +180,7 @@ def test_vllm_spans_two_nodes(vllm_engine: SharedEngine, tmp_path, monkeypatch):
         DENSE,
         trust_remote_code=False,
         version="follower",
-        known={*vllm_adapter.ADDRESS_ARGS, *(arg for arg, _ in vllm_adapter.SETTINGS.values()), *spec.extra_args},
+        known={*vllm_adapter.ADDRESS_ARGS, *vllm_adapter.ARGS.values(), *spec.extra_args},
     )
     args["kv_cache_memory_bytes"] = 2**28
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")  # one core for each node's rank

@@ -21,8 +21,9 @@ from mismatch_probe.analysis.sync import weight_findings
 from mismatch_probe.config.spec import SamplingSpec, SyncSpec
 from mismatch_probe.engines import GenerationRequest, get_entry
 from mismatch_probe.engines import weight_sync as ws
+from mismatch_probe.engines.base import check_sync
 from mismatch_probe.engines.process import EngineProcess
-from mismatch_probe.engines.sglang import check_sync
+from mismatch_probe.engines.sglang import CAPABILITIES
 from mismatch_probe.errors import ConfigError
 
 MOE = ROOT / "fixtures/models/tiny-qwen3-moe"
@@ -196,15 +197,15 @@ def test_moe_experts_permutation_is_named(tmp_path):
 )
 def test_check_sync_refuses(sync, on_cpu, says):
     with pytest.raises(ConfigError, match=says):
-        check_sync(sync, on_cpu=on_cpu, version="0.0")
+        check_sync(sync, CAPABILITIES, engine="SGLang 0.0", on_cpu=on_cpu)
 
 
 def test_check_sync_accepts():
-    check_sync(SyncSpec(start_from="perturbed", reset_prefix_cache=False), on_cpu=True, version="0.0")
-    check_sync(SyncSpec(start_from="perturbed", transfer="disk"), on_cpu=True, version="0.0")
-    check_sync(SyncSpec(start_from="perturbed", sleep_level=1), on_cpu=False, version="0.0")
+    check_sync(SyncSpec(start_from="perturbed", reset_prefix_cache=False), CAPABILITIES, engine="SGLang", on_cpu=True)
+    check_sync(SyncSpec(start_from="perturbed", transfer="disk"), CAPABILITIES, engine="SGLang", on_cpu=True)
+    check_sync(SyncSpec(start_from="perturbed", sleep_level=1), CAPABILITIES, engine="SGLang", on_cpu=False)
     with pytest.raises(ConfigError, match="data-parallel"):
-        check_sync(SyncSpec(start_from="perturbed"), on_cpu=False, version="0.0", data_parallel_size=2)
+        check_sync(SyncSpec(start_from="perturbed"), CAPABILITIES, engine="SGLang", on_cpu=False, data_parallel_size=2)
 
 
 @pytest.mark.sglang

@@ -28,9 +28,9 @@ from mismatch_probe.analysis.sync import weight_findings
 from mismatch_probe.config.spec import SyncSpec
 from mismatch_probe.engines import get_entry
 from mismatch_probe.engines import weight_sync as ws
-from mismatch_probe.engines.base import ScoreRequest
+from mismatch_probe.engines.base import ScoreRequest, check_sync
 from mismatch_probe.engines.process import EngineProcess
-from mismatch_probe.engines.vllm import check_sync
+from mismatch_probe.engines.vllm import CAPABILITIES
 from mismatch_probe.errors import ConfigError
 
 pytestmark = pytest.mark.vllm
@@ -136,4 +136,4 @@ def test_moe_sync_on_the_cpu_build(tmp_path, monkeypatch):
 )
 def test_check_sync_refuses_on_cpu(sync, says):
     with pytest.raises(ConfigError, match=says):
-        check_sync(sync, on_cpu=True, version="0.32.0")
+        check_sync(sync, CAPABILITIES, engine="vLLM 0.32.0", on_cpu=True)

@@ -9,8 +9,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from mismatch_probe.engines import sglang, vllm
+from mismatch_probe.engines import sglang_logprobs as sglang
+from mismatch_probe.engines import vllm
 from mismatch_probe.engines.base import check_extra_args
+from mismatch_probe.engines.sglang import UNPINNED_CAPTURE_WORKAROUND, unpinned_capture_workaround
 from mismatch_probe.errors import ConfigError
 
 
@@ -136,7 +138,7 @@ def test_an_applied_workaround_has_a_row_of_its_own_in_the_report():
     settings = dict(setup_rows(record))["engine settings"]
     assert "workarounds" not in settings  # not repeated among the settings
     # a workaround that holds for the whole run (how SGLang's CPU routing buffer is allocated) has no count
-    both = {**sglang.last_id_workaround(1023, 3), **sglang.unpinned_capture_workaround("unpinned")}
+    both = {**sglang.last_id_workaround(1023, 3), **unpinned_capture_workaround("unpinned")}
     record.engine = EngineInfo.model_validate({"engine": "sglang", "workarounds": both})
     ((_, text),) = workaround_rows(record)
-    assert ": 3 entries; " in text and text.endswith(sglang.UNPINNED_CAPTURE_WORKAROUND)
+    assert ": 3 entries; " in text and text.endswith(UNPINNED_CAPTURE_WORKAROUND)

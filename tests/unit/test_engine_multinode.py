@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 from mismatch_probe.cli import app
 from mismatch_probe.config.spec import EngineSpec, ProbeSpec, flag_of, spec_from_dict
 from mismatch_probe.engines import BUILTIN_ENGINES, get_entry
-from mismatch_probe.engines import sglang as sglang_adapter
-from mismatch_probe.engines import vllm as vllm_adapter
+from mismatch_probe.engines import sglang_args as sglang_adapter
+from mismatch_probe.engines import vllm_args as vllm_adapter
 from mismatch_probe.engines.cpu_threads import cpu_thread_binding
 from mismatch_probe.errors import ConfigError
 
@@ -111,9 +111,9 @@ def test_a_bad_layout_exits_2_before_anything_is_written(tmp_path):
 def test_each_engine_lists_the_keys_it_maps():
     assert set(LAYOUT) | {"distributed_executor_backend"} <= BUILTIN_ENGINES["vllm"].settings
     assert set(LAYOUT) <= BUILTIN_ENGINES["sglang"].settings
-    mapped_vllm = set(vllm_adapter.SETTINGS) | {"dist_init_addr"}
+    mapped_vllm = set(vllm_adapter.ARGS) | {"dist_init_addr"}
     assert BUILTIN_ENGINES["vllm"].settings & (set(LAYOUT) | {"distributed_executor_backend"}) <= mapped_vllm
-    assert BUILTIN_ENGINES["sglang"].settings & set(LAYOUT) <= set(sglang_adapter.SETTINGS)
+    assert BUILTIN_ENGINES["sglang"].settings & set(LAYOUT) <= set(sglang_adapter.ARGS)
     for name, value in [
         ("pipeline_parallel_size", 2),
         ("dist_init_addr", "h:1"),

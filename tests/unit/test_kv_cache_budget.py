@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from mismatch_probe.engines.process import is_memory_refusal
-from mismatch_probe.engines.vllm import CPU_KV_CACHE_SHARE, cpu_kv_cache_budget, kv_bytes_per_token
+from mismatch_probe.engines.vllm_args import CPU_KV_CACHE_SHARE, cpu_kv_cache_budget, kv_bytes_per_token
 
 GiB = 2**30
 QWEN3_8B = {

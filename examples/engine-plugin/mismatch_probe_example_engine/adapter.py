@@ -3,8 +3,9 @@
 It samples one request at a time with a full forward over the sequence so far for every token (no
 KV cache: slow, and simple), and returns, for each sampled token, its log-prob under the
 distribution ``semantics`` names (raw: log_softmax of the logits; processed: after temperature,
-top-k and top-p). Optional methods it leaves out: ``prefill_logprobs`` (decode vs its own prefill
-is then reported as not measured) and MoE routing (``Completion.experts``).
+top-k and top-p). Its ``capabilities`` declare what it can do beyond that: nothing optional, so it
+leaves out ``prefill_logprobs`` (decode vs its own prefill is then reported as not measured); MoE
+routing (``Completion.experts``) it leaves out too.
 """
 
 from __future__ import annotations
@@ -17,12 +18,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from mismatch_probe.config.spec import EngineSpec, SamplingSpec
-from mismatch_probe.engines.base import Completion, GenerationRequest, batch_seed
+from mismatch_probe.engines.base import Completion, EngineCapabilities, GenerationRequest, batch_seed
 from mismatch_probe.modeling.logprobs import LogprobSemantics, engine_semantics, logprobs_under
 
 
 class ExampleEngine:
     name = "example-hf"
+    # what it can do beyond sampling: nothing optional (no prefill_logprobs, no weight sync); its
+    # log-probs are raw unless engine.logprobs_mode says otherwise
+    capabilities = EngineCapabilities()
 
     def __init__(self, model_path: str | Path, spec: EngineSpec, *, trust_remote_code: bool = False):
         self.spec = spec
