@@ -265,7 +265,7 @@ def _write_prefill(ctx: RunContext, engine, name: str) -> None:
 
 def _n_experts(ctx: RunContext) -> int | None:
     """The routed experts of a MoE checkpoint (the run's ``architecture``: modeling/architecture.py), else None."""
-    moe = (ctx.record.architecture or {}).get("moe") or {}
+    moe = ctx.record.moe()
     return moe.get("routed_experts")
 
 

@@ -92,7 +92,7 @@ def comparison_view(runs: list[RunData], title: str = "") -> ComparisonView:
         if any(v is not None for v in values):
             metric_rows.append(_ranked(label, f"{section}.{key}", METRIC_DOC[key].meaning, values, better))
     correction_rows = [
-        _ranked(doc.label, key, doc.meaning, [(r.record.corrections or {}).get(key) for r in runs], "lower", pct)
+        _ranked(doc.label, key, doc.meaning, [r.record.correction(key) for r in runs], "lower", pct)
         for key, doc in CORRECTION_DOCS.items()
     ]
 
@@ -101,10 +101,10 @@ def comparison_view(runs: list[RunData], title: str = "") -> ComparisonView:
         for what in ("model", "prompts")
         if len({s.get(what) for s in settings}) > 1
     ]
-    thresholds = {json.dumps((r.record.corrections or {}).get("thresholds"), sort_keys=True) for r in runs}
+    thresholds = {json.dumps(r.record.correction("thresholds"), sort_keys=True) for r in runs}
     if len(thresholds) > 1:
         warnings.append("The runs use different correction thresholds; their what-if shares are not comparable.")
-    sources = {resolve_from_dir(r.path, (r.record.rollouts_from or {}).get("run") or ".") for r in runs}
+    sources = {resolve_from_dir(r.path, r.record.rollouts_source().run or ".") for r in runs}
     grouped = [("", 1), *groups, ("", 1)]
     return ComparisonView(
         kind="comparison",

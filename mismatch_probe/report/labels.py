@@ -12,7 +12,7 @@ from typing import Any
 
 from mismatch_probe.analysis.metric_docs import CORRECTION_DOCS, METRIC_DOC, negative_chi2_note
 from mismatch_probe.numbers import fmt, mib, pct
-from mismatch_probe.record import EngineInfo, Environment, Inputs, ReferenceInfo, RunRecord
+from mismatch_probe.record import EngineInfo, Environment, Inputs, ReferenceInfo, RunRecord, SyncInfo
 
 # an imported dump re-scored by the reference (record.trainer): its trainer's log-probs against both
 TRAINER_COLUMNS = (
@@ -30,7 +30,7 @@ def trainer_is_reference(record: RunRecord) -> bool:
 def main_column(record: RunRecord) -> str:
     """What the metrics' first column compares."""
     if trainer_is_reference(record):
-        return f"engine vs your trainer ({(record.imported_from or {}).get('format', 'dump')})"
+        return f"engine vs your trainer ({record.import_info().format or 'dump'})"
     return "engine vs reference"
 
 
@@ -131,7 +131,7 @@ def engine_label(record: RunRecord) -> str:
 
 def reference_label(record: RunRecord) -> str:
     if trainer_is_reference(record):
-        return f"your trainer ({(record.imported_from or {}).get('format', 'dump')}, from the dump)"
+        return f"your trainer ({record.import_info().format or 'dump'}, from the dump)"
     ref = record.reference or ReferenceInfo()
     dtype = ref.dtype or record.spec.reference.dtype
     parts = ["HF", short_dtype(dtype)]
@@ -408,7 +408,10 @@ def sync_verdict(sync: Mapping[str, Any]) -> tuple[bool, str]:
     repeats = sync.get("repeats") or []
     if not repeats:
         return False, "no sync was measured"
-    shares = [(r.get("repeat", k + 1), (r.get("fidelity") or {}).get("bitwise_share")) for k, r in enumerate(repeats)]
+    shares = [
+        (k + 1 if r.repeat is None else r.repeat, r.fidelity.get("bitwise_share"))
+        for k, r in enumerate(SyncInfo.model_validate(sync).repeats)
+    ]
     off = [(k, share) for k, share in shares if share != 1]
     if not off:
         return True, SYNC_CLEAN

@@ -211,7 +211,7 @@ def routing_tables(record: RunRecord) -> tuple[str, list[Table]]:
         # an MoE model whose engine cannot return its routing: say why the section is missing
         why = record.engine.to_dict().get("routing_unavailable") if record.engine else None
         asked = (record.spec.engine.to_dict() if record.spec.engine else {}).get("record_routing", True)
-        if not (record.architecture or {}).get("moe") or not why or not asked:
+        if not record.moe() or not why or not asked:
             return "", []
         lead = f"not measured: {why}"
         return lead, [Table("routing", "MoE routing agreement", [Column("", "text")], [Row([lead])])]
@@ -262,10 +262,8 @@ def routing_replay_view(record: RunRecord) -> tuple[str, Table | None]:
         return (f"Routing replay (R3): {why}." if isinstance(why, str) and why.startswith("not run") else ""), None
     groups = [("all tokens", replay)]
     if labels.has_later_turns(record):
-        by_turn = r.get("by_turn") or {}
         groups += [
-            (label, (by_turn.get(key) or {}).get("replay") or {})
-            for key, label in (("first", labels.FIRST_TURN), ("later", labels.LATER_TURNS))
+            (label, record.replay(key)) for key, label in (("first", labels.FIRST_TURN), ("later", labels.LATER_TURNS))
         ]
     groups.append(("tokens whose routing flipped", replay.get("flipped") or {}))
     table = Table(
@@ -462,7 +460,7 @@ def _run_rows(record: RunRecord) -> Pairs:
 
 def run_view(record: RunRecord, path: Path, dist: dict | None = None) -> RunView:
     """A run's pages, from its record and (for the worst sequences) its distributions."""
-    worst = (dist or {}).get("worst_sequences") or []
+    worst = dist.get("worst_sequences") or [] if dist else []
     routing_lead, routing = routing_tables(record)
     name = labels.run_label(record, path)
     return RunView(

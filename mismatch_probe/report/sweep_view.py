@@ -97,8 +97,8 @@ def attribution_table(record: SweepRecord) -> Table:
         if p.status != "ok":
             rows.append(Row([name], note=f"{p.status}: {p.reason}"))
             continue
-        effects = [p.delta_vs_baseline.get(m) or {} for m in heads]
-        within = bool((p.delta_vs_baseline.get("k3_kl") or {}).get("within_noise"))
+        effects = [p.effect(m) for m in heads]
+        within = bool(p.effect("k3_kl").get("within_noise"))
         rows.append(
             Row(
                 [name]
@@ -123,7 +123,7 @@ def attribution_table(record: SweepRecord) -> Table:
 
 
 def noise_table(record: SweepRecord) -> Table:
-    floor = (record.noise_floor or {}).get("metrics") or {}
+    floor = {metric: record.floor(metric) for metric in record.noise_floor.get("metrics") or {}}
     shown = {**headlines(), **{k: k for k in NOISE_METRICS}}
     return Table(
         "noise",
@@ -144,7 +144,7 @@ def determinism_table(record: SweepRecord) -> Table:
     d = record.determinism or {}
     rows = []
     for key, label in DETERMINISM_LABELS.items():
-        c = (d.get("prefill") or {}).get(key)
+        c = record.prefill_determinism(key)
         if c:
             rows.append(Row([label, fmt(c["n_tokens"]), pct(c["bitwise_equal_share"]), fmt(c["max_abs_delta"])]))
     same = d.get("same_seed")
@@ -274,7 +274,7 @@ def sweep_view(record: SweepRecord) -> SweepView:
         noise=noise_table(record),
         determinism=determinism_table(record),
         determinism_notes=[
-            f"{n}." for n in ((record.determinism or {}).get(k) for k in ("prefill_skipped", "same_seed_note")) if n
+            f"{n}." for n in (record.determinism_note(k) for k in ("prefill_skipped", "same_seed_note")) if n
         ],
         points=points_table(record),
         corrections=corrections_table(record),

@@ -43,7 +43,7 @@ def _present_groups(dist: dict) -> list[str]:
 
 def buckets(record: RunRecord, name: str) -> list[dict]:
     """A breakdown of the run (``p_infer_buckets``, ``response_length_buckets``, ``position_buckets``)."""
-    return (record.breakdowns or {}).get(name) or []
+    return record.breakdown(name)
 
 
 def bucket_labels(rows: list[dict]) -> list[str]:
@@ -246,7 +246,7 @@ def mismatch_by_position(record: RunRecord, dist: dict) -> Figure:
 def importance_ratio(record: RunRecord, dist: dict) -> Figure:
     """Distribution of the token log-ratio and of the sequence log-ratio (log IS weights), with
     the thresholds of the correction what-ifs."""
-    th = (record.corrections or {}).get("thresholds") or {}
+    th = record.correction_thresholds()
     token = np.sum([np.array(dist["groups"][g]["log_ratio_hist"], float) for g in ("first", "later")], axis=0)
     panels = (
         (
@@ -273,7 +273,7 @@ def importance_ratio(record: RunRecord, dist: dict) -> Figure:
             ax.set_yscale("log")
             ax.set_ylim(bottom, 1.0)
         for key, sub in lines:
-            value = (th.get(key) or {}).get(sub)
+            value = th.get(key, {}).get(sub)
             if value:
                 ax.axvline(math.log(value), color=RED, ls=(0, (4, 3)), lw=0.9)
                 ax.text(

@@ -45,7 +45,7 @@ def forest_plot(record: SweepRecord, metrics: dict[str, str]) -> Figure:
         3.3 * len(metrics) + 0.065 * widest, height, ncols=len(metrics), left=0.3 + 0.065 * widest, top=0.3, wspace=0.08
     )
     for ax, (metric, label) in zip(axes, metrics.items()):
-        floor = (record.noise_floor.get("metrics") or {}).get(metric) or {}
+        floor = record.floor(metric)
         if floor.get("max_over_min"):
             spread = floor["max_over_min"]
             ax.axvspan(1 / spread, spread, color="#dde2ea", alpha=0.7, label="baseline repeats' spread")
@@ -71,7 +71,7 @@ def forest_plot(record: SweepRecord, metrics: dict[str, str]) -> Figure:
 
 def cost_plot(record: SweepRecord) -> Figure:
     """Each point's cost (throughput lost, %) against its K3, with the gate's K3 line when it has one."""
-    thresholds = (record.gate or {}).get("bounds") or {}
+    thresholds = record.gate_bounds()
     pts: list[tuple[str, float, float, str | None]] = []
     for p in record.points:
         c, k3 = p.cost.get("cost"), p.metrics.get("k3_kl")

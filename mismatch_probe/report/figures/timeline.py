@@ -90,7 +90,7 @@ def _band(ax: Axes, x: np.ndarray, cols: dict[str, np.ndarray], key: str, color:
 def _window(ax: Axes, record: TimelineRecord, metrics: tuple[str, ...]) -> None:
     """The baseline window of the first of ``metrics`` that was tested, shaded."""
     for metric in metrics:
-        span = (record.drift.get(metric) or {}).get("baseline_steps")
+        span = record.drift_of(metric).get("baseline_steps")
         if span and not record.drift[metric].get("reason"):
             ax.axvspan(span[0], span[-1], color=GREY, alpha=0.18, lw=0, label="baseline window")
             return
