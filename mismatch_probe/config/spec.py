@@ -50,6 +50,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 
 from mismatch_probe.config.keys import KeyLines, unknown_key
+from mismatch_probe.config.remote_dialects import REMOTE_DIALECTS, api_help
 from mismatch_probe.config.settings import SettingInfo, info_of, setting
 from mismatch_probe.config.sweep_spec import SweepSpec
 from mismatch_probe.config.validation import (
@@ -133,11 +134,17 @@ LOGPROBS_MODES: tuple[str, ...] = typing.get_args(LogprobsMode)
 # does), "processed" (temperature, top-k, top-p)
 ReferenceLogprobs = Literal["engine", "raw", "temperature", "processed"]
 ExecutorBackend = Literal["mp", "ray", "uni", "external_launcher"]  # vLLM 0.32's ParallelConfig choices
-# openai: /v1/completions (vllm serve); sglang: SGLang's /generate; swift: ms-swift's `swift rollout` (/infer/)
-RemoteApi = Literal["openai", "sglang", "swift"]
-# what each engine returns when nobody asks: SGLang's sampler gives log_softmax(logits / T)
-# and ms-swift's rollout server forces vLLM's processed_logprobs (swift/pipelines/infer/rollout.py: get_infer_engine)
-ENGINE_DEFAULT_LOGPROBS_MODE = {"sglang": "processed", "remote-sglang": "processed", "remote-swift": "processed"}
+# the remote engine's dialects (config/remote_dialects.py): a Literal of their names, built from the list
+if TYPE_CHECKING:
+    RemoteApi = str
+else:
+    RemoteApi = Literal[tuple(REMOTE_DIALECTS)]
+# what each engine returns when nobody asks: SGLang's sampler gives log_softmax(logits / T); a
+# remote server what its dialect's line says
+ENGINE_DEFAULT_LOGPROBS_MODE = {
+    "sglang": "processed",
+    **{f"remote-{api}": d.logprobs_mode for api, d in REMOTE_DIALECTS.items() if d.logprobs_mode != "raw"},
+}
 
 # help panels of the CLI
 INPUTS, ENGINE, LAYOUT, REMOTE, SAMPLING, REFERENCE, CORRECTIONS, SYNC = (
@@ -474,7 +481,7 @@ class EngineSpec(_Settings):
         not_an_axis="it is a table",
         metavar="KEY=VALUE",
     )
-    # remote: a rollout server that is already running (engines/remote.py)
+    # remote: a rollout server that is already running (engines/remote/)
     url: str | None = setting(
         None,
         "A running rollout server to probe instead of starting an engine: http(s)://HOST:PORT.",
@@ -486,8 +493,7 @@ class EngineSpec(_Settings):
     )
     api: RemoteApi = setting(
         "openai",
-        "The server's API: openai (vllm serve: /v1/completions), sglang (/generate) or swift "
-        "(ms-swift's swift rollout: /infer/, chat messages in).",
+        api_help(),
         flag="--engine-api",
         affects="rollouts",
         engines=("remote",),
