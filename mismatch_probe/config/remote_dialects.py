@@ -36,6 +36,10 @@ REMOTE_DIALECTS: dict[str, RemoteDialectEntry] = {
         "/infer/, chat messages in",
         "processed",
     ),
+    # trl vllm-serve starts vLLM with --logprobs-mode processed_logprobs (trl/scripts/vllm_serve.py: build_command)
+    "trl": RemoteDialectEntry(
+        "mismatch_probe.engines.remote.trl:TRLDialect", "TRL's trl vllm-serve", "/v1/completions", "processed"
+    ),
 }
 
 
