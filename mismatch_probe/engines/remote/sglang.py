@@ -200,11 +200,11 @@ class SGLangDialect(Dialect):
     def load_tensors(self, session: Session, named, sync: SyncSpec, server: dict) -> dict:
         from mismatch_probe.engines import weight_sync as ws
 
-        session = "the weight-update session"
-        begin = session.try_update("/begin_weight_update", {}, f"opening {session} (/begin_weight_update)")
+        weight_update = "the weight-update session"
+        begin = session.try_update("/begin_weight_update", {}, f"opening {weight_update} (/begin_weight_update)")
         if not begin[0]:
             raise RouteFailed(
-                f"SGLang at {session.where('/begin_weight_update')} did not open {session}: {server_message(begin[1])}",
+                f"SGLang at {session.where('/begin_weight_update')} did not open {weight_update}: {server_message(begin[1])}",
                 status=0,
                 hint="if a sync was interrupted, its session is still open: POST /end_weight_update to the server "
                 "closes it",
@@ -222,11 +222,11 @@ class SGLangDialect(Dialect):
                 messages.add(str(answer.get("message")) if isinstance(answer, dict) else str(answer))
         except RouteFailed as exc:
             failed = exc
-        end = session.try_update("/end_weight_update", {}, f"closing {session} (/end_weight_update)")
+        end = session.try_update("/end_weight_update", {}, f"closing {weight_update} (/end_weight_update)")
         if failed is not None:
             raise failed
         if not end[0]:
-            raise RouteFailed(f"SGLang did not close {session}: {server_message(end[1])}", status=0)
+            raise RouteFailed(f"SGLang did not close {weight_update}: {server_message(end[1])}", status=0)
         return {
             "call": "POST /update_weights_from_tensor {serialized_named_tensors, flush_cache: false} per bucket, "
             "between POST /begin_weight_update and POST /end_weight_update (srt/entrypoints/http_server.py; "
