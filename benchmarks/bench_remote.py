@@ -31,7 +31,7 @@ from remote_fixtures import scripted_server
 from mismatch_probe.config.spec import SamplingSpec
 from mismatch_probe.engines.base import GenerationRequest
 from mismatch_probe.engines.http_client import Client, Journal
-from mismatch_probe.engines.remote import OpenAIDialect
+from mismatch_probe.engines.remote.openai import OpenAIDialect
 
 SMOKE = {"requests": 16, "latency_ms": 1.0, "tokens": 8}
 

@@ -80,7 +80,7 @@ def check_first_and_later_turns(rec: dict) -> None:
 # The tiers: tests/unit is the fast one (`pytest -m "not slow"`, under a minute), less its tests that
 # start rank processes; whole runs, real engines, dumps, model families and the benchmarks' smoke runs
 # are slow by their directory.
-SLOW_DIRECTORIES = ("e2e", "engines", "dumps", "families", "gpu", "swift", "benchmarks")
+SLOW_DIRECTORIES = ("e2e", "engines", "dumps", "families", "gpu", "swift", "trl", "benchmarks")
 
 
 def tier_of(path) -> str:

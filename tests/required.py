@@ -17,6 +17,7 @@ COMPONENTS = {
     "SGLANG": "SGLang from .venv-sglang (tests/sglang-cpu/install.sh): every test marked sglang",
     "VERL": "verl's DataProto in .verl-site (tests/dumps/install-verl.sh): the verl dumps",
     "SWIFT": "ms-swift in .swift-site (tests/swift/install.sh): swift rollout and its protocol",
+    "TRL": "TRL in .trl-site (tests/trl/install.sh): a real trl vllm-serve through the trl dialect",
     "BROWSER": "Chromium and playwright: the HTML report in a browser",
     "DOCS": "the docs extra (mkdocs-material): the documentation site's build",
 }

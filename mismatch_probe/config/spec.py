@@ -50,6 +50,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 
 from mismatch_probe.config.keys import KeyLines, unknown_key
+from mismatch_probe.config.remote_dialects import REMOTE_DIALECTS, api_help
 from mismatch_probe.config.settings import EVERY_ENGINE, SettingInfo, info_of, setting
 from mismatch_probe.config.sweep_spec import SweepSpec
 from mismatch_probe.config.validation import (
@@ -135,16 +136,18 @@ LOGPROBS_MODES: tuple[str, ...] = typing.get_args(LogprobsMode)
 # does), "processed" (temperature, top-k, top-p)
 ReferenceLogprobs = Literal["engine", "raw", "temperature", "processed"]
 ExecutorBackend = Literal["mp", "ray", "uni", "external_launcher"]  # vLLM 0.32's ParallelConfig choices
-# openai: /v1/completions (vllm serve); sglang: SGLang's /generate; swift: ms-swift's `swift rollout` (/infer/)
-RemoteApi = Literal["openai", "sglang", "swift"]
+# the remote engine's dialects (config/remote_dialects.py): a Literal of their names, built from the list
+if TYPE_CHECKING:
+    RemoteApi = str
+else:
+    RemoteApi = Literal[tuple(REMOTE_DIALECTS)]
 # what each engine returns when nobody asks (raw where not named): SGLang's sampler gives
-# log_softmax(logits / T) and ms-swift's rollout server forces vLLM's processed_logprobs
-# (swift/pipelines/infer/rollout.py: get_infer_engine); a remote engine by its API ("remote-<api>").
-# The one place it is written: spec normalization and the adapters read it (default_logprobs_mode).
+# log_softmax(logits / T); a remote engine ("remote-<api>") what its dialect's line says
+# (config/remote_dialects.py). The one place it is written: spec normalization and the adapters
+# read it (default_logprobs_mode).
 ENGINE_DEFAULT_LOGPROBS_MODE: dict[str, LogprobsMode] = {
     "sglang": "processed",
-    "remote-sglang": "processed",
-    "remote-swift": "processed",
+    **{f"remote-{api}": d.logprobs_mode for api, d in REMOTE_DIALECTS.items() if d.logprobs_mode != "raw"},
 }
 
 
@@ -491,7 +494,7 @@ class EngineSpec(_Settings):
         not_an_axis="it is a table",
         metavar="KEY=VALUE",
     )
-    # remote: a rollout server that is already running (engines/remote.py)
+    # remote: a rollout server that is already running (engines/remote/)
     url: str | None = setting(
         None,
         "A running rollout server to probe instead of starting an engine: http(s)://HOST:PORT.",
@@ -503,8 +506,7 @@ class EngineSpec(_Settings):
     )
     api: RemoteApi = setting(
         "openai",
-        "The server's API: openai (vllm serve: /v1/completions), sglang (/generate) or swift "
-        "(ms-swift's swift rollout: /infer/, chat messages in).",
+        api_help(),
         flag="--engine-api",
         affects="rollouts",
         engines=("remote",),

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 
 from mismatch_probe.config.keys import did_you_mean
+from mismatch_probe.config.remote_dialects import servers_described
 from mismatch_probe.config.spec import COMMON_ENGINE_SETTINGS, EngineSpec, engine_settings, flag_of, spec_settings
 from mismatch_probe.engines.base import (
     NOTHING_OPTIONAL,
@@ -118,7 +119,7 @@ BUILTIN_ENGINES = {
         target="mismatch_probe.engines.remote:RemoteEngine",
         requires=("httpx",),
         install_hint="pip install httpx",
-        description="a running rollout server over HTTP: vllm serve (--engine-api openai) or SGLang (--engine-api sglang)",
+        description=f"a running rollout server over HTTP: {servers_described(flag_of('engine.api'))}",
         settings=engine_settings("remote"),
         check="mismatch_probe.engines.remote:check_spec",
     ),

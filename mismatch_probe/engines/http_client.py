@@ -168,7 +168,7 @@ class Client:
                 if reply.status_code in (401, 403):
                     raise ConfigError(
                         f"the rollout server at {self.where(path)} refused the request: HTTP {reply.status_code}: "
-                        f"{self.redact(_message(_parse(reply)))}",
+                        f"{self.redact(server_message(_parse(reply)))}",
                         hint=AUTH_HINT,
                     )
                 return reply.status_code, _parse(reply)
@@ -261,7 +261,7 @@ class Client:
                     if not isinstance(answer, (dict, list)):
                         raise RequestFailed(f"{what}: the server's answer is not JSON: {str(answer)[:200]}")
                     return answer  # type: ignore[return-value]
-                reason = f"HTTP {reply.status_code}: {_message(_parse(reply))}"
+                reason = f"HTTP {reply.status_code}: {server_message(_parse(reply))}"
                 if reply.status_code not in RETRY_STATUS and reply.status_code < 500:
                     raise RequestFailed(f"{what}: {self.redact(reason)}", status=reply.status_code)
                 retry_after = _retry_after(reply.headers.get("retry-after"))
@@ -286,7 +286,7 @@ def _parse(reply) -> object:
         return reply.text
 
 
-def _message(answer: object) -> str:
+def server_message(answer: object) -> str:
     """The server's own error message: OpenAI's ``{"error": {"message": ...}}``, FastAPI's
     ``{"detail": ...}``, SGLang's ``{"error": ...}``, or the text."""
     if isinstance(answer, dict):

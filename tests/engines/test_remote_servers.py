@@ -153,7 +153,7 @@ def test_sglang_server_probe_agrees_with_the_in_process_engine(sglang_server, sg
     assert dvp["n_model_tokens"] == rec["metrics"]["n_model_tokens"] > 0 and dvp["k3_kl"] < 1e-3
 
 
-# ---- weight sync through the servers' own routes (engines/remote.py: sync_weights) ----------------
+# ---- weight sync through the servers' own routes (engines/remote/engine.py: sync_weights) ----------------
 # After the probes above: each server syncs the perturbed checkpoint in (the next step's weights) and
 # the fixture model back, so it serves the model as it started when the module ends. A server's
 # parameters cannot be read from outside it, so its prompt log-probs on fixed sequences are checked.

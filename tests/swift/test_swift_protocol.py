@@ -26,7 +26,7 @@ from required import unavailable
 
 from mismatch_probe.config.spec import SamplingSpec
 from mismatch_probe.engines.base import GenerationRequest
-from mismatch_probe.engines.remote import SwiftDialect
+from mismatch_probe.engines.remote.swift import SwiftDialect
 
 SITE = ROOT / ".swift-site"
 

@@ -12,8 +12,8 @@ from conftest import ROOT
 
 REFERENCE = re.compile(r"([a-z_][a-z0-9_/]*\.py): ([A-Za-z_][A-Za-z0-9_]*)")
 CODE_DIRS = ("mismatch_probe", "tests", "scripts", "benchmarks", "examples")
-# the top directories of the engines' sources (sglang's as ``srt/...`` too) and ms-swift's: not this repository's
-ENGINE_SOURCES = ("vllm", "sglang", "srt", "swift")
+# the top directories of the engines' sources (sglang's as ``srt/...`` too), ms-swift's and TRL's: not this repository's
+ENGINE_SOURCES = ("vllm", "sglang", "srt", "swift", "trl")
 
 
 def defined_names(path: Path) -> set[str]:

@@ -14,7 +14,8 @@ from remote_fixtures import scripted_server, self_signed_certificate
 from mismatch_probe.config.spec import ProbeSpec, spec_from_dict
 from mismatch_probe.engines import get_entry
 from mismatch_probe.engines.http_client import Client, Journal, RequestFailed, body_key, redact_url
-from mismatch_probe.engines.remote import _label_value, _prometheus_labels, _token_id, check_spec, server_changes
+from mismatch_probe.engines.remote import check_spec, server_changes
+from mismatch_probe.engines.remote.openai import _label_value, _prometheus_labels, _token_id
 from mismatch_probe.errors import ConfigError
 
 MODEL = "tiny-qwen2"

@@ -12,7 +12,10 @@ import pytest
 
 from mismatch_probe.config.spec import SamplingSpec
 from mismatch_probe.engines.base import GenerationRequest
-from mismatch_probe.engines.remote import OpenAIDialect, ServerInfo, SGLangDialect, SwiftDialect
+from mismatch_probe.engines.remote.dialect import ServerInfo
+from mismatch_probe.engines.remote.openai import OpenAIDialect
+from mismatch_probe.engines.remote.sglang import SGLangDialect
+from mismatch_probe.engines.remote.swift import SwiftDialect
 from mismatch_probe.engines.routed_experts import MoeLayout
 from mismatch_probe.errors import EngineError
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mismatch_probe.engines.base import GenerationRequest
-from mismatch_probe.engines.remote import SwiftDialect
+from mismatch_probe.engines.remote.swift import SwiftDialect
 from mismatch_probe.engines.wire import requests_to_table, table_to_requests
 from mismatch_probe.errors import ConfigError, EngineError
 from mismatch_probe.rollout.multiturn import Conversation, ServerTemplateCheck
