@@ -5,7 +5,7 @@ Each line names the dialect class (``"module:Class"``, imported only when a run 
 server: ``engines/remote/dialect.py: dialect_class``), the server that speaks it, the route it
 samples through, and what the server's log-probs are when nobody asks. Read from here: the choices
 of ``engine.api`` and its help (so the CLI, docs/settings.md and the JSON Schema), each dialect's
-default ``engine.logprobs_mode`` (``config/spec.py: ENGINE_DEFAULT_LOGPROBS_MODE``) and the ``remote``
+default ``engine.logprobs_mode`` (``config/choices.py: ENGINE_DEFAULT_LOGPROBS_MODE``) and the ``remote``
 engine's description in ``mismatch-probe engines``. The list lives in the config layer because the
 spec's declaration reads it (ARCHITECTURE.md, Layers); what each dialect does is in its module.
 """
@@ -21,7 +21,9 @@ class RemoteDialectEntry:
     target: str  # the dialect class, "module:Class"
     server: str  # what runs it, as people call it
     route: str  # the route it samples through (and what goes in, where that is not token ids)
-    logprobs_mode: Literal["raw", "processed"] = "raw"  # what the server's log-probs are when nobody asks (LogprobsMode)
+    logprobs_mode: Literal["raw", "processed"] = (
+        "raw"  # what the server's log-probs are when nobody asks (LogprobsMode)
+    )
 
 
 REMOTE_DIALECTS: dict[str, RemoteDialectEntry] = {

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from mismatch_probe.config.keys import unknown_key
-from mismatch_probe.config.spec import FINGERPRINT_SCHEMA, ProbeSpec, apply_overrides
+from mismatch_probe.config.spec import FINGERPRINT_SCHEMA, ProbeSpec
+from mismatch_probe.config.spec_reading import apply_overrides
 from mismatch_probe.config.sweep_spec import AxisValue, SweepAxis, SweepSpec, value_name
 from mismatch_probe.errors import ConfigError
 

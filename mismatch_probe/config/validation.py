@@ -118,3 +118,8 @@ def phrase(err: ErrorDetails, choices: tuple[Any, ...] = (), phrases: dict[str, 
         return f"must match {ctx.get('pattern')}, got {value!r}"
     msg = err["msg"]
     return msg[:1].lower() + msg[1:]
+
+
+def dotted(loc: tuple[str | int, ...] | Any) -> str:
+    """A pydantic error location as a dotted key: ``("engine", "tp")`` -> ``engine.tp``."""
+    return ".".join(str(p) for p in loc)

@@ -382,7 +382,7 @@ def _dotted(d: dict, prefix: str = "") -> dict:
 # ---- the weight-sync probe (record.sync) --------------------------------------------------------
 
 SYNC_CLEAN = "the synced engine matches a fresh load bit for bit"
-# the start checkpoint the probe makes itself (config/spec.py: PERTURBED)
+# the start checkpoint the probe makes itself (config/choices.py: PERTURBED)
 SYNC_START = {"perturbed": "perturbed (the model with small deterministic noise, made by the probe)"}
 # the sync's timings (sync.timings), in the order shown; sync_s holds one duration per sync
 SYNC_TIMING_LABELS = {
