@@ -36,7 +36,7 @@ SMOKE_SWEEP = {"repeats": 1, "determinism_sequences": 2, "n_boot": 100}
 
 def smoke_spec(path: str):
     """The spec at ``path`` at a smoke size: one engine start, a handful of tokens."""
-    from mismatch_probe.config.spec import apply_overrides, load_spec_file
+    from mismatch_probe.config.spec_reading import apply_overrides, load_spec_file
 
     spec = load_spec_file(path)
     overrides = dict(SMOKE)

@@ -170,7 +170,8 @@ def compare(
 
 def _spec(spec_file: Path | None, overrides: dict[str, object], settings: list[str] | None = None):
     """The spec a command runs: the file (or the defaults), then its flags, then ``--set`` settings."""
-    from mismatch_probe.config.spec import ProbeSpec, apply_overrides, load_spec_file
+    from mismatch_probe.config.spec import ProbeSpec
+    from mismatch_probe.config.spec_reading import apply_overrides, load_spec_file
 
     spec = load_spec_file(spec_file) if spec_file else ProbeSpec()
     spec = apply_overrides(spec, overrides)  # paths as typed: the spec resolves them and records them as given

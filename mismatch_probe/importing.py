@@ -27,14 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from mismatch_probe.config.spec import (
-    FINGERPRINT_SCHEMA,
-    EngineSpec,
-    ProbeSpec,
-    apply_overrides,
-    flag_of,
-    spec_settings,
-)
+from mismatch_probe.config.spec import FINGERPRINT_SCHEMA, EngineSpec, ProbeSpec, flag_of, spec_settings
+from mismatch_probe.config.spec_reading import apply_overrides
 from mismatch_probe.dumps import SAMPLED_SETTINGS, DumpFormat, get_format, open_dump
 from mismatch_probe.dumps.base import DumpReader
 from mismatch_probe.dumps.samples import Checked, to_rollout

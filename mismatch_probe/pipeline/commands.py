@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mismatch_probe.config.spec import ProbeSpec, apply_overrides
+from mismatch_probe.config.spec import ProbeSpec
+from mismatch_probe.config.spec_reading import apply_overrides
 from mismatch_probe.engines.base import Engine
 from mismatch_probe.errors import ConfigError
 from mismatch_probe.pipeline import stages

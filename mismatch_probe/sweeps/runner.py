@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from mismatch_probe.config.spec import FINGERPRINT_SCHEMA, ProbeSpec, load_spec_file
+from mismatch_probe.config.spec import FINGERPRINT_SCHEMA, ProbeSpec
+from mismatch_probe.config.spec_reading import load_spec_file
 from mismatch_probe.config.sweep import BASELINE, SweepPlan, SweepPoint, engine_key, sweep_points
 from mismatch_probe.errors import ConfigError, ProbeError
 from mismatch_probe.files import portable_path, write_atomic

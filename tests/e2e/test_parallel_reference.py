@@ -15,7 +15,8 @@ import pytest
 from conftest import DENSE, MOE
 from reference_checks import RAW, independent, make_rollouts
 
-from mismatch_probe.config.spec import ProbeSpec, ReferenceSpec, apply_overrides
+from mismatch_probe.config.spec import ProbeSpec, ReferenceSpec
+from mismatch_probe.config.spec_reading import apply_overrides
 from mismatch_probe.errors import ConfigError, DataError
 from mismatch_probe.files import resolve_from_dir
 from mismatch_probe.reference import open_reference_scorer

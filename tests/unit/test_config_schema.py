@@ -10,7 +10,7 @@ import jsonschema  # the test extra installs it
 import pytest
 
 from mismatch_probe.config import schema
-from mismatch_probe.config.spec import spec_from_dict
+from mismatch_probe.config.spec_reading import spec_from_dict
 from mismatch_probe.config.thresholds import ThresholdsFile
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,11 +14,9 @@ from mismatch_probe.config.spec import (
     EngineSpec,
     ProbeSpec,
     SamplingSpec,
-    apply_overrides,
-    load_spec_file,
     rollout_fingerprint,
-    spec_from_dict,
 )
+from mismatch_probe.config.spec_reading import apply_overrides, load_spec_file, spec_from_dict
 from mismatch_probe.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]

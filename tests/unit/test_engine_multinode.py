@@ -15,7 +15,8 @@ from conftest import DENSE, SGLANG_PYTHON, SINGLE_TURN
 from typer.testing import CliRunner
 
 from mismatch_probe.cli import app
-from mismatch_probe.config.spec import EngineSpec, ProbeSpec, flag_of, spec_from_dict
+from mismatch_probe.config.spec import EngineSpec, ProbeSpec, flag_of
+from mismatch_probe.config.spec_reading import spec_from_dict
 from mismatch_probe.engines import BUILTIN_ENGINES, get_entry
 from mismatch_probe.engines import sglang_args as sglang_adapter
 from mismatch_probe.engines import vllm_args as vllm_adapter

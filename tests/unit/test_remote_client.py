@@ -11,7 +11,8 @@ import shutil
 import pytest
 from remote_fixtures import scripted_server, self_signed_certificate
 
-from mismatch_probe.config.spec import ProbeSpec, spec_from_dict
+from mismatch_probe.config.spec import ProbeSpec
+from mismatch_probe.config.spec_reading import spec_from_dict
 from mismatch_probe.engines import get_entry
 from mismatch_probe.engines.http_client import Client, Journal, RequestFailed, body_key, redact_url
 from mismatch_probe.engines.remote import check_spec, server_changes

@@ -6,14 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from mismatch_probe.config.spec import (
-    EngineSpec,
-    ProbeSpec,
-    ReferenceSpec,
-    apply_overrides,
-    load_spec_file,
-    spec_from_dict,
-)
+from mismatch_probe.config.spec import EngineSpec, ProbeSpec, ReferenceSpec
+from mismatch_probe.config.spec_reading import apply_overrides, load_spec_file, spec_from_dict
 from mismatch_probe.errors import ConfigError
 
 

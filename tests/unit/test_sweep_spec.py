@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from mismatch_probe.cli import app
-from mismatch_probe.config.spec import load_spec_file, spec_from_dict
+from mismatch_probe.config.spec_reading import load_spec_file, spec_from_dict
 from mismatch_probe.config.sweep import BASELINE, engine_key, point_name, sweep_points
 from mismatch_probe.errors import ConfigError
 

@@ -35,29 +35,19 @@ from mismatch_probe.engines.remote.dialect import (
     recognize_server,
     routed_rows,
 )
+from mismatch_probe.engines.vllm_args import CONFIG_SECTIONS, config_field
 from mismatch_probe.errors import ConfigError, EngineError
 
 # settings the in-process engines record under these names (the report's engine label reads them)
 VLLM_SERVER_INFO = {
-    "dtype": ("model_config", "dtype"),
+    # where the in-process engine reads each setting back (engines/vllm_args.py: config_field, from the
+    # vLLM argument its declaration names), less the multi-node rendezvous a server does not report
+    **{name: config_field(name) for name in CONFIG_SECTIONS if name not in ("nnodes", "node_rank")},
+    # what only a server's config says
     "logprobs_mode": ("model_config", "logprobs_mode"),
-    "max_model_len": ("model_config", "max_model_len"),
-    "enforce_eager": ("model_config", "enforce_eager"),
-    "quantization": ("model_config", "quantization"),
     "served_model_name": ("model_config", "served_model_name"),
     "model": ("model_config", "model"),
-    "tensor_parallel_size": ("parallel_config", "tensor_parallel_size"),
-    "pipeline_parallel_size": ("parallel_config", "pipeline_parallel_size"),
-    "data_parallel_size": ("parallel_config", "data_parallel_size"),
-    "distributed_executor_backend": ("parallel_config", "distributed_executor_backend"),
-    "chunked_prefill": ("scheduler_config", "enable_chunked_prefill"),
-    "max_num_seqs": ("scheduler_config", "max_num_seqs"),
-    "max_num_batched_tokens": ("scheduler_config", "max_num_batched_tokens"),
     "async_scheduling": ("scheduler_config", "async_scheduling"),
-    "prefix_caching": ("cache_config", "enable_prefix_caching"),
-    "kv_cache_dtype": ("cache_config", "cache_dtype"),
-    "gpu_memory_utilization": ("cache_config", "gpu_memory_utilization"),
-    "kv_cache_memory_bytes": ("cache_config", "kv_cache_memory_bytes"),
     "compilation_mode": ("compilation_config", "mode"),
     "cudagraph_mode": ("compilation_config", "cudagraph_mode"),
     "attention_backend": ("attention_config", "backend"),

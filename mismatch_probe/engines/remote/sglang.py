@@ -31,6 +31,7 @@ from mismatch_probe.engines.remote.dialect import (
     routed_rows,
 )
 from mismatch_probe.engines.sglang import SERVER_CAPABILITIES, SLEEP_FLUSH_BY
+from mismatch_probe.engines.sglang_args import settings_by_argument
 from mismatch_probe.errors import ConfigError, EngineError
 
 # how long SGLang's /flush_cache may wait for the server to be idle, seconds
@@ -39,28 +40,22 @@ FLUSH_WAIT_S = 60.0
 
 # SGLang server_info field -> the name the in-process engines record it under
 SGLANG_SERVER_INFO = {
-    "dtype": "dtype",
-    "tp_size": "tensor_parallel_size",
-    "pp_size": "pipeline_parallel_size",
-    "dp_size": "data_parallel_size",
-    "device": "device",
-    "attention_backend": "attention_backend",
+    # the ServerArgs fields the settings' declarations name (engines/sglang_args.py: settings_by_argument),
+    # less the multi-node rendezvous a server does not report
+    **{
+        arg: name
+        for arg, name in settings_by_argument().items()
+        if name not in ("nnodes", "node_rank", "dist_init_addr")
+    },
+    # SGLang's negated switches, kept under their own names (enforce_eager and prefix_caching follow from them)
+    "disable_cuda_graph": "disable_cuda_graph",
+    "disable_radix_cache": "disable_radix_cache",
+    # what only a server's arguments say
     "prefill_attention_backend": "prefill_attention_backend",
     "decode_attention_backend": "decode_attention_backend",
     "sampling_backend": "sampling_backend",
-    "disable_cuda_graph": "disable_cuda_graph",
     "enable_torch_compile": "enable_torch_compile",
-    "disable_radix_cache": "disable_radix_cache",
     "chunked_prefill_size": "chunked_prefill_size",
-    "enable_deterministic_inference": "batch_invariant",
-    "rl_on_policy_target": "rl_on_policy_target",
-    "enable_fp32_lm_head": "logits_fp32",
-    "mem_fraction_static": "gpu_memory_utilization",
-    "max_total_tokens": "max_total_tokens",
-    "max_running_requests": "max_num_seqs",
-    "context_length": "max_model_len",
-    "kv_cache_dtype": "kv_cache_dtype",
-    "quantization": "quantization",
     "page_size": "page_size",
     "disable_overlap_schedule": "disable_overlap_schedule",
     "random_seed": "random_seed",
