@@ -48,7 +48,7 @@ SYNCED_PREFILL = "synced-prefill.parquet"  # the synced engine's prefill of the 
 WARM_MAX_TOKENS = 1  # a warm-up request only needs its prompt's blocks in the cache
 STALE_CHECK_TOKENS = 8  # greedy tokens per prompt that compare a stale cache with a reset one
 GREEDY = SamplingSpec(temperature=0.0, top_p=1.0, top_k=0, max_tokens=STALE_CHECK_TOKENS, n=1, seed=0)
-REMOTE = "remote"  # the engine of a running server (engines/remote.py)
+REMOTE = "remote"  # the engine of a running server (engines/remote/)
 
 
 def _prompt_ids(ctx: RunContext) -> list[np.ndarray]:

@@ -19,8 +19,8 @@ never guessed. The served model must be the checkpoint the reference loads (name
 and the server's tokenizer on a probe text where it has one), unless ``engine.check_model = false``.
 
 Weight sync (``[sync]``, ARCHITECTURE.md, Weight sync) goes through the server's own HTTP routes, as
-an RL trainer that talks to a rollout server does (each dialect's ``check_sync`` says what its
-server cannot do, before any request). After each sync the journal of answers starts a new epoch,
+an RL trainer that talks to a rollout server does (each dialect declares what its server can take,
+``Dialect.capabilities``, and ``engines/base.py: check_sync`` refuses the rest before any request). After each sync the journal of answers starts a new epoch,
 so an answer given before a sync is never reused after it.
 """
 
