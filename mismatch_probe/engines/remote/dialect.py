@@ -175,7 +175,8 @@ class Dialect:
             keeps_state=True,  # the journal of answers received
             logprobs_mode=default_logprobs_mode("remote", api),
             processed_by=cls.processed_by,
-            sync=cls.sync,
+            # a dialect that says why it has no sync has none, whatever the dialect it extends offers
+            sync=None if cls.sync_unavailable else cls.sync,
             sync_unavailable=cls.sync_unavailable,
             sync_hint=cls.sync_hint,
         )
