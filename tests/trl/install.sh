@@ -22,21 +22,7 @@ python="${PYTHON:-.venv/bin/python}"
 requirements=tests/trl/requirements.txt
 
 # already there: every pinned distribution is in $target at its pinned version (metadata only)
-if [ -d "$target" ] && "$python" - "$target" "$requirements" <<'PY'
-import sys
-from importlib.metadata import distributions
-from packaging.utils import canonicalize_name
-
-target, requirements = sys.argv[1:]
-have = {canonicalize_name(d.metadata["Name"]): d.version for d in distributions(path=[target])}
-for line in open(requirements):
-    line = line.split("#", 1)[0].strip()
-    if line:
-        name, version = line.split("==")
-        if have.get(canonicalize_name(name)) != version:
-            sys.exit(1)
-PY
-then
+if [ -d "$target" ] && "$python" tests/site_has_pins.py "$target" "$requirements"; then
   exit 0
 fi
 rm -rf "$target"
