@@ -76,6 +76,7 @@ from mismatch_probe.config.sections import (
     SyncSpec,
 )
 from mismatch_probe.config.settings import SettingInfo, info_of, setting
+from mismatch_probe.config.stack_spec import StackSpec
 from mismatch_probe.config.sweep_spec import SweepSpec
 from mismatch_probe.config.validation import (
     dotted,
@@ -232,6 +233,9 @@ class ProbeSpec(SpecTable):
     variants: list[VariantSpec] = Field(default_factory=list)
     # [sweep]: the settings `mismatch-probe sweep` varies around this spec (a run of its own each)
     sweep: SweepSpec | None = None
+    # [stack]: the framework config the spec mirrors and its known risks (mismatch-probe init);
+    # in no fingerprint
+    stack: StackSpec | None = None
     # The run uses absolute paths; run.json records them as the user gave them (in a spec file:
     # relative to it; as flags: as typed), so a record carries no machine's directory layout.
     # {"model": "../fixtures/models/tiny-qwen2", "engine.python": ...}; not part of any fingerprint.
@@ -290,8 +294,9 @@ class ProbeSpec(SpecTable):
     def _without_empty_sweep(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         # a spec without [sweep] dumps, records and fingerprints exactly as before [sweep] existed
         d = handler(self)
-        if d.get("sweep") is None:
-            d.pop("sweep", None)
+        for table in ("sweep", "stack"):  # and without an empty [stack], as before it existed
+            if d.get(table) is None:
+                d.pop(table, None)
         return d
 
     # ---- normalization and readiness ---------------------------------------------------------

@@ -23,7 +23,7 @@ LAYERS: list[set[str]] = [
     {"modeling", "table", "sweep_record", "timeline_record"},
     {"engines"},
     {"rollout", "reference", "dumps"},
-    {"analysis"},
+    {"analysis", "frameworks"},
     {"report", "gate"},
     {"pipeline", "api"},
     {"sweeps", "importing"},
