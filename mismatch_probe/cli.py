@@ -23,6 +23,7 @@ from mismatch_probe.dumps import FORMATS as _DUMP_FORMATS
 from mismatch_probe.dumps import SAMPLED_SETTINGS as _DUMP_SAMPLED
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.files import portable_path, write_atomic
+from mismatch_probe.frameworks import FRAMEWORKS as _FRAMEWORKS
 
 app = typer.Typer(
     name="mismatch-probe",
@@ -698,6 +699,81 @@ def timeline(
         err.print(f"step {step} was not read: {escape(message)}")
     if result.failed:
         raise typer.Exit(2)
+
+
+FRAMEWORK_NAMES = ", ".join(_FRAMEWORKS)  # the frameworks `init` reads (frameworks/__init__.py)
+
+
+@app.command()
+@friendly_errors
+def init(
+    framework_name: Annotated[str, typer.Argument(metavar="FRAMEWORK", help=f"One of {FRAMEWORK_NAMES}.")],
+    config: Annotated[
+        list[str],
+        typer.Argument(
+            metavar="CONFIG...",
+            help="The framework's config files or launch scripts, and key=value overrides, as you pass them to it.",
+        ),
+    ],
+    *,
+    spec_out: Annotated[Path, typer.Option("--out", help="The spec to write (its prompts go beside it).")] = Path(
+        "probe.toml"
+    ),
+    dataset: Annotated[
+        str | None, typer.Option(help="The dataset to sample prompts from (default: the one the config names).")
+    ] = None,
+    prompt_key: Annotated[
+        str | None, typer.Option(help="The dataset's prompt column (default: the config's, else the framework's).")
+    ] = None,
+    num_prompts: Annotated[int, typer.Option(min=1, help="Prompts to sample, stratified by length.")] = 64,
+    seed: Annotated[int, typer.Option(help="The prompt sample's seed.")] = 0,
+    model: Annotated[
+        str | None, typer.Option(help="A local checkpoint for this machine, instead of the config's model.")
+    ] = None,
+    settings: Annotated[
+        list[str] | None,
+        typer.Option("--set", help=SET_HELP + " For this machine; the config's value stays in a comment."),
+    ] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing spec at --out.")] = False,
+) -> None:
+    """Write a probe spec that mirrors your RL framework's config: every value with where it came
+    from, the settings the probe cannot mirror, prompts sampled from your dataset, and the known
+    mismatch risks of the configuration (printed, in the spec, and in the report)."""
+    from mismatch_probe.frameworks.init import init_spec
+
+    if spec_out.exists() and not overwrite:
+        raise ProbeError(
+            f"{portable_path(spec_out)} exists", hint="pass --overwrite to replace it, or --out another file"
+        )
+    result = init_spec(
+        framework_name,
+        config,
+        out=spec_out,
+        dataset=dataset,
+        prompt_key=prompt_key,
+        num_prompts=num_prompts,
+        seed=seed,
+        model=model,
+        settings=parse_settings(settings),
+        command=" ".join(["mismatch-probe init", framework_name, *config]),
+    )
+    stack = result.stack
+    out.print(f"{escape(stack.framework)}: {len(stack.values)} settings mirrored, {len(stack.unmirrored)} not mirrored")
+    for u in stack.unmirrored:
+        out.print(f"  not mirrored: {escape(u.key)} = {escape(str(u.value))}: {escape(u.why)}")
+    if result.prompts is not None:
+        out.print(f"prompts: {escape(portable_path(result.prompts_path))} ({escape(result.prompts.summary())})")
+    if result.risks:
+        out.print(f"[bold]{len(result.risks)} known risk(s) of this configuration:[/]")
+        for r in result.risks:
+            out.print(f"  [yellow]{escape(r.title)}[/]: {escape(r.detail)} [dim](evidence: {escape(r.evidence)})[/]")
+    else:
+        out.print("no known risk of this configuration")
+    for note in result.notes:
+        out.print(f"[yellow]note[/]: {escape(note)}")
+    out.print(
+        f"spec: {escape(portable_path(result.spec_path))}; run it: mismatch-probe compare {escape(portable_path(result.spec_path))}"
+    )
 
 
 @app.command()

@@ -72,6 +72,13 @@ class FrameworkConfig:
     def set(self, key: str, value: Any, file: str) -> None:
         self._values[key] = Found(value, Origin(key, file=file, framework=self.framework))
 
+    def replace(self, key: str, value: Any, origin: Origin) -> None:
+        """Set ``key`` to a value found elsewhere (an interpolation's target), keeping its origin."""
+        self._values[key] = Found(value, origin)
+
+    def keys(self) -> list[str]:
+        return list(self._values)
+
     def delete(self, key: str) -> None:
         self._values.pop(key, None)
 
@@ -106,8 +113,11 @@ class Rule:
     note: str = ""
     code_at: str | None = None  # a rule without keys: where the framework does it
     value: Any = None  # a rule without keys: the value
+    when: Callable[[FrameworkConfig], bool] | None = None  # the rule applies only to such configs
 
     def apply(self, config: FrameworkConfig) -> Value | None:
+        if self.when is not None and not self.when(config):
+            return None
         if not self.keys:
             origin = Origin("", default_at=f"{self.code_at} @ {config.commit[:7]}", framework=config.framework)
             value = self.convert(config) if self.convert is not None else self.value
@@ -176,23 +186,23 @@ def read_stack(module: ModuleType, inputs: list[str]) -> StackReading:
     """Read ``inputs`` (files and overrides) with framework ``module``'s declarations."""
     config: FrameworkConfig = module.read(inputs)
     values: dict[str, Value] = {}
+    used: set[str] = set()  # the framework keys a rule turned into a probe value
     for rule in module.RULES:
         v = rule.apply(config)
         if v is not None:
             values[rule.probe_key] = v  # a later rule for the same key wins (a more specific source)
-    mapped = {k for rule in module.RULES for k in rule.keys}
-    unmirrored = [
-        Unmirrored(key, found.value, found.origin, why)
-        for key, why in module.UNMIRRORABLE.items()
-        if (found := config.get(key)) is not None and found.origin.from_user
-    ]
-    # a key the user set under the rollout's or trainer's settings that no rule reads
+            used.update(rule.keys)
+    # what the user set that no rule mirrored: a key the module names with its reason, or one under
+    # the rollout's or trainer's settings (WATCHED) that is not batching or bookkeeping (NOT_SETTINGS)
+    unmirrored = []
     for key in config.user_keys():
-        if key in mapped or key in module.UNMIRRORABLE or key in getattr(module, "NOT_SETTINGS", ()):
+        found = config.get(key)
+        assert found is not None
+        if key in used or found.value is None or key in getattr(module, "NOT_SETTINGS", ()):
             continue
-        if any(key.startswith(p) for p in getattr(module, "WATCHED", ())):
-            found = config.get(key)
-            assert found is not None
+        if key in module.UNMIRRORABLE:
+            unmirrored.append(Unmirrored(key, found.value, found.origin, module.UNMIRRORABLE[key]))
+        elif any(key.startswith(p) for p in getattr(module, "WATCHED", ())):
             unmirrored.append(Unmirrored(key, found.value, found.origin, "no probe setting reads it"))
     facts = module.facts(config) if hasattr(module, "facts") else {}
 
@@ -209,7 +219,9 @@ def read_stack(module: ModuleType, inputs: list[str]) -> StackReading:
         model=find(getattr(module, "MODEL_KEYS", ())),
         dataset=find(getattr(module, "DATASET_KEYS", ())),
         prompt_key=find(getattr(module, "PROMPT_KEY_KEYS", ())),
-        engine_pin=getattr(module, "ENGINE_PIN", None),
+        engine_pin=getattr(module, "ENGINE_PINS", {}).get(
+            values["engine.name"].value if "engine.name" in values else None
+        ),
     )
 
 

@@ -29,6 +29,30 @@ def flatten(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
         yield prefix, tree
 
 
+_INTERPOLATION = re.compile(r"^\$\{(?:oc\.select:)?([\w.]+)(?:,(.*))?\}$")
+
+
+def resolve_interpolations(config: Any) -> None:
+    """Resolve a whole-value OmegaConf interpolation (``${data.max_response_length}``,
+    ``${oc.select:key,default}``) against the config, as OmegaConf does when the framework reads
+    the key; the value keeps the origin of the key it names. Others stay as written."""
+    for key in list(config.keys()):
+        found = config.get(key)
+        seen = {key}
+        while found is not None and isinstance(found.value, str) and (m := _INTERPOLATION.match(found.value)):
+            target = config.get(m[1])
+            if m[1] in seen:
+                break
+            seen.add(m[1])
+            if target is None and m[2] is not None:
+                config.replace(key, parse_scalar(m[2]), found.origin)
+                break
+            if target is None:
+                break
+            config.replace(key, target.value, target.origin)
+            found = config.get(key)
+
+
 def read_structured(path: Path) -> dict[str, Any]:
     """A YAML, JSON or TOML file as a mapping."""
     text = _text(path)
@@ -134,10 +158,12 @@ def _substitute(token: str, scalars: dict[str, str], arrays: dict[str, list[str]
         return list(arrays[m[1]])
 
     def scalar(match: re.Match[str]) -> str:
-        name = match[1] or match[2]
-        return scalars.get(name, match[0])
+        name = match[1] or match[4]
+        if name in scalars:
+            return scalars[name]
+        return match[3] if match[2] else match[0]  # ${NAME:-default} of an unset NAME: the default
 
-    return [re.sub(r"\$\{([A-Za-z_]\w*)\}|\$([A-Za-z_]\w*)", scalar, token)]
+    return [re.sub(r"\$\{([A-Za-z_]\w*)(:?-([^}]*))?\}|\$([A-Za-z_]\w*)", scalar, token)]
 
 
 def flag_values(words: list[str], booleans: frozenset[str] = frozenset()) -> dict[str, Any]:
