@@ -152,6 +152,9 @@ class RecordedSpec(Section):
     reference: RecordedReferenceSpec = Field(default_factory=RecordedReferenceSpec)
     corrections: dict[str, float] = Field(default_factory=dict)
     variants: list[dict[str, Any]] = Field(default_factory=list)
+    # [stack]: the framework config the spec mirrors, its risks and what it could not mirror
+    # (config/stack_spec.py: StackSpec, as dumped)
+    stack: dict[str, Any] | None = None
 
 
 # ---- what the run found and built ------------------------------------------------------------

@@ -53,6 +53,8 @@ def render_run(view: RunView) -> str:
     ]
     out += [""] + [f"- {md_text(line)}" for line in view.notes] + ([""] if view.notes else [])
     out += ["## Environment and settings", ""] + _pairs(view.setup)
+    for t in view.stack:
+        out += table(t)
     out += table(view.metrics) + table(view.corrections)
     for t in view.breakdowns:
         out += table(t)

@@ -39,6 +39,7 @@ class RunView(View):
     headline: list[Card]
     notes: list[str]
     setup: Pairs
+    stack: list[Table]  # the framework config the spec mirrors: its risks, what was not mirrored
     metrics: Table
     corrections: Table
     breakdowns: list[Table]
@@ -442,6 +443,39 @@ def worst_table(worst: list[dict]) -> Table:
     )
 
 
+def stack_tables(record: RunRecord) -> list[Table]:
+    """The known risks of the framework configuration the spec mirrors (`mismatch-probe init`), and
+    its settings the probe could not mirror; none for a spec written by hand."""
+    stack = record.spec.stack
+    if not stack:
+        return []
+    framework = stack.get("framework", "")
+    files = ", ".join(stack.get("config") or []) or "its defaults"
+    commit = str(stack.get("commit") or "")[:7]
+    pin = f" It pins {stack['engine_pin']}." if stack.get("engine_pin") else ""
+    risks = stack.get("risks") or []
+    risk_table = Table(
+        "stack-risks",
+        f"Known risks of this {framework} configuration",
+        [Column("risk", "text"), Column("in this configuration", "long"), Column("evidence", "long")],
+        [Row([r["title"], r["detail"], r["evidence"]]) for r in risks]
+        or [Row(["none known"], note="no known risk matched this configuration")],
+        lead=(
+            f"The spec mirrors {framework}'s configuration from {files} ({framework}'s defaults at {commit} "
+            f"for what it leaves unset; `mismatch-probe init`).{pin} Each risk below was found in that "
+            "configuration before the run; the metrics above say how much it matters on this machine."
+        ),
+    )
+    unmirrored = Table(
+        "stack-unmirrored",
+        f"{framework} settings the probe did not mirror",
+        [Column("setting", "code"), Column("value", "code"), Column("why", "long")],
+        [Row([u["key"], u["value"], u["why"]]) for u in stack.get("unmirrored") or []],
+        lead="Set in the configuration, but with no probe setting that reproduces them.",
+    )
+    return [risk_table, unmirrored]
+
+
 def _run_rows(record: RunRecord) -> Pairs:
     samples = record.samples or {}
     reasons = ", ".join(f"{k} {v}" for k, v in (samples.get("finish_reasons") or {}).items())
@@ -472,6 +506,7 @@ def run_view(record: RunRecord, path: Path, dist: dict | None = None) -> RunView
         headline=headline(record),
         notes=labels.notes(record),
         setup=pairs(labels.setup_rows(record)),
+        stack=stack_tables(record),
         metrics=metrics_table(record),
         corrections=corrections_table(record),
         breakdowns=breakdown_tables(record),

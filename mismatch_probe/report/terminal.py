@@ -57,6 +57,10 @@ def print_run(console: Console, view: RunView) -> None:
         console.print(escape(f"weight sync: {view.sync.verdict}"))
         for line in view.sync.findings:
             console.print(note(NOTE + line))
+    for t in view.stack[:1]:  # the configuration's known risks (init); what was not mirrored is in the report
+        for row in t.rows:
+            if len(row.cells) == 3:
+                console.print(note(NOTE + f"known risk of this configuration: {row.cells[0]}: {row.cells[1]}"))
     for line in view.notes:
         console.print(note(line))
     if view.timings.rows:
