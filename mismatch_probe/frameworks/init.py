@@ -99,7 +99,7 @@ def init_spec(
     if present:
         from mismatch_probe.frameworks import datasets
 
-        key = prompt_key or (str(stack.prompt_key.value) if stack.prompt_key is not None else None)
+        key: str | None = prompt_key or (str(stack.prompt_key.value) if stack.prompt_key is not None else None)
         prompts_path = spec_dir / f"{out.stem}-prompts.jsonl"
         result.prompts = datasets.sample_prompts_for(
             stack.framework,
