@@ -463,7 +463,7 @@ def stack_tables(record: RunRecord) -> list[Table]:
         lead=(
             f"The spec mirrors {framework}'s configuration from {files} ({framework}'s defaults at {commit} "
             f"for what it leaves unset; `mismatch-probe init`).{pin} Each risk below was found in that "
-            "configuration before the run; the metrics above say how much it matters on this machine."
+            "configuration before the run; the metrics below say how much it matters on this machine."
         ),
     )
     unmirrored = Table(
