@@ -26,7 +26,7 @@ LAYERS: list[set[str]] = [
     {"analysis"},
     {"report", "gate"},
     {"pipeline", "api"},
-    {"sweeps", "importing"},
+    {"sweeps", "importing", "frameworks"},
     {"timeline"},
     {"cli", "__init__"},
     {"__main__"},
