@@ -15,6 +15,7 @@ import pytest
 from mismatch_probe.errors import ConfigError
 from mismatch_probe.frameworks.datasets import (
     LAYOUTS,
+    PROMPT_KEY_HINT,
     DatasetLayout,
     dataset_files,
     prompt_of,
@@ -182,7 +183,9 @@ def test_a_missing_column_is_one_line_with_the_columns_and_the_fix(tmp_path):
     pq.write_table(table, tmp_path / "data.parquet")
     with pytest.raises(ConfigError) as exc:
         write_dataset_prompts(tmp_path / "data.parquet", tmp_path / "p.jsonl", layout=LAYOUTS["verl"], n=2)
-    assert str(exc.value) == "column 'prompt' not found in data.parquet (columns: question, answer) (pass --prompt-key)"
+    assert (
+        str(exc.value) == f"column 'prompt' not found in data.parquet (columns: question, answer) ({PROMPT_KEY_HINT})"
+    )
     write_jsonl(tmp_path / "data.jsonl", [{"question": "q", "answer": "a"}])
     with pytest.raises(ConfigError, match=r"column 'input' not found in data.jsonl \(columns: answer, question\)"):
         write_dataset_prompts(tmp_path / "data.jsonl", tmp_path / "p.jsonl", layout=LAYOUTS["slime"], n=2)
