@@ -47,6 +47,21 @@ def _dataset_paths(stack: StackReading, dataset: str | None) -> tuple[list[Path]
     return [_expand(str(v)) for v in items], str(stack.dataset.origin)
 
 
+# what a reader's facts may change of its framework's dataset layout (frameworks/datasets.py:
+# DatasetLayout): the config's own prompt key, the chat template turned on, a system prompt, a template
+_LAYOUT_FACTS = ("shape", "system_key", "system_prompt", "input_template")
+
+
+def dataset_layout(stack: StackReading, base: Any, prompt_key: str | None) -> Any:
+    """The framework's dataset layout with what the config (and ``--prompt-key``) changes of it."""
+    changes: dict[str, Any] = {name: stack.fact(f"dataset_{name}") for name in _LAYOUT_FACTS}
+    changes = {k: v for k, v in changes.items() if v is not None}
+    key = prompt_key or (str(stack.prompt_key.value) if stack.prompt_key is not None else None)
+    if key:
+        changes["prompt_key"] = key
+    return base.with_changes(**changes)
+
+
 def init_spec(
     framework_name: str,
     inputs: list[str],
@@ -97,25 +112,23 @@ def init_spec(
     paths, where = _dataset_paths(stack, dataset)
     present = [p for p in paths if p.exists()]
     if present:
-        from mismatch_probe.frameworks import datasets
+        from mismatch_probe.frameworks.datasets import LAYOUTS, write_dataset_prompts
 
-        key: str | None = prompt_key or (str(stack.prompt_key.value) if stack.prompt_key is not None else None)
         prompts_path = spec_dir / f"{out.stem}-prompts.jsonl"
-        result.prompts = datasets.sample_prompts_for(
-            stack.framework,
+        result.prompts = write_dataset_prompts(
             present,
             prompts_path,
+            layout=dataset_layout(stack, LAYOUTS[framework_name], prompt_key),
             n=num_prompts,
             seed=seed,
-            prompt_key=key,
-            tokenizer_dir=_expand(model) if model else None,
+            tokenizer=_expand(model) if model else None,
         )
         result.prompts_path = prompts_path
         top["prompts"] = (
             _relative(prompts_path, spec_dir),
             (
                 f"{result.prompts.written} prompts sampled from {', '.join(str(p) for p in present)} "
-                f"({where}), stratified by length, seed {seed}"
+                f"({where}), stratified by {result.prompts.length_unit}, seed {seed}"
             ),
         )
         missing = [p for p in paths if not p.exists()]
