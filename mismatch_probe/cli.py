@@ -762,7 +762,7 @@ def init(
     for u in stack.unmirrored:
         out.print(f"  not mirrored: {escape(u.key)} = {escape(str(u.value))}: {escape(u.why)}")
     if result.prompts is not None:
-        out.print(f"prompts: {escape(portable_path(result.prompts_path))} ({escape(result.prompts.summary())})")
+        out.print(f"prompts: {escape(result.prompts.summary())}")
     if result.risks:
         out.print(f"[bold]{len(result.risks)} known risk(s) of this configuration:[/]")
         for r in result.risks:
