@@ -711,7 +711,7 @@ def init(
     config: Annotated[
         list[str],
         typer.Argument(
-            metavar="CONFIG...",
+            metavar="CONFIG",
             help="The framework's config files or launch scripts, and key=value overrides, as you pass them to it.",
         ),
     ],
