@@ -3,8 +3,8 @@ dotlist over the dataclasses' defaults), as ``uv run ... -m skyrl.train.entrypoi
 them on its command line or in a launch script (examples/train/*/run_*.sh), and YAML files of the same
 keys. Defaults and code read at NovaSky-AI/SkyRL ``a956457`` (skyrl 0.3.0, the commit
 docs/frameworks/skyrl.md cites); paths below are in that repository. At that commit the defaults are
-the dataclasses of skyrl/train/config/config.py: the Hydra ``ppo_base_config.yaml`` of skyrl-train is
-gone (#1684), and the older ``skyrl_train.entrypoints`` module names are read the same way."""
+the dataclasses in skyrl/train/config/config.py (the Hydra ``ppo_base_config.yaml`` of skyrl-train is
+gone, #1684), and the older ``skyrl_train.entrypoints`` module names are read the same way."""
 
 from __future__ import annotations
 

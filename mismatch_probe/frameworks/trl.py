@@ -257,7 +257,8 @@ def read(inputs: list[str]) -> FrameworkConfig:
             continue
         if not is_config:
             raise ConfigError(
-                f"{item}: not a GRPOConfig YAML or JSON file", hint="give the file `trl grpo --config` reads"
+                f"{item}: not a GRPOConfig YAML or JSON file",
+                hint="give the YAML or JSON file that `trl grpo` reads as its config",
             )
         tree = read_structured(path)
         tree.pop("env", None)  # environment variables TrlParser exports (trl/scripts/utils.py:330-335)
@@ -269,7 +270,8 @@ def read(inputs: list[str]) -> FrameworkConfig:
         _set(config, flag.lstrip("-").replace("-", "_"), value, "command line")
     if not config.files and not config.user_keys():
         raise ConfigError(
-            "no GRPOConfig settings given", hint="mismatch-probe init trl grpo_config.yaml [--key value ...]"
+            "no GRPOConfig settings given",
+            hint="mismatch-probe init trl grpo_config.yaml, then any of its fields as flags (e.g. --temperature 0.7)",
         )
     return config
 
