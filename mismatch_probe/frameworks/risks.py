@@ -87,7 +87,15 @@ def _truncation(stack: StackReading) -> str | None:
         f"the engine's log-probs are {'renormalised over the kept tokens' if engine_renorm else 'of the full distribution'}, "
         f"the trainer's {'renormalised' if trainer_renorm else 'of the full distribution'}"
     )
-    verdict = "they disagree on every token" if engine_renorm != trainer_renorm else "compare at top-p 1 to check it"
+    if engine_renorm != trainer_renorm:
+        verdict = "they disagree on every token"
+    elif not engine_renorm:
+        verdict = (
+            "both score the full distribution while the tokens are drawn from the truncated one, so the "
+            "ratio a correction uses leaves the truncation out"
+        )
+    else:
+        verdict = "both renormalise; whether over the same kept set is what a run at this top-p checks"
     return f"sampling is truncated (top-p {p:g}, top-k {k}): {sides}; {verdict}"
 
 
