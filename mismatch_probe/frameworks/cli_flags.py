@@ -17,19 +17,20 @@ from mismatch_probe.frameworks.sources import flag_values, shell_words
 _UNRESOLVED_ARRAY = re.compile(r"^\$\{\w+\[@\]\}$")
 
 
-def command_words(words: list[str], entries: tuple[str, ...]) -> list[str] | None:
-    """The words after the last word that starts the framework's command (``train.py``,
-    ``openrlhf.cli.train_ppo_ray``, ``swift rlhf``: an entry of several words matches them in a
-    row), or None when none does."""
-    found = None
+def commands(words: list[str], entries: tuple[str, ...]) -> list[tuple[str, list[str]]]:
+    """Each command of ``entries`` in ``words``, in order: the entry it starts with (``train.py``,
+    ``openrlhf.cli.train_ppo_ray``, ``swift rlhf``: an entry of several words matches them in a row;
+    a path to the entry script counts) and its words, up to the next such command."""
+    starts: list[tuple[int, int, str]] = []  # (where the entry starts, where its flags start, entry)
     for entry in entries:
         parts = entry.split()
         for i in range(len(words) - len(parts) + 1):
             window = words[i : i + len(parts)]
-            # a path to the entry script counts (python3 /root/slime/train.py)
             if window[:-1] == parts[:-1] and (window[-1] == parts[-1] or window[-1].endswith("/" + parts[-1])):
-                found = max(found or 0, i + len(parts))
-    return None if found is None else words[found:]
+                starts.append((i, i + len(parts), entry))
+    starts.sort()
+    ends = [s[0] for s in starts[1:]] + [len(words)] if starts else []
+    return [(entry, words[begin:end]) for (_, begin, entry), end in zip(starts, ends, strict=True)]
 
 
 def read_flags(
@@ -38,15 +39,17 @@ def read_flags(
     *,
     entries: tuple[str, ...],
     booleans: frozenset[str],
-    key: Callable[[str], str] = lambda flag: flag,
+    key: Callable[[str, str], str] = lambda flag, entry: flag,
     what: str,
 ) -> None:
     """Put the flags of ``inputs`` into ``config``, later ones winning as with argparse.
 
     An input that is a file is a launch script (the words after one of ``entries``) or, holding no
     entry, the arguments pasted into a file; any other input is a word typed on the command line
-    (``--rollout-top-p 0.9`` as two inputs, or ``--rollout-top-p=0.9``). ``booleans`` are the
-    framework's ``store_true`` flags, which take no value; ``key`` spells a flag as the config keys it."""
+    (``--rollout-top-p 0.9`` as two inputs, or ``--rollout-top-p=0.9``); the arguments of a file or
+    of the command line are those of the first entry's command. ``booleans`` are the framework's
+    ``store_true`` flags, which take no value; ``key(flag, entry)`` spells a flag of an entry's
+    command as the config keys it."""
     typed: list[str] = []
     for item in inputs:
         path = Path(item)
@@ -60,25 +63,28 @@ def read_flags(
             typed.append(item)
             continue
         words = shell_words(path)
-        after = command_words(words, entries)
-        if after is None and path.suffix in (".sh", ".bash"):
+        found = commands(words, entries)
+        if not found and path.suffix in (".sh", ".bash"):
             raise ConfigError(
                 f"{item}: no `{entries[0]}` command in it",
                 hint=f"give {what}'s launch script, or a file of just its arguments",
             )
-        _put(config, _flags(words if after is None else after, booleans), item, key)
+        for entry, args in found or [(entries[0], words)]:
+            _put(config, _flags(args, booleans), item, entry, key)
         config.files.append(item)
     if typed:
-        _put(config, _flags(typed, booleans), "command line", key)
+        _put(config, _flags(typed, booleans), "command line", entries[0], key)
 
 
 def _flags(words: list[str], booleans: frozenset[str]) -> dict[str, Any]:
     return flag_values([w for w in words if not _UNRESOLVED_ARRAY.match(w)], booleans)
 
 
-def _put(config: FrameworkConfig, flags: dict[str, Any], where: str, key: Callable[[str], str]) -> None:
+def _put(
+    config: FrameworkConfig, flags: dict[str, Any], where: str, entry: str, key: Callable[[str, str], str]
+) -> None:
     for flag, value in flags.items():
-        config.set(key(flag), value, where)
+        config.set(key(flag, entry), value, where)
 
 
 def flag(value: Any) -> bool:
