@@ -113,9 +113,9 @@ def shell_words(path: Path) -> list[str]:
     comments dropped, ``NAME=(...)`` arrays expanded where ``${NAME[@]}`` uses them, ``$NAME`` of a
     plain assignment substituted; what cannot be resolved (``$(...)``, an unset variable) stays as
     written. Statements are not told apart: the framework's flags are found among all the words."""
-    lexer = shlex.shlex(_text(path).replace("\\\n", " "), posix=True)
+    lexer = shlex.shlex(_strip_comments(_text(path)).replace("\\\n", " "), posix=True)
     lexer.whitespace_split = True
-    lexer.commenters = "#"
+    lexer.commenters = ""  # comments are gone: shlex would also end a word at a '#' inside it (NAME#1000)
     try:
         tokens = list(lexer)
     except ValueError as exc:
@@ -150,6 +150,31 @@ def shell_words(path: Path) -> list[str]:
             scalars[m[1]] = " ".join(_substitute(m[2], scalars, arrays))
         words.extend(_substitute(token, scalars, arrays))
     return words
+
+
+def _strip_comments(text: str) -> str:
+    """``text`` without its comments, as bash reads them: a ``#`` that starts a word, outside quotes,
+    to the end of its line (a ``#`` inside a word, ``AI-MO/NuminaMath-TIR#1000``, is the word's)."""
+    out: list[str] = []
+    quote = ""
+    i = 0
+    while i < len(text):
+        c = text[i]
+        if c == "\\" and quote != "'":
+            out.append(text[i : i + 2])
+            i += 2
+            continue
+        if quote:
+            quote = "" if c == quote else quote
+        elif c in "'\"":
+            quote = c
+        elif c == "#" and (i == 0 or text[i - 1].isspace()):
+            end = text.find("\n", i)
+            i = len(text) if end < 0 else end
+            continue
+        out.append(c)
+        i += 1
+    return "".join(out)
 
 
 def _substitute(token: str, scalars: dict[str, str], arrays: dict[str, list[str]]) -> list[str]:
