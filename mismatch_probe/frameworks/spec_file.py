@@ -70,15 +70,15 @@ def render_spec(
     """The spec file's text. ``top``: the top-level keys (model, prompts, name) with their comments;
     ``overridden``: settings the user replaced on `init`'s own command line (for this machine), each
     written with the framework's value in its comment."""
-    lines = [
-        f"# Written by `{command}`.",
-        f"# It mirrors the {stack.framework} configuration read from: {', '.join(table.config) or '(defaults only)'}.",
+    lines = [  # inputs may hold newlines ($'...' in a script): a comment is one line
+        f"# Written by `{_comment(command)}`.",
+        f"# It mirrors the {stack.framework} configuration read from: {_comment(', '.join(table.config)) or '(defaults only)'}.",
         f"# Each value names where it came from: your file and key, or {stack.framework}'s default at",
         f"# commit {stack.commit[:7]} (file:line in {stack.framework}'s repository). Flags given to",
         "# `mismatch-probe compare` override any value here.",
     ]
     if stack.engine_pin:
-        lines.append(f"# The engine version {stack.framework} pins: {stack.engine_pin}.")
+        lines.append(f"# The engine version {stack.framework} pins: {_comment(stack.engine_pin)}.")
     if table.risks:
         lines.append("# Known mismatch risks of this configuration (also in [stack] below, and in the report):")
         lines += [f"#   - {r.title}: {_comment(r.detail)}" for r in table.risks]
@@ -109,7 +109,7 @@ def render_spec(
                 lines.append(_line(name, v.value, v.source))
     if table.unmirrored:
         lines += ["", "# Not mirrored (the probe has no setting for these; the report lists them too):"]
-        lines += [f"#   {u.key} = {u.value}: {_comment(u.why)}" for u in table.unmirrored]
+        lines += [f"#   {u.key} = {_comment(u.value)}: {_comment(u.why)}" for u in table.unmirrored]
     lines += ["", "[stack]", *_stack_lines(table)]
     return "\n".join(lines) + "\n"
 

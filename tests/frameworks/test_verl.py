@@ -152,3 +152,8 @@ def test_the_written_spec_loads_and_keeps_each_origin(tmp_path):
     assert "verl default (verl/trainer/config/rollout/rollout.yaml:29 @ b178a3c)" in line
     # [stack] changes no fingerprint: the same spec without it fingerprints the same
     assert spec.fingerprint() == spec.model_copy(update={"stack": None}).fingerprint()
+
+
+def test_an_input_with_a_newline_still_writes_a_spec_that_loads(tmp_path):
+    spec, _ = written_spec("verl", tmp_path, "run_qwen2-7b.sh", "+actor_rollout_ref.rollout.custom='a\nb'")
+    assert spec.stack.config[-1] == "+actor_rollout_ref.rollout.custom='a\nb'"
