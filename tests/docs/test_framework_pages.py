@@ -62,3 +62,25 @@ def test_a_framework_page_pins_versions_and_maps_settings_to_keys_that_exist(nam
                 broken += [f"compare has no {flag}" for flag in word.split("/") if flag not in flags]
     assert mapped >= 10, f"{name}.md maps only {mapped} settings"
     assert not broken, f"{name}.md: {broken}"
+
+
+INIT_EXAMPLE = re.compile(r"<!-- init-example: (\S+) -->.*?The risks it finds in that example: (.*?)\. The", re.S)
+
+
+@pytest.mark.parametrize("name", FRAMEWORKS)
+def test_a_framework_page_shows_init_on_its_example_with_the_risks_init_finds(name):
+    """The page's `init` example names one of the framework's own configs under tests/frameworks/configs,
+    and the risks the page says init finds in it are the ones it finds."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests" / "frameworks"))
+    from framework_checks import read
+
+    from mismatch_probe.frameworks.risks import find_risks
+
+    text = (ROOT / "docs" / "frameworks" / f"{name}.md").read_text()
+    m = INIT_EXAMPLE.search(section(text, SECTIONS[2]))
+    assert m, f"{name}.md: no init example in {SECTIONS[2]!r}"
+    assert f"mismatch-probe init {name} " in m[0]
+    titles = "; ".join(r.title for r in find_risks(read(name, m[1]))) or "none known"
+    assert m[2] == titles, f"{name}.md says {m[2]!r}; init finds {titles!r}"
