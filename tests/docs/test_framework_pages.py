@@ -64,7 +64,7 @@ def test_a_framework_page_pins_versions_and_maps_settings_to_keys_that_exist(nam
     assert not broken, f"{name}.md: {broken}"
 
 
-INIT_EXAMPLE = re.compile(r"<!-- init-example: (\S+) -->.*?The risks it finds in that example: (.*?)\. The", re.S)
+INIT_EXAMPLE = re.compile(r"<!-- init-example: (\S+) -->.*?The risks it finds in that example: (.*?)\. The", re.DOTALL)
 
 
 @pytest.mark.parametrize("name", FRAMEWORKS)
