@@ -325,7 +325,7 @@ def read(inputs: list[str]) -> FrameworkConfig:
         if override is None:
             raise ConfigError(
                 f"{item!r} is neither a YAML config nor a key=value override",
-                hint="give NeMo-RL's --config FILE and its overrides, e.g. policy.generation.temperature=0.7",
+                hint="give NeMo-RL's YAML config and its overrides, e.g. policy.generation.temperature=0.7",
             )
         op, key, value = override
         if op == "delete":

@@ -174,8 +174,8 @@ def read(inputs: list[str]) -> FrameworkConfig:
             i += 1
             continue
         raise ConfigError(
-            f"{word!r} is neither a TOML config nor a --key value override",
-            hint="give prime-rl's rl config (@ rl.toml) and its overrides, e.g. --orchestrator.group-size 8",
+            f"{word!r} is neither a TOML config nor one of prime-rl's key overrides",
+            hint="give prime-rl's rl.toml and its overrides as its rl command takes them (orchestrator.group-size 8, dashed)",
         )
     return config
 
