@@ -1,0 +1,45 @@
+"""`init` as a whole: the config's dataset keys and chat template decide how the prompts are read."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import DENSE
+from framework_checks import CONFIGS
+
+from mismatch_probe.frameworks.init import init_spec
+from mismatch_probe.rollout.prompts import read_prompt_records
+
+
+def test_slime_reads_its_prompt_key_and_applies_the_chat_template(tmp_path):
+    # slime's run-qwen3-4B.sh: --input-key prompt --apply-chat-template (a string wrapped as a user turn)
+    data = tmp_path / "dapo.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "x" * (i + 1), "label": "1"}) + "\n" for i in range(40)))
+    out = tmp_path / "probe.toml"
+    result = init_spec("slime", [str(CONFIGS / "slime" / "run-qwen3-4B.sh")], out=out, dataset=str(data), num_prompts=8)
+    assert result.prompts.written == 8 and result.prompts.layout.shape == "text-as-chat"
+    rows = [json.loads(line) for line in result.prompts_path.read_text().splitlines()]
+    assert all(r["messages"][0]["role"] == "user" for r in rows)
+    # stratified by length: the sample spans the short and the long prompts
+    lengths = sorted(len(r["messages"][0]["content"]) for r in rows)
+    assert lengths[0] <= 10 and lengths[-1] >= 31
+    assert 'prompts = "probe-prompts.jsonl"' in out.read_text()
+
+
+def test_openrlhf_without_the_chat_template_writes_raw_text_and_tokenizes_with_the_model(tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"input": f"question {i}" * (i % 5 + 1)}) + "\n" for i in range(20)))
+    result = init_spec(
+        "openrlhf",
+        [
+            str(CONFIGS / "openrlhf" / "train_ppo_ray_hybrid_engine.sh"),
+        ],
+        out=tmp_path / "probe.toml",
+        dataset=str(data),
+        prompt_key="input",
+        num_prompts=5,
+        model=str(DENSE),
+    )
+    assert result.prompts.length_unit == "tokens"
+    records = read_prompt_records(result.prompts_path)
+    assert len(records) == 5
