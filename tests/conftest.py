@@ -117,6 +117,27 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"time by tier: {spent} (total {sum(TIER_SECONDS.values()):.0f} s{summed})")
 
 
+def numpy_mismatch(expected: str, version: str) -> str | None:
+    """Why a session that expects NumPy ``expected`` (a version or its prefix, "1.26") must not run
+    under NumPy ``version``; None when it may."""
+    if version == expected or version.startswith(expected + "."):
+        return None
+    return (
+        f"MISMATCH_PROBE_EXPECT_NUMPY={expected}, but this session imports NumPy {version}: "
+        "the NumPy 1 site is not on PYTHONPATH (an absolute path to .numpy1-site), or did not install"
+    )
+
+
+def pytest_configure(config):
+    """The README test command's NumPy 1 step sets MISMATCH_PROBE_EXPECT_NUMPY: a session that
+    silently imported the venv's NumPy 2 would pass without testing NumPy 1 at all."""
+    if expected := os.environ.get("MISMATCH_PROBE_EXPECT_NUMPY"):
+        import numpy
+
+        if why := numpy_mismatch(expected, numpy.__version__):
+            raise pytest.UsageError(why)
+
+
 @pytest.hookimpl(trylast=True)  # after -m/-k deselection: the engines' schedule is of what runs
 def pytest_collection_modifyitems(config, items):
     skips = {}

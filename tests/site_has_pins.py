@@ -1,6 +1,6 @@
 """Exit 0 when every ``name==version`` pin of a requirements file is installed in a ``--target``
 directory (read from its metadata alone, importing nothing), else 1: how the test-support install
-scripts (tests/swift/install.sh, tests/trl/install.sh) tell that their site is already there.
+scripts (tests/swift/install.sh, tests/trl/install.sh, tests/numpy1/install.sh) tell that their site is already there.
 
     python tests/site_has_pins.py TARGET REQUIREMENTS
 """

@@ -209,7 +209,9 @@ class DistributionAccumulator:
         gaps = np.concatenate([self._worst_gap, max_gap])
         samples = np.concatenate([self._worst_sample, samples])
         if len(gaps) > self.worst_k:
-            keep_idx = np.argpartition(-gaps, self.worst_k - 1)[: self.worst_k]
+            # finish()'s order, ties by sample id: argpartition keeps an arbitrary one of tied gaps,
+            # which differed between NumPy 1.26 and 2 (and can between SIMD builds) on the example run
+            keep_idx = np.lexsort((samples, -gaps))[: self.worst_k]
             gaps, samples = gaps[keep_idx], samples[keep_idx]
         self._worst_gap, self._worst_sample = gaps, samples
 

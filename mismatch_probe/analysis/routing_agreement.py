@@ -12,6 +12,26 @@ import numpy as np
 
 from mismatch_probe.analysis.terms import TokenTerms, token_terms
 
+# The number of set bits of each byte value, for popcount_by_bytes.
+_BYTE_POPCOUNT = np.array([v.bit_count() for v in range(256)], dtype=np.uint8)
+
+
+def popcount_by_bytes(x: np.ndarray) -> np.ndarray:
+    """The set bits of each element of an unsigned integer array, as ``np.bitwise_count`` counts them
+    (uint8, the array's shape): each element's bytes looked up in a 256-entry table and added. Exact,
+    in integers only; for NumPy 1.26, which has no ``np.bitwise_count`` (older verl releases pin
+    ``numpy<2``)."""
+    x = np.asarray(x)
+    if x.dtype.kind != "u":
+        raise TypeError(f"popcount_by_bytes counts the bits of unsigned integers, not {x.dtype}")
+    flat = np.ascontiguousarray(x).reshape(-1)  # .view(np.uint8) needs contiguous memory
+    per_byte = _BYTE_POPCOUNT[flat.view(np.uint8)].reshape(flat.size, x.dtype.itemsize)
+    return per_byte.sum(axis=1, dtype=np.uint8).reshape(x.shape)
+
+
+# NumPy >= 2.0's ufunc where there is one (faster); the same counts otherwise.
+popcount = getattr(np, "bitwise_count", popcount_by_bytes)
+
 
 def _expert_bits(ids: np.ndarray, word: int) -> np.ndarray:
     """The ids in [64 * word, 64 * word + 64) of each top-k set, as one uint64 bitmask per set."""
@@ -28,7 +48,7 @@ def shared_experts(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     words = (int(max(a.max(), b.max())) + 64) // 64
     out = np.zeros(a.shape[:-1], dtype=np.int64)
     for w in range(words):
-        out += np.bitwise_count(_expert_bits(a, w) & _expert_bits(b, w))
+        out += popcount(_expert_bits(a, w) & _expert_bits(b, w))
     return out
 
 

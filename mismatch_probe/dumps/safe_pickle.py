@@ -31,12 +31,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
-try:  # NumPy 2 spells it numpy._core; pickles written under NumPy 1 say numpy.core
-    import numpy._core.multiarray as _multiarray
-except ImportError:  # pragma: no cover - NumPy 1
-    import numpy.core.multiarray as _multiarray  # type: ignore[no-redef]
+# NumPy 2's name; NumPy 1.26 has it too, as a stub over numpy.core. A pickle names the module of the
+# NumPy that wrote it, so _ALLOWED takes both names.
+import numpy._core.multiarray as _multiarray
+import torch
 
 
 class UnsafePickle(pickle.UnpicklingError):

@@ -141,8 +141,16 @@ def _load(path: Path) -> Any:
 def _numpy_globals() -> list:
     from numpy import dtypes
 
-    reconstruct = np._core.multiarray._reconstruct  # type: ignore[attr-defined]
-    allowed: list = [reconstruct, (reconstruct, "numpy.core.multiarray._reconstruct"), np.ndarray, np.dtype]
+    # numpy._core is NumPy 2's name, and a stub over numpy.core in NumPy 1.26 (an import, not an
+    # attribute, there); a pickle names the module of the NumPy that wrote it, so both names are allowed.
+    from numpy._core.multiarray import _reconstruct as reconstruct
+
+    allowed: list = [
+        (reconstruct, "numpy._core.multiarray._reconstruct"),
+        (reconstruct, "numpy.core.multiarray._reconstruct"),
+        np.ndarray,
+        np.dtype,
+    ]
     allowed += [getattr(dtypes, name) for name in ("Int32DType", "Int64DType", "Int16DType", "Float32DType")]
     return allowed
 

@@ -100,6 +100,21 @@ def test_sequence_histograms_and_worst_samples_match_brute_force():
     assert [w["max_prob_diff"] for w in dist["worst"]] == pytest.approx(seq_max[order].tolist(), abs=0)
 
 
+@pytest.mark.parametrize("cut", [None, 3, 7])
+def test_tied_worst_samples_keep_the_lowest_sample_ids_whatever_the_shards(cut):
+    """Ten samples of one token each, eight with the same gap: the worst five are the two larger
+    gaps, then the tied ones by sample id, in one shard or two (the example run has such ties, and
+    NumPy 1.26 and 2 kept different ones of them while the pruning did not break ties)."""
+    gap_of = np.array([0.25, 0.5, 0.25, 0.25, 0.25, 0.25, 0.25, 0.25, 0.7, 0.25])
+    sample = np.array([6, 3, 9, 0, 8, 1, 5, 2, 4, 7])  # not in id order, as no shard need be
+    li = np.log(np.full(10, 0.9))
+    lt = np.log(0.9 - gap_of[sample])
+    acc = DistributionAccumulator(worst_k=5)
+    for part in np.split(np.arange(10), [cut] if cut else []):
+        acc.add(lt[part], li[part], sample[part], np.zeros(len(part), np.int16))
+    assert [w["sample_id"] for w in acc.finish()["worst"]] == [8, 1, 0, 2, 3]
+
+
 def test_empty_run_gives_empty_distributions():
     acc = DistributionAccumulator()
     acc.add(np.zeros(0), np.zeros(0), np.zeros(0, np.int64), np.zeros(0, np.int16))
