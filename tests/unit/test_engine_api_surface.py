@@ -240,3 +240,14 @@ def test_the_scan_finds_what_the_adapters_really_pass():
     assert {"update_weights_from_tensor", "begin_weight_update", "shutdown"} <= sglang["engine"]
     assert {"output_token_logprobs", "input_token_logprobs", "routed_experts"} <= sglang["meta_info"]
     assert {"random_seed", "skip_tokenizer_init", "custom_weight_loader"} <= sglang["server_args"]
+
+
+def test_the_warning_is_a_row_of_the_report_not_a_setting():
+    from mismatch_probe.record import EngineInfo, RunRecord
+    from mismatch_probe.report.labels import setup_rows
+
+    line = version_warning("vllm", "0.9.2")
+    record = RunRecord(engine=EngineInfo.model_validate({"engine": "vllm", "version_warning": line}))
+    rows = dict(setup_rows(record))
+    assert rows["engine version"] == line and "version_warning" not in rows["engine settings"]
+    assert "engine version" not in dict(setup_rows(RunRecord(engine=EngineInfo.model_validate({"engine": "vllm"}))))
