@@ -195,10 +195,16 @@ def module_names(root: Path, module: str) -> set[str] | None:
     tree = parse(root, f"{rel}.py", f"{rel}/__init__.py")
     if tree is None:
         return None
+    is_package = not (root / f"{rel}.py").exists()
     out: set[str] = set()
     for node in tree.body:
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             out.add(node.name)
+        elif isinstance(node, ast.ImportFrom) and [a.name for a in node.names] == ["*"]:
+            # a package that re-exports a module whole (sglang/srt/utils/__init__.py: from .common import *)
+            base = module.split(".") if is_package else module.split(".")[:-1]
+            source = ".".join([*base[: len(base) - node.level + 1], *([node.module] if node.module else [])])
+            out |= module_names(root, source if node.level else node.module or "") or set()
         elif isinstance(node, ast.Import | ast.ImportFrom):
             out.update((a.asname or a.name).split(".")[0] for a in node.names)
         elif isinstance(node, ast.Assign | ast.AnnAssign):
