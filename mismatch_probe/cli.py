@@ -796,6 +796,11 @@ def engines() -> None:
         )
         table.add_row(name, status, entry.description)
     out.print(table)
+    from mismatch_probe.engines.api_uses import ENGINE_NAMES, SUPPORTED
+
+    # the releases whose API has every name the adapter needs (engines/api_uses.py)
+    ranges = ", ".join(f"{ENGINE_NAMES[e]} {lo}–{hi}" for e, (lo, hi) in SUPPORTED.items())
+    out.print(f"supported engine versions: {escape(ranges)} (docs/concepts/engines.md, Supported engine versions)")
 
 
 if __name__ == "__main__":

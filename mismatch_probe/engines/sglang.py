@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from mismatch_probe.config.spec import EngineSpec, SamplingSpec, SyncSpec, default_logprobs_mode
+from mismatch_probe.engines.api_uses import version_warning
 from mismatch_probe.engines.base import (
     Completion,
     EngineCapabilities,
@@ -270,6 +272,10 @@ class SGLangEngine:
         import sglang
 
         self.version = sglang.__version__
+        # a release whose API lacks names the adapter uses: said once here (engine.log) and in run.json
+        self.version_warning = version_warning("sglang", self.version)
+        if self.version_warning:
+            print(f"warning: {self.version_warning}", file=sys.stderr, flush=True)
         if self.device == "cpu":
             check_cpu_quantization(spec, self.model_path, self.version)
         if self.sync is not None:
@@ -408,6 +414,7 @@ class SGLangEngine:
             "env": {k: os.environ[k] for k in ENV_RECORDED if k in os.environ},
             "routing": self.routing.describe() if self.routing is not None else None,
             **({"routing_unavailable": self.routing_unavailable} if self.routing_unavailable else {}),
+            **({"version_warning": self.version_warning} if self.version_warning else {}),
             "versions": versions,
             "workarounds": {**self.prefill_reader.workarounds(), **self.capture_workarounds},
             **({"kernels": self._cpu_kernels()} if self.device == "cpu" else {}),

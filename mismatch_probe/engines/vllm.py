@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from mismatch_probe.config.spec import EngineSpec, SamplingSpec, SyncSpec, default_logprobs_mode
+from mismatch_probe.engines.api_uses import version_warning
 from mismatch_probe.engines.base import (
     Completion,
     EngineCapabilities,
@@ -185,6 +187,10 @@ class VLLMEngine:
         self.model_path = Path(model_path)
         self.platform = str(getattr(current_platform, "device_type", "unknown"))
         self.version = vllm.__version__
+        # a release whose API lacks names the adapter uses: said once here (engine.log) and in run.json
+        self.version_warning = version_warning("vllm", self.version)
+        if self.version_warning:
+            print(f"warning: {self.version_warning}", file=sys.stderr, flush=True)
         on_cpu = current_platform.is_cpu()
         # vLLM 0.32's CPU runner rewinds a seeded request's generator when it discards a sampled
         # token (a prompt split by chunked prefill), which CPU generators cannot do: the engine dies
@@ -421,6 +427,7 @@ class VLLMEngine:
             **({"kv_cache_sizing": self.kv_cache_sizing} if self.kv_cache_sizing else {}),
             "routing": self.routing.describe() if self.routing is not None else None,
             **({"routing_unavailable": self.routing_unavailable} if self.routing_unavailable else {}),
+            **({"version_warning": self.version_warning} if self.version_warning else {}),
             "versions": {"vllm": self.version, "torch": torch.__version__, "transformers": transformers.__version__},
         }
 

@@ -56,6 +56,8 @@ def sample_shards(ctx: RunContext, engine: Engine, missing: list[int]) -> None:
     semantics = engine.semantics(spec.sampling)
     s = spec.sampling
     info = engine.info()
+    if info.get("version_warning"):  # an engine release outside the adapter's supported range (engines/api_uses.py)
+        progress.log(f"warning: {info['version_warning']}")
     prefill_skip = prefill_skip_reason(spec, engine, semantics)
     renders = info.get("renders_prompts")  # the server renders chat messages itself (swift rollout)
     if renders:

@@ -249,6 +249,7 @@ ENGINE_BOOKKEEPING = {
     "routing",
     "routing_unavailable",
     "per_request_seeds_off_because",
+    "version_warning",  # a row of its own (setup_rows)
     "kv_cache_sizing",
     "quantization_layers",  # a row of its own (quantization_rows)
     "workarounds",  # a row of its own (workaround_rows)
@@ -317,6 +318,7 @@ def setup_rows(record: RunRecord) -> list[tuple[str, str]]:
         *architecture_rows(record),
         ("prompts", f"{inputs.prompts} ({inputs.n_prompts} prompts, {inputs.n_samples} samples)"),
         ("engine", engine_label(record)),
+        *([("engine version", eng["version_warning"])] if eng.get("version_warning") else []),
         (
             "engine settings",
             ", ".join(f"{k}={v}" for k, v in eng.items() if k not in ENGINE_BOOKKEEPING | {"engine", "env"}),
