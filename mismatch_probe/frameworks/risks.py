@@ -164,7 +164,58 @@ def _sampling_disagrees(stack: StackReading) -> str | None:
     return "; ".join(lines) or None
 
 
+def pinned_releases(engine: str, pin: str) -> list[str]:
+    """The surveyed releases of ``engine`` (engines/api_surface) that a framework's pin allows: a
+    requirement (``vllm>=0.8.5,<=0.12.0``), or the version an image tag or ``==`` names."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    from mismatch_probe.engines.api_uses import surface, version_key
+
+    releases = surface(engine)["releases"]
+    text = pin.split(" (")[0].strip()
+    try:
+        spec = Requirement(text).specifier
+    except InvalidRequirement:
+        spec = None
+    if spec:
+        return [r for r in releases if spec.contains(r, prereleases=True)]
+    named = re.findall(r"\d+\.\d+\.\d+(?:\.post\d+)?", text)
+    keys = {version_key(v) for v in named}
+    return [r for r in releases if version_key(r) in keys]
+
+
+def _engine_version(stack: StackReading) -> str | None:
+    from mismatch_probe.engines.api_uses import SUPPORTED, version_warning
+
+    engine = _engine(stack)
+    if engine not in SUPPORTED or not stack.engine_pin:
+        return None
+    allowed = pinned_releases(engine, stack.engine_pin)
+    outside = [r for r in allowed if version_warning(engine, r)]
+    if not outside:
+        return None
+    lo, hi = SUPPORTED[engine]
+    inside = [r for r in allowed if r not in outside]
+    lacks = version_warning(engine, outside[-1]) or ""
+    lacks = lacks.split(": ", 1)[1] if ": " in lacks else lacks
+    runs = (
+        f"of them only {', '.join(inside)} {'runs' if len(inside) == 1 else 'run'}" if inside else "none of them runs"
+    )
+    return (
+        f"{stack.framework} pins {stack.engine_pin}; {runs} mismatch-probe's in-process {engine} adapter "
+        f"(it supports {lo}–{hi}; {outside[-1]} is {lacks}): probe with a supported {engine}, or "
+        "through the framework's own server (--engine-url)"
+    )
+
+
 RISKS: tuple[Risk, ...] = (
+    Risk(
+        "engine-version",
+        "the engine version the framework pins is outside what the probe's adapter runs",
+        "mismatch_probe/engines/api_surface (each release's API, read by scripts/engine_api_surface.py); "
+        "docs/concepts/engines.md, Supported engine versions",
+        _engine_version,
+    ),
     Risk(
         "logprobs-temperature",
         "engine and trainer log-probs at different temperatures",

@@ -63,7 +63,7 @@ def test_init_from_verls_config_and_dataset_then_compare(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads((out / "run.json").read_text())
     assert record["status"] == "complete"
-    assert record["spec"]["stack"]["risks"][0]["id"] == "cascade-attention"
+    assert {r["id"] for r in record["spec"]["stack"]["risks"]} == {"engine-version", "cascade-attention"}
     assert record["spec"]["sampling"]["n"] == 2 and record["spec"]["reference"]["fsdp"] is True
     assert record["metrics"]["n_model_tokens"] > 0
     report = (out / "report.md").read_text()

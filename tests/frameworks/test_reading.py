@@ -147,6 +147,23 @@ def test_cascade_attention_is_not_a_risk_on_vllm_that_removed_it():
     assert pinned_version("vllm>=0.8.5,<=0.12.0 (setup.py:52)") == (0, 12, 0)
 
 
+def test_engine_version_pins_outside_the_adapters_range():
+    from mismatch_probe.frameworks.risks import pinned_releases
+
+    assert pinned_releases("vllm", "vllm>=0.8.5,<=0.12.0 (setup.py:52)")[-1] == "0.12.0"
+    assert pinned_releases("sglang", "slimerl/sglang:v0.5.15.post1-cu129") == ["0.5.15.post1"]
+    vllm = {**BASE, "engine.name": "vllm", "engine.cascade_attn": False}
+    ids = lambda pin, values=vllm: {r.id for r in find_risks(_stack(values, engine_pin=pin))}
+    assert "engine-version" in ids("vllm>=0.8.5,<=0.12.0 (setup.py:52)")
+    assert "engine-version" not in ids("vllm==0.26.0")
+    assert "engine-version" in ids("sglang==0.5.2", BASE)  # no SGLANG_RETURN_ORIGINAL_LOGPROB, no sampling_seed
+    assert "engine-version" not in ids("sglang==0.5.12.post1", BASE)
+    detail = next(
+        r.detail for r in find_risks(_stack(vllm, engine_pin="vllm>=0.8.5,<=0.12.0")) if r.id == "engine-version"
+    )
+    assert "only 0.12.0 runs" in detail and "flat_logprobs" in detail
+
+
 def test_engine_findings_by_family_from_a_checkpoint_or_a_name(tmp_path):
     ids = lambda stack, **kw: {r.id for r in find_risks(stack, **kw)}
     moe = "engine-finding:sglang-qwen3-moe-untied-lm-head"
