@@ -739,10 +739,11 @@ def init(
     """Write a probe spec that mirrors your RL framework's config: every value with where it came
     from, the settings the probe cannot mirror, prompts sampled from your dataset, and the known
     mismatch risks of the configuration (printed, in the spec, and in the report)."""
+    from mismatch_probe.errors import ConfigError
     from mismatch_probe.frameworks.init import init_spec
 
     if spec_out.exists() and not overwrite:
-        raise ProbeError(
+        raise ConfigError(
             f"{portable_path(spec_out)} exists", hint="pass --overwrite to replace it, or --out another file"
         )
     result = init_spec(

@@ -43,3 +43,25 @@ def test_openrlhf_without_the_chat_template_writes_raw_text_and_tokenizes_with_t
     assert result.prompts.length_unit == "tokens"
     records = read_prompt_records(result.prompts_path)
     assert len(records) == 5
+
+
+def test_init_refuses_bad_input_in_one_line_with_exit_2(tmp_path):
+    from typer.testing import CliRunner
+
+    from mismatch_probe.cli import app
+
+    def run(*args):
+        result = CliRunner().invoke(app, ["init", *args])
+        return result.exit_code, result.output.strip()
+
+    code, text = run("axolotl", "x.yaml", "--out", str(tmp_path / "p.toml"))
+    assert code == 2 and "unknown framework 'axolotl'" in text and "verl" in text
+    code, text = run("verl", str(tmp_path / "missing.sh"), "--out", str(tmp_path / "p.toml"))
+    assert code == 2 and "no such file" in text
+    (tmp_path / "p.toml").write_text("")
+    code, text = run("verl", str(CONFIGS / "verl" / "run_qwen2-7b.sh"), "--out", str(tmp_path / "p.toml"))
+    assert code == 2 and "--overwrite" in text
+    code, text = run(
+        "verl", str(CONFIGS / "verl" / "run_qwen2-7b.sh"), "--out", str(tmp_path / "q.toml"), "--set", "engine.nope=1"
+    )
+    assert code == 2 and "engine.nope" in text
