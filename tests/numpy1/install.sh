@@ -4,7 +4,7 @@
 # NumPy 1 step, which runs the fast tests with it first on PYTHONPATH over .venv:
 #
 #   bash tests/numpy1/install.sh .numpy1-site
-#   MISMATCH_PROBE_EXPECT_NUMPY=1.26.4 PYTHONPATH="$PWD/.numpy1-site" .venv/bin/python -m pytest tests/unit -m "not slow"
+#   MISMATCH_PROBE_EXPECT_NUMPY=1.26.4 PYTHONPATH="$PWD/.numpy1-site" .venv/bin/python -m pytest tests/unit tests/frameworks -m "not slow"
 #
 # The absolute path: tests that start `mismatch-probe` in another directory keep NumPy 1;
 # MISMATCH_PROBE_EXPECT_NUMPY makes tests/conftest.py refuse a session that imported another NumPy.
