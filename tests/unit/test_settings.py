@@ -89,6 +89,8 @@ def test_the_variant_patches_are_their_sections():
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9_-]*[a-z0-9]")  # ms-swift's flags have underscores
 # flags of other programs that messages tell people to pass: the program each belongs to
 FOREIGN_FLAGS = {
+    "--use_vllm": "swift rlhf (mismatch-probe init ms-swift reads its flags)",
+    "--vllm_mode": "swift rlhf (mismatch-probe init ms-swift reads its flags)",
     "--headless": "vllm serve",
     "--master-addr": "vllm serve",
     "--master-port": "vllm serve",
