@@ -101,6 +101,15 @@ class FrameworkConfig:
 SKIP = object()
 
 
+def dtype_name(value: Any) -> Any:
+    """A framework's dtype as the spec names it (``bf16`` -> ``bfloat16``, config/choices.py:
+    DTYPE_ALIASES); :data:`SKIP` for one the probe has no dtype for (``fp8``: the key is then listed
+    as not mirrored), None for none."""
+    from mismatch_probe.config.choices import DTYPE_ALIASES
+
+    return None if value is None else DTYPE_ALIASES.get(str(value), SKIP)
+
+
 @dataclass(frozen=True)
 class Rule:
     """Framework key(s) -> one probe setting. ``convert`` takes the keys' values in order (None for

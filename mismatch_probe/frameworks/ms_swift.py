@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from mismatch_probe.errors import ConfigError
-from mismatch_probe.frameworks.base import SKIP, Found, FrameworkConfig, Rule
+from mismatch_probe.frameworks.base import SKIP, Found, FrameworkConfig, Rule, dtype_name
 from mismatch_probe.frameworks.cli_flags import flag, read_flags
 
 COMMIT = "3602360a562313afbf2ef6065fdf61f271a2c5b9"
@@ -67,8 +67,6 @@ ENGINE_PINS = {
 MODEL_KEYS = ("--model",)
 DATASET_KEYS = ("--dataset",)
 
-_DTYPES = ("bfloat16", "float16", "float32")
-
 
 def _mode(config: FrameworkConfig) -> str | None:
     return str(config.value("--vllm_mode")) if flag(config.value("--use_vllm")) else None
@@ -86,10 +84,6 @@ def _vllm(probe_key: str, name: str, convert: Any, *, server_only: bool = False,
     if not server_only:
         rules.insert(0, Rule(probe_key, (name,), convert, note=note, when=_on("colocate")))
     return rules
-
-
-def _dtype(value: Any) -> Any:
-    return str(value) if str(value) in _DTYPES else SKIP  # None: the checkpoint's own dtype
 
 
 def _is(kind: str):
@@ -117,7 +111,10 @@ RULES: list[Rule] = [
         note="colocated in each training process, or the swift rollout server; without vLLM, transformers' generate",
     ),
     *_vllm(
-        "engine.dtype", "--torch_dtype", _dtype, note="the model's torch_dtype (rollout_mixin.py:508; rollout.py:802)"
+        "engine.dtype",
+        "--torch_dtype",
+        dtype_name,
+        note="the model's torch_dtype (rollout_mixin.py:508; rollout.py:802)",
     ),
     *_vllm("engine.tensor_parallel_size", "--vllm_tensor_parallel_size", int),
     *_vllm("engine.pipeline_parallel_size", "--vllm_pipeline_parallel_size", int, server_only=True),
@@ -155,7 +152,7 @@ RULES: list[Rule] = [
     Rule("sampling.top_k", ("--top_k",), int),
     Rule("sampling.n", ("--num_generations",), int, note="sent as separate n = 1 requests"),
     Rule("sampling.max_tokens", ("--response_length", "--max_new_tokens", "--max_completion_length"), _max_tokens),
-    Rule("reference.dtype", ("--torch_dtype",), _dtype),
+    Rule("reference.dtype", ("--torch_dtype",), dtype_name),
     Rule("reference.attn_implementation", ("--attn_impl",), _attn),
     Rule("reference.packing", ("--padding_free",), flag),
     Rule(

@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from mismatch_probe.errors import ConfigError
-from mismatch_probe.frameworks.base import SKIP, Found, FrameworkConfig, Origin, Rule
+from mismatch_probe.frameworks.base import SKIP, Found, FrameworkConfig, Origin, Rule, dtype_name
 from mismatch_probe.frameworks.sources import hydra_override, read_structured, resolve_interpolations
 
 COMMIT = "7ea279abfbeb698b092856d0dab61e7cf39bc909"
@@ -88,9 +88,6 @@ DATASET_KEYS = ("data.train.data_path", "data.train.dataset_name")
 # the train dataset's own key, else the one every dataset defaults to (grpo_math_1B.yaml:478-481)
 PROMPT_KEY_KEYS = ("data.train.input_key", "data.default.input_key")
 
-_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
-_DTYPES |= {"float32": "float32", "fp32": "float32"}
-
 
 def _backend(config: FrameworkConfig) -> str:
     return str(config.value(G + "backend"))
@@ -103,11 +100,6 @@ def _on(backend: str):
 
 def _dtensor(config: FrameworkConfig) -> bool:
     return not config.value(P + "megatron_cfg.enabled") and bool(config.value(P + "dtensor_cfg.enabled"))
-
-
-def _dtype(value: Any) -> Any:
-    # "fp8" runs NeMo-RL's own FP8 setup (vllm_worker.py:476-489): no dtype of the probe's
-    return _DTYPES.get(str(value), SKIP)
 
 
 def _logprobs_mode(value: Any) -> Any:
@@ -163,7 +155,7 @@ def _attn(packing: Any, cp: Any) -> Any:
 RULES: list[Rule] = [
     Rule("engine.name", (G + "backend",), lambda v: v if v in ("vllm", "sglang") else SKIP),
     # vLLM: llm_kwargs of vllm_worker.py:570-601
-    Rule("engine.dtype", (V + "precision",), _dtype, when=_on("vllm")),
+    Rule("engine.dtype", (V + "precision",), dtype_name, when=_on("vllm")),
     Rule("engine.tensor_parallel_size", (V + "tensor_parallel_size",), int, when=_on("vllm")),
     Rule("engine.pipeline_parallel_size", (V + "pipeline_parallel_size",), int, when=_on("vllm")),
     Rule("engine.gpu_memory_utilization", (V + "gpu_memory_utilization",), float, when=_on("vllm")),
@@ -187,7 +179,7 @@ RULES: list[Rule] = [
         when=_on("vllm"),
     ),
     # SGLang: sglang_cfg is SGLang's ServerArgs by name (sglang/config.py:79-151)
-    Rule("engine.dtype", (S + "dtype",), _opt(_dtype), when=_on("sglang")),
+    Rule("engine.dtype", (S + "dtype",), _opt(dtype_name), when=_on("sglang")),
     Rule("engine.tensor_parallel_size", (S + "tp_size",), _opt(int), when=_on("sglang")),
     Rule("engine.pipeline_parallel_size", (S + "pp_size",), _opt(int), when=_on("sglang")),
     Rule("engine.data_parallel_size", (S + "dp_size",), _opt(int), when=_on("sglang")),
@@ -222,7 +214,7 @@ RULES: list[Rule] = [
     Rule(
         "reference.fsdp_param_dtype",
         (P + "precision",),
-        _dtype,
+        dtype_name,
         note=f"FSDP2 MixedPrecisionPolicy(param_dtype) ({_SETUP}:285-289,484-485)",
         when=_dtensor,
     ),

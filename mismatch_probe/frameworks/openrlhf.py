@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mismatch_probe.frameworks.base import SKIP, Found, FrameworkConfig, Rule
+from mismatch_probe.frameworks.base import SKIP, Found, FrameworkConfig, Rule, dtype_name
 from mismatch_probe.frameworks.cli_flags import flag, read_flags
 
 COMMIT = "3c3be6234e0cb353e76bb8019947db9dfe99fca7"
@@ -133,7 +133,7 @@ RULES: list[Rule] = [
     Rule(
         "reference.dtype",
         ("--ds.param_dtype",),
-        lambda v: {"bf16": "bfloat16", "fp16": "float16"}.get(str(v), str(v)),
+        dtype_name,
         note="the actor's dtype (openrlhf/trainer/ray/ppo_actor.py:516)",
     ),
     Rule("reference.attn_implementation", ("--ds.attn_implementation", "--ds.packing_samples"), _attn),

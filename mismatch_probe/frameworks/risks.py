@@ -142,8 +142,9 @@ def _precision(stack: StackReading) -> str | None:
         trainer, what = stack.value("reference.fsdp_param_dtype", "bfloat16"), "FSDP param_dtype"
     else:
         trainer, what = stack.value("reference.dtype", "bfloat16"), "dtype"
-    aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
-    engine, trainer = aliases.get(str(engine), str(engine)), aliases.get(str(trainer), str(trainer))
+    from mismatch_probe.config.choices import DTYPE_ALIASES
+
+    engine, trainer = DTYPE_ALIASES.get(str(engine), str(engine)), DTYPE_ALIASES.get(str(trainer), str(trainer))
     if "auto" in (engine, trainer) or engine == trainer or {engine, trainer} == {"bfloat16", "float32"}:
         return None  # bf16 against fp32 compute is the usual and measured case; fp16 against bf16 is not
     return f"the engine computes in {engine} and the trainer's {what} is {trainer}: two roundings, not one"

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from mismatch_probe.errors import ConfigError
-from mismatch_probe.frameworks.base import SKIP, Found, FrameworkConfig, Origin, Rule
+from mismatch_probe.frameworks.base import SKIP, Found, FrameworkConfig, Origin, Rule, dtype_name
 from mismatch_probe.frameworks.sources import flatten, hydra_override, parse_scalar, read_structured, shell_words
 
 COMMIT = "a9564572eb8e91076be43c1bd5e4615e3de17265"
@@ -80,12 +80,6 @@ DATASET_KEYS = ("data.train_data",)
 # PromptDataset's prompt_key is "prompt" (skyrl/train/dataset/dataset.py:23); no config key sets it
 PROMPT_KEY_KEYS: tuple[str, ...] = ()
 
-_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "float": "float32", "half": "float16"}
-
-
-def _dtype(value: Any) -> Any:
-    return _DTYPES.get(str(value), str(value)) if value is not None else None
-
 
 def _local(config: FrameworkConfig) -> bool:
     """SkyRL starts the vLLM servers itself from these settings (build_vllm_cli_args)."""
@@ -122,7 +116,7 @@ RULES: list[Rule] = [
         lambda local, urls: str(urls[0]) if not local and isinstance(urls, list) and urls else SKIP,
         note="the first of your own servers: the probe reads its settings back from /server_info",
     ),
-    Rule("engine.dtype", (IE + "model_dtype",), _dtype, when=_local),
+    Rule("engine.dtype", (IE + "model_dtype",), dtype_name, when=_local),
     Rule("engine.tensor_parallel_size", (IE + "tensor_parallel_size",), int, when=_local),
     Rule("engine.pipeline_parallel_size", (IE + "pipeline_parallel_size",), int, when=_local),
     Rule("engine.data_parallel_size", (IE + "data_parallel_size",), int, when=_local),
@@ -176,8 +170,8 @@ RULES: list[Rule] = [
         convert=lambda c: "float32" if _fsdp(c) else SKIP,
         note="FSDP's reduce_dtype when fsdp_config.mixed_precision is unset",
     ),
-    Rule("reference.fsdp_param_dtype", (P + "fsdp_config.mixed_precision.param_dtype",), _dtype, when=_fsdp),
-    Rule("reference.fsdp_reduce_dtype", (P + "fsdp_config.mixed_precision.reduce_dtype",), _dtype, when=_fsdp),
+    Rule("reference.fsdp_param_dtype", (P + "fsdp_config.mixed_precision.param_dtype",), dtype_name, when=_fsdp),
+    Rule("reference.fsdp_reduce_dtype", (P + "fsdp_config.mixed_precision.reduce_dtype",), dtype_name, when=_fsdp),
     Rule(
         "reference.attn_implementation",
         (T + "flash_attn",),

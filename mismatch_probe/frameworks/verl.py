@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from mismatch_probe.errors import ConfigError
-from mismatch_probe.frameworks.base import SKIP, Found, FrameworkConfig, Origin, Rule
+from mismatch_probe.frameworks.base import SKIP, Found, FrameworkConfig, Origin, Rule, dtype_name
 from mismatch_probe.frameworks.sources import (
     flatten,
     hydra_override,
@@ -79,15 +79,10 @@ DATASET_KEYS = ("data.train_files",)
 PROMPT_KEY_KEYS = ("data.prompt_key",)
 
 _ENGINES = ("vllm", "sglang")
-_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def _engine(config: FrameworkConfig) -> str:
     return str(config.value(R + "name"))
-
-
-def _dtype(value: Any) -> Any:
-    return _DTYPES.get(str(value), str(value)) if value is not None else None
 
 
 def _logprobs_mode(value: Any) -> Any:
@@ -118,7 +113,7 @@ def _on(engine: str):
 
 RULES: list[Rule] = [
     Rule("engine.name", (R + "name",), lambda v: v if v in _ENGINES else SKIP),
-    Rule("engine.dtype", (R + "dtype",), _dtype),
+    Rule("engine.dtype", (R + "dtype",), dtype_name),
     Rule(
         "engine.tensor_parallel_size",
         (R + "tensor_model_parallel_size",),
@@ -159,20 +154,20 @@ RULES: list[Rule] = [
     Rule(
         "reference.dtype",
         (A + "fsdp_config.model_dtype",),
-        _dtype,
+        dtype_name,
         note="the actor's master weights (fsdp_workers.py:324-326)",
     ),
     Rule("reference.fsdp", (A + "strategy",), lambda v: str(v) in ("fsdp", "fsdp2")),
     Rule(
         "reference.fsdp_param_dtype",
         (A + "fsdp_config.dtype",),
-        _dtype,
+        dtype_name,
         note="FSDP param_dtype (fsdp_workers.py:493-503)",
     ),
     Rule(
         "reference.fsdp_param_dtype",
         (A + "fsdp_config.mixed_precision.param_dtype",),
-        _dtype,
+        dtype_name,
         note="overrides fsdp_config.dtype (fsdp_workers.py:493-497)",
     ),
     Rule("reference.sequence_parallel_size", (A + "ulysses_sequence_parallel_size",), int),
