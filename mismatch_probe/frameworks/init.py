@@ -78,21 +78,21 @@ def init_spec(
     """Read ``inputs`` as framework ``framework_name`` does and write the spec to ``out`` (and its
     prompts beside it). ``model`` and ``settings`` (``{"engine.tensor_parallel_size": 1}``) are this
     machine's: they replace what the config says, which the spec's comments keep."""
-    from mismatch_probe.config.spec import spec_settings
-    from mismatch_probe.config.spec_reading import load_spec_file
+    from mismatch_probe.config.spec import ProbeSpec, spec_settings
+    from mismatch_probe.config.spec_reading import apply_overrides, load_spec_file
 
     if not inputs:
         raise ConfigError("no config given", hint=f"mismatch-probe init {framework_name} CONFIG [KEY=VALUE ...]")
     stack = read_stack(framework(framework_name), inputs)
     spec_dir = out.parent
     known = spec_settings()
-    overridden: dict[str, tuple[Any, str]] = {}
-    for key, value in (settings or {}).items():
+    for key in settings or {}:
         if key not in known or not known[key].section:
             raise ConfigError(
                 f"--set {key}: not a setting of the spec's tables", hint="e.g. --set engine.dtype=bfloat16"
             )
-        overridden[key] = (value, "set for this machine (init --set)")
+    apply_overrides(ProbeSpec(), dict(settings or {}), named_by="set")  # a bad value: refused here, by its --set
+    overridden = {key: (value, "set for this machine (init --set)") for key, value in (settings or {}).items()}
 
     result = InitResult(out, stack, [])
     result.risks = find_risks(stack, model_dir=_expand(model) if model else None)
@@ -144,11 +144,18 @@ def init_spec(
 
     table = stack_table(stack, inputs, result.risks)
     text = render_spec(stack, table, command=command, top=top, overridden=overridden)
-    write_spec(out, text)
+    # what init writes, compare reads: the spec is loaded beside its place (its relative paths hold)
+    # before it replaces anything, and one compare would refuse is never left behind
+    trial = out.with_name(f".{out.name}.init.toml")
+    write_spec(trial, text)
     try:
-        load_spec_file(out)  # what init writes, compare reads: refuse to leave a spec it would refuse
+        load_spec_file(trial)
     except ProbeError as exc:
         raise ProbeError(
-            f"init wrote a spec that does not load ({exc}); this is a bug in the {stack.framework} reader"
+            f"init read a config into a spec that does not load ({exc}); this is a bug in the {stack.framework} reader"
         ) from None
+    finally:
+        trial_text = trial.read_text() if trial.exists() else text
+        trial.unlink(missing_ok=True)
+    write_spec(out, trial_text)
     return result

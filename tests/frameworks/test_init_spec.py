@@ -65,3 +65,14 @@ def test_init_refuses_bad_input_in_one_line_with_exit_2(tmp_path):
         "verl", str(CONFIGS / "verl" / "run_qwen2-7b.sh"), "--out", str(tmp_path / "q.toml"), "--set", "engine.nope=1"
     )
     assert code == 2 and "engine.nope" in text
+
+
+def test_a_bad_set_value_is_refused_by_its_flag_and_nothing_is_written(tmp_path):
+    import pytest
+
+    from mismatch_probe.errors import ConfigError
+
+    out = tmp_path / "probe.toml"
+    with pytest.raises(ConfigError, match="engine.dtype"):
+        init_spec("verl", [str(CONFIGS / "verl" / "run_qwen2-7b.sh")], out=out, settings={"engine.dtype": "int3"})
+    assert list(tmp_path.iterdir()) == []
