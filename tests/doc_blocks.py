@@ -111,7 +111,10 @@ def commands() -> list[Command]:
                 words = words[1:]
             if len(words) < 2:
                 continue
-            found.append(Command(where, piece.strip(), words[1], words[2:]))
+            rest = words[2:]
+            if "--" in rest:  # what follows a bare -- is the command's arguments, not its options
+                rest = rest[: rest.index("--")]
+            found.append(Command(where, piece.strip(), words[1], rest))
 
     for workflow in sorted((ROOT / "examples" / "ci").glob("*.yml")):  # shown on the gate page
         for line in _command_lines(workflow.read_text()):
