@@ -68,7 +68,13 @@ def _logprobs_temperature(stack: StackReading) -> str | None:
     if engine_scaled == trainer_scaled:
         return None
     how = {True: "log_softmax(logits / T)", False: "log_softmax(logits)"}
-    set_or_default = "set" if stack.values.get("engine.logprobs_mode") else f"{_engine(stack)}'s default"
+    mode = stack.values.get("engine.logprobs_mode")
+    if mode is None:
+        set_or_default = f"{_engine(stack)}'s default"
+    elif all(o.from_user for o in mode.origins):
+        set_or_default = "as the config sets it"
+    else:
+        set_or_default = f"as {stack.framework} asks for it"
     return (
         f"at temperature {t:g} the engine returns {engine} log-probs ({set_or_default}: {how[engine_scaled]}) "
         f"while the trainer scores {how[trainer_scaled]}: every token's ratio is off by the temperature, "
