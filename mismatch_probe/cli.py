@@ -637,7 +637,12 @@ def timeline(
     ] = "auto",
     worst: Annotated[int, typer.Option(help="With --keep auto: how many steps of largest K3 to keep.")] = 3,
     baseline_steps: Annotated[int, typer.Option(help="The early steps each metric's drift is measured against.")] = 20,
-    alpha: Annotated[float, typer.Option(help="The drift test's false-alarm rate per metric over the run.")] = 0.05,
+    alpha: Annotated[
+        float,
+        typer.Option(
+            help="The drift test's false-alarm rate per run: the chance that any metric alarms on a run without drift."
+        ),
+    ] = 0.05,
     follow: Annotated[
         bool, typer.Option("--follow", help="Keep watching the directory; update as steps appear.")
     ] = False,

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from mismatch_probe.analysis.drift import POWER_FACTOR, POWER_STEPS
 from mismatch_probe.analysis.timeline import DRIFT_METRICS
 from mismatch_probe.numbers import fmt, fold, pct, seconds
 from mismatch_probe.report.data import Columns, step_columns
@@ -91,6 +92,31 @@ def _alpha(record: TimelineRecord) -> float | None:
     return alpha
 
 
+def false_alarm_rate(record: TimelineRecord) -> str:
+    """The drift test's false-alarm rate as the record states it: per run over every metric tested
+    (each at its share, timeline/runner.py: drift_tests), or per metric for a timeline written before
+    the run-level rate (no ``alpha_scope``)."""
+    alpha = _alpha(record)
+    if alpha is None:
+        return "-"
+    if record.options.get("alpha_scope") != "run":
+        return f"{pct(alpha)} per metric"
+    tested = [r for r in record.drift.values() if not r.get("reason")]
+    each = next((r.get("alpha") for r in tested if r.get("alpha") is not None), None)
+    if not tested or each is None:
+        return f"{pct(alpha)} per run"
+    return f"{pct(alpha)} per run over the {len(tested)} metrics tested (each at {pct(each)})"
+
+
+def k3_power(record: TimelineRecord) -> str | None:
+    """What the K3 test could catch on this run: the chance that a 2x rise lasting 20 steps alarms
+    within them, at this run's threshold and step-to-step noise (analysis/drift.py: DriftResult.power)."""
+    power = (record.drift.get("k3_kl") or {}).get("power")
+    if power is None:
+        return None
+    return f"a {POWER_FACTOR:g}x rise of {metric_label('k3_kl')} lasting {POWER_STEPS} steps alarms within them in {pct(power)} of runs with this run's noise"
+
+
 def headline_lines(record: TimelineRecord) -> list[str]:
     """A sentence per metric that drifted (in the order of ``DRIFT_METRICS``), else why none is
     reported: no drift found, or none could be tested."""
@@ -102,7 +128,7 @@ def headline_lines(record: TimelineRecord) -> list[str]:
         return drifted
     tested = [m for m in ordered if not record.drift[m].get("reason")]
     if tested:
-        return [f"no drift found in any metric (false-alarm rate {pct(_alpha(record))} per metric)"]
+        return [f"no drift found in any metric (false-alarm rate {false_alarm_rate(record)})"]
     reasons = list(dict.fromkeys(str(record.drift[m]["reason"]) for m in ordered))
     return ["drift not tested: " + ("; ".join(reasons) if reasons else "no metric was tested")]
 
@@ -162,7 +188,8 @@ def drift_table(record: TimelineRecord) -> Table:
         lead="Each metric's per-step values are tested against its baseline window (the first steps): the change "
         "step is where its level shifts, with the steps it could be; the alarm step is the first step at which "
         "the test is past its threshold. "
-        + (f"False-alarm rate {pct(alpha)} per metric over the run." if alpha is not None else ""),
+        + (f"False-alarm rate {false_alarm_rate(record)}." if alpha is not None else "")
+        + (f" Detection: {k3_power(record)}." if k3_power(record) else ""),
     )
 
 
@@ -305,7 +332,7 @@ def view_of(record: TimelineRecord, columns: Columns) -> TimelineView:
         Card(
             "drifted metrics",
             f"{sum(bool(r.get('detected')) for r in tested)} of {len(tested)} tested",
-            f"false-alarm rate {pct(_alpha(record))} per metric",
+            f"false-alarm rate {false_alarm_rate(record)}",
         ),
     ]
     if k3 and not k3.get("reason"):
@@ -317,7 +344,8 @@ def view_of(record: TimelineRecord, columns: Columns) -> TimelineView:
         ("model", str(source.get("model") or "- (no --model: no kept step has a run directory)")),
         ("status", record.status),
         ("baseline", f"the first {o['baseline_steps']} steps" if o.get("baseline_steps") else "-"),
-        ("false-alarm rate", f"{pct(_alpha(record))} per metric over the run"),
+        ("false-alarm rate", false_alarm_rate(record)),
+        ("detection", k3_power(record) or "-"),
         ("kept", _keep(o)),
         ("probe version", record.probe_version),
     ]

@@ -149,7 +149,8 @@ class Monitor:
     disk (zstd Parquet), so 130 kB a step at 8 sequences of 1,000 tokens, plus 20 kB for the
     step's rows, whatever the batch size (``benchmarks/bench_monitor.py``'s step of 1,024
     sequences). ``baseline_steps`` and ``alpha`` are the drift test's
-    (``mismatch-probe timeline``'s options of those names); ``corrections`` the correction
+    (``mismatch-probe timeline``'s options of those names; ``alpha`` bounds the run's false alarms
+    over every metric tested, as there); ``corrections`` the correction
     thresholds (``[corrections]`` keys). ``flush_every``: steps between refreshes of
     ``steps.parquet``, ``timeline.json`` and the page (each refresh reads every step file and draws
     the figures, a second or two, so not every step). ``tensorboard``: True (a ``tensorboard/``

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from mismatch_probe.analysis.drift import detect_drift
+from mismatch_probe.analysis.drift import detect_drift, metric_alpha
 from mismatch_probe.analysis.metrics import CorrectionThresholds
 from mismatch_probe.analysis.timeline import DRIFT_METRICS, N_BOOT, step_rows
 from mismatch_probe.errors import ConfigError
@@ -57,7 +57,7 @@ class TimelineOptions:
     keep: str = "auto"  # auto: first, last, the worst, change points; all; none
     worst: int = 3  # the steps of largest K3 kept with --keep auto
     baseline_steps: int = 20  # the early steps each metric's drift is measured against
-    alpha: float = 0.05  # the drift test's false-alarm rate over the monitored steps
+    alpha: float = 0.05  # the drift test's false-alarm rate per run: any metric, over the monitored steps
     trust_pickle: bool = False
     train_dump: str | None = None
     corrections: dict[str, Any] = field(default_factory=dict)  # correction thresholds ([corrections])
@@ -281,6 +281,7 @@ def finish(
         options={
             "baseline_steps": opts.baseline_steps,
             "alpha": opts.alpha,
+            "alpha_scope": "run",  # alpha bounds the run's false alarms over every metric (drift_tests)
             "keep": opts.keep,
             "worst": opts.worst,
             "workers": opts.workers,
@@ -312,18 +313,27 @@ def _group(table: pa.Table, group: str) -> dict[str, np.ndarray]:
 
 
 def drift_tests(table: pa.Table, *, baseline_steps: int, alpha: float) -> dict[str, dict[str, Any]]:
-    """The drift test of each metric of :data:`DRIFT_METRICS` over the steps (group ``all``)."""
+    """The drift test of each metric of :data:`DRIFT_METRICS` over the steps (group ``all``), each at
+    ``alpha`` split over the metrics tested (:func:`~mismatch_probe.analysis.drift.metric_alpha`), so
+    that ``alpha`` is the run's false-alarm rate: the chance that any metric alarms without a drift."""
     rows = _group(table, "all")
     out: dict[str, dict[str, Any]] = {}
     if not len(rows.get("step", [])):
         return out
     steps = rows["step"].astype(np.int64)
-    for metric, scale in DRIFT_METRICS.items():
-        if not np.isfinite(rows[metric]).any() and not np.isinf(rows[metric]).any():
-            continue  # a value this run never has (routing of a dense model): nothing to test
+    # a value this run never has (routing of a dense model) is not tested, and takes no share of alpha
+    tested = {m: s for m, s in DRIFT_METRICS.items() if np.isfinite(rows[m]).any() or np.isinf(rows[m]).any()}
+    for metric, scale in tested.items():
         low, high = rows.get(f"{metric}_low"), rows.get(f"{metric}_high")
         result = detect_drift(
-            steps, rows[metric], low, high, metric=metric, baseline_steps=baseline_steps, alpha=alpha, scale=scale
+            steps,
+            rows[metric],
+            low,
+            high,
+            metric=metric,
+            baseline_steps=baseline_steps,
+            alpha=metric_alpha(alpha, len(tested)),
+            scale=scale,
         )
         out[metric] = result.to_dict()
     return out

@@ -77,6 +77,111 @@ def run_all(steps, value, low, high, **kw) -> list[DriftResult]:
     return [detect_drift(steps, value[i], low[i], high[i], metric="k3_kl", **kw) for i in range(len(value))]
 
 
+def simulate_token_steps(n_steps: int, *, seed: int, n_sequences: int = 64, k3_factor=None, tau: float = 0.15):
+    """The model tokens of each step of one simulated RL run, as ``StepTokens`` (what the timeline reads
+    from a dump), for the run-level false-alarm rate over *every* drift metric (each step then goes
+    through the real ``step_rows``, and the run through ``drift_tests``).
+
+    A step samples ``n_sequences`` sequences of 20-2048 tokens (log-normal around 300). The engine's
+    log-probs are mostly confident (70% of tokens within ~0.02 of 0) with a long tail; the trainer's
+    differ by a heavy-tailed amount (Student t, 3 dof: a few tokens carry most of the mismatch) scaled
+    per sequence (log-normal, sd 0.5) and per step (log-normal, sd ``tau``: the policy moves), clipped
+    at 0. ``k3_factor(step)`` multiplies the step's mismatch scale by its square root (K3 grows with
+    the square of small log-prob differences, so a factor 2 doubles K3)."""
+    from mismatch_probe.analysis.timeline import StepTokens
+
+    rng = np.random.default_rng(seed)
+    for step in range(n_steps):
+        factor = 1.0 if k3_factor is None else float(k3_factor(step))
+        scale = 0.03 * math.exp(tau * rng.standard_normal()) * math.sqrt(factor)
+        n_tokens = np.clip(np.exp(rng.normal(math.log(300), 0.8, n_sequences)), 20, 2048).astype(np.int64)
+        total = int(n_tokens.sum())
+        sample_id = np.repeat(np.arange(n_sequences), n_tokens)
+        position = np.arange(total) - np.repeat(np.cumsum(n_tokens) - n_tokens, n_tokens)
+        confident = rng.random(total) < 0.7
+        logp_infer = np.where(confident, -rng.exponential(0.02, total), -rng.exponential(1.5, total))
+        per_sequence = np.exp(0.5 * rng.standard_normal(n_sequences))[sample_id]
+        logp_train = np.minimum(logp_infer + scale * per_sequence * rng.standard_t(3, total), 0.0)
+        yield StepTokens(
+            sample_id=sample_id,
+            turn=np.zeros(total, np.int16),
+            position=position,
+            logp_infer=logp_infer,
+            logp_train=logp_train,
+            n_samples=n_sequences,
+        )
+
+
+def token_level_run(n_steps: int, *, seed: int, baseline_steps: int = 20, alpha: float = 0.05, k3_factor=None):
+    """One simulated run through the timeline's own code: ``step_rows`` per step, ``drift_tests`` over
+    them. Returns the drift results by metric."""
+    from mismatch_probe.analysis.timeline import rows_table, step_rows
+    from mismatch_probe.timeline.runner import drift_tests
+
+    rows = [
+        row
+        for step, tokens in enumerate(simulate_token_steps(n_steps, seed=seed, k3_factor=k3_factor))
+        for row in step_rows(step, tokens, n_boot=200)
+    ]
+    return drift_tests(rows_table(rows), baseline_steps=baseline_steps, alpha=alpha)
+
+
+def test_metric_alpha_splits_the_run_rate_over_the_metrics():
+    assert drift.metric_alpha(0.05, 8) == pytest.approx(0.00625)
+    assert drift.metric_alpha(0.05, 1) == 0.05
+    for bad in ((0.05, 0), (0.0, 3), (0.6, 3)):
+        with pytest.raises(ValueError):
+            drift.metric_alpha(*bad)
+
+
+def test_a_timeline_tests_each_metric_at_its_share_of_the_run_rate():
+    """drift_tests splits alpha over the metrics the run has (a dense run has no routing metric), and the
+    run's threshold is the one of that share."""
+    from mismatch_probe.analysis.timeline import DRIFT_METRICS
+
+    results = token_level_run(30, seed=3)
+    tested = [m for m in DRIFT_METRICS if m != "routing_flip_share"]
+    assert sorted(results) == sorted(tested)
+    for metric, result in results.items():
+        assert result["alpha"] == pytest.approx(0.05 / len(tested)), metric
+        assert result["threshold"] == pytest.approx(drift_threshold(20, 10, alpha=0.05 / len(tested)))
+
+
+def test_stationary_token_level_runs_alarm_on_no_metric():
+    """Runs with no drift through the timeline's own step rows: no metric alarms on any of 12 seeded runs
+    (benchmarks/bench_drift.py measures the rate over hundreds: under 5% per run)."""
+    alarms = {s: [m for m, r in token_level_run(40, seed=100 + s).items() if r["detected"]] for s in range(12)}
+    assert not any(alarms.values()), alarms
+
+
+def test_a_2x_k3_rise_on_token_level_runs_alarms_on_k3():
+    """The same runs with K3 doubled from step 25 on: K3's test alarms on every one, after the rise."""
+    for s in range(4):
+        result = token_level_run(45, seed=200 + s, k3_factor=lambda step: 2.0 if step >= 25 else 1.0)["k3_kl"]
+        assert result["detected"] and result["alarm_step"] >= 25, (s, result)
+
+
+def test_the_power_of_a_shift_by_hand():
+    """shift_power is the share of simulated clipped CUSUMs past h within the steps: a shift far above
+    the threshold's reach is always caught, none is caught when h is out of reach, and it grows with
+    the shift."""
+    assert drift.shift_power(3.0, 5.0, steps=20) == 1.0
+    assert drift.shift_power(0.0, 1e6, steps=20) == 0.0
+    # 20 steps of at most Z_CLIP - k = 2.25 each cannot pass 46
+    assert drift.shift_power(10.0, 46.0, steps=20) == 0.0
+    powers = [drift.shift_power(s, 10.0, steps=20) for s in (0.5, 1.0, 1.5, 2.0)]
+    assert powers == sorted(powers) and powers[0] < 0.5 < powers[-1]
+    assert drift.shift_power(1.0, 10.0) == drift.shift_power(1.0, 10.0)  # seeded
+
+
+def test_the_power_a_result_states_is_its_own_noise_and_threshold():
+    steps, value, low, high = simulate_runs(1, 60, seed=9)
+    r = detect_drift(steps, value[0], low[0], high[0], alpha=0.01)
+    assert r.step_sd is not None and r.power is not None
+    assert r.power == drift.shift_power(math.log(2.0) / r.step_sd, r.threshold)
+    assert detect_drift(steps, value[0], scale="linear").power is None
+
+
 def test_the_vectorized_bootstrap_is_bootstrap_intervals():
     _, value, low, high, k3_sum, n_tokens = simulate_runs(2, 6, seed=5, with_columns=True)
     for run, step in [(0, 0), (0, 5), (1, 3)]:
