@@ -382,6 +382,8 @@ class RunRecord(Section):
     # path against a fresh load, the stale prefix cache, the findings (analysis/sync.py); None when
     # the run did not sync
     sync: dict[str, Any] | None = None
+    # sequence-bootstrap intervals of the run's metrics (analysis/intervals.py: run_intervals)
+    intervals: dict[str, Any] | None = None
     samples: dict[str, Any] | None = None
     distributions: str | None = None
     sequences: str | None = None
@@ -397,7 +399,7 @@ class RunRecord(Section):
     def _bucket_numbers(cls, value: Any) -> Any:  # a bucket's |delta| max or K3 mean can be inf
         return restore_numbers(value)
 
-    @field_validator("sync", mode="before")
+    @field_validator("sync", "intervals", mode="before")
     @classmethod
     def _sync_numbers(cls, value: Any) -> Any:  # the stale cache's K3 ratio is inf when the reset one is 0
         return restore_numbers(value)

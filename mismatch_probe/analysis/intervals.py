@@ -326,3 +326,28 @@ def unpaired_intervals(
         )
         for j, k in enumerate(keys)
     }
+
+
+# A run's own intervals (run.json's ``intervals``): as many replicates as a sweep point's, with a fixed
+# seed, so an analysis re-run on the same tokens gives the same numbers
+RUN_N_BOOT = 2000
+RUN_LEVEL = 0.95
+RUN_SEED = 0
+
+
+def run_intervals(columns: Columns) -> dict | None:
+    """run.json's ``intervals``: the sequence-bootstrap interval of every metric the run's sequences
+    can recompute (``group all``), as ``{key: [estimate, low, high]}`` with the level, replicates and
+    seed; None for a run without sequences."""
+    keys = available(columns)
+    if not len(columns.get("n_tokens", ())) or not keys:
+        return None
+    found = bootstrap_intervals(columns, keys, n_boot=RUN_N_BOOT, level=RUN_LEVEL, seed=RUN_SEED)
+    return {
+        "unit": "sequence",
+        "level": RUN_LEVEL,
+        "n_boot": RUN_N_BOOT,
+        "seed": RUN_SEED,
+        "n_sequences": len(columns["n_tokens"]),
+        "metrics": {k: [i.estimate, i.low, i.high] for k, i in found.items() if i is not None},
+    }

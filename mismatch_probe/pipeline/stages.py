@@ -32,8 +32,9 @@ from mismatch_probe.analysis.distributions import (
     worst_sequences,
 )
 from mismatch_probe.analysis.distributions import save as save_distributions
+from mismatch_probe.analysis.intervals import run_intervals
 from mismatch_probe.analysis.samples import sample_summary
-from mismatch_probe.analysis.sequences import SequenceCollector
+from mismatch_probe.analysis.sequences import SequenceCollector, group_columns
 from mismatch_probe.config.spec import PERTURBED, ProbeSpec
 from mismatch_probe.engines.base import Engine
 from mismatch_probe.errors import ConfigError, DataError, ProbeError
@@ -342,6 +343,9 @@ def analyze(ctx: RunContext) -> dict:
             sections["sync"] = analyze_sync(ctx)
     with timed(ctx.timings, "metrics_s"):
         write_sequences(out, sequences.table)
+        # the run's own sampling noise: which sequences it happened to sample (the report's next steps and
+        # suggested gate read it)
+        sections["intervals"] = run_intervals(group_columns(sequences.table, "all"))
         dist = distributions.result
         assert dist is not None  # the pass above finished it
         dist["worst_sequences"] = worst_sequences(out, dist["worst"], ctx.tokenizer)

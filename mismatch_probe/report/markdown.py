@@ -21,7 +21,7 @@ def _cell(table: Table, i: int, text: str, key: str) -> str:
     if kind == "link":
         return f"[{table.columns[i].label}]({text})" if text else ""
     if kind == "code":
-        return md_code(text, in_table=True)
+        return md_code(text, in_table=True) if text else ""
     out = md_text(text)
     return f"{out} {md_code(key, in_table=True)}" if i == 0 and key else out
 
@@ -52,6 +52,7 @@ def render_run(view: RunView) -> str:
         f"- **{md_text(c.label)}**: {md_text(c.value)} ({md_text(c.note)})" for c in view.headline
     ]
     out += [""] + [f"- {md_text(line)}" for line in view.notes] + ([""] if view.notes else [])
+    out += table(view.next_steps)
     out += ["## Environment and settings", ""] + _pairs(view.setup)
     for t in view.stack:
         out += table(t)

@@ -15,6 +15,7 @@ from mismatch_probe.record import RunRecord
 from mismatch_probe.report import html, markdown
 from mismatch_probe.report.data import load_run, step_columns
 from mismatch_probe.report.figures import FIGURES_DIR, DrawnFigure, run_figures, sweep_figures, timeline_figures
+from mismatch_probe.report.next_files import write_next_files
 from mismatch_probe.report.run_view import run_view
 from mismatch_probe.report.sweep_view import SWEEP_HTML, SWEEP_MD, sweep_view
 from mismatch_probe.report.timeline_view import TIMELINE_HTML, TIMELINE_MD, view_of
@@ -41,8 +42,10 @@ def write_figure_files(run_dir: Path, figures: list[DrawnFigure]) -> list[dict]:
 
 
 def write_run_pages(run_dir: Path, record: RunRecord, dist: dict, figures: list[DrawnFigure]) -> None:
-    """report.md and report.html, from the run's one view."""
+    """report.md and report.html, from the run's one view, and the files its "What to do next" names
+    (next-sweep.toml, suggested-gate.toml)."""
     view = run_view(record, run_dir, dist)
+    write_next_files(run_dir, record)
     write_atomic(run_dir / REPORT_MD, markdown.render_run(view))
     write_atomic(run_dir / html.REPORT_HTML, html.render_run(view, figures))
 

@@ -20,6 +20,7 @@ from mismatch_probe.analysis.metric_docs import (
     prob_diff_context,
 )
 from mismatch_probe.analysis.metrics import KEPT_K3
+from mismatch_probe.analysis.next_steps import NEXT_SWEEP, SUGGESTED_GATE, next_steps
 from mismatch_probe.numbers import fmt, pct, ratio, seconds, short, tick
 from mismatch_probe.record import RunRecord
 from mismatch_probe.report import labels
@@ -40,6 +41,7 @@ class RunView(View):
     notes: list[str]
     setup: Pairs
     stack: list[Table]  # the framework config the spec mirrors: its risks, what was not mirrored
+    next_steps: Table  # what to do next, from the run's findings (analysis/next_steps.py)
     metrics: Table
     corrections: Table
     breakdowns: list[Table]
@@ -476,6 +478,47 @@ def stack_tables(record: RunRecord) -> list[Table]:
     return [risk_table, unmirrored]
 
 
+def step_commands(record: RunRecord, path: Path) -> dict[str, str]:
+    """The commands "What to do next" gives, with this run's directory as the run was given it (its
+    ``out``, from where it was made: the same page wherever the directory is copied)."""
+    spec = record.spec_file or "SPEC"
+    path = Path(record.spec.out) if record.spec.out else path
+    return {
+        "sweep_command": f"mismatch-probe sweep {path / NEXT_SWEEP}",
+        "gate_command": f"mismatch-probe gate NEW_RUN --thresholds {path / SUGGESTED_GATE}",
+        "spec_command": f"mismatch-probe compare {spec} --prefill-check --out {path}-decode-vs-prefill",
+    }
+
+
+def next_steps_table(record: RunRecord, path: Path) -> Table:
+    """What to do next, from the run's own findings (analysis/next_steps.py), each citing its number."""
+    name = labels.run_label(record, path)
+    steps = next_steps(record, labels.rollout_precision(record), run_name=name, **step_commands(record, path))
+    return Table(
+        "next-steps",
+        "What to do next",
+        [
+            Column("topic", "text"),
+            Column("what this run shows", "long"),
+            Column("next step", "long"),
+            Column("command", "code"),
+        ],
+        [
+            Row(
+                [
+                    s.topic,
+                    s.finding,
+                    s.action + (" (written beside this report)" if s.writes else ""),
+                    s.command or "",
+                ],
+                muted=not s.urgent,
+            )
+            for s in steps
+        ],
+        lead="Each line is decided from this run's own numbers, which it cites; highlighted lines are problems.",
+    )
+
+
 def _run_rows(record: RunRecord) -> Pairs:
     samples = record.samples or {}
     reasons = ", ".join(f"{k} {v}" for k, v in (samples.get("finish_reasons") or {}).items())
@@ -507,6 +550,7 @@ def run_view(record: RunRecord, path: Path, dist: dict | None = None) -> RunView
         notes=labels.notes(record),
         setup=pairs(labels.setup_rows(record)),
         stack=stack_tables(record),
+        next_steps=next_steps_table(record, path),
         metrics=metrics_table(record),
         corrections=corrections_table(record),
         breakdowns=breakdown_tables(record),

@@ -63,6 +63,10 @@ def print_run(console: Console, view: RunView) -> None:
                 console.print(note(NOTE + f"known risk of this configuration: {row.cells[0]}: {row.cells[1]}"))
     for line in view.notes:
         console.print(note(line))
+    for row in view.next_steps.rows:  # what to do next: the problems only; the report has every line
+        if not row.muted:
+            command = f": {row.cells[3]}" if row.cells[3] else ""
+            console.print(note(NOTE + f"next ({row.cells[0]}): {row.cells[1]}; {row.cells[2]}{command}"))
     if view.timings.rows:
         console.print(
             "time: "
