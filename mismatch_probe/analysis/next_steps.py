@@ -178,7 +178,7 @@ def later_turns_step(record: RunRecord) -> NextStep | None:
             f"later turns' K3 {fmt(later)} is {later / first:.2f}x the first turn's {fmt(first)} "
             f"(at or above {LATER_FACTOR:g}x)",
             "check the re-tokenization of earlier turns: the tokens the trainer scores must be the tokens the "
-            f"engine sampled (this run's re-tokenization check: {check}; docs/how-to/multi-turn.md)",
+            f"engine sampled (this run's re-tokenization check: {check}; docs/how-to/probe.md, re-tokenization check)",
             urgent=True,
         )
     return NextStep(

@@ -106,6 +106,16 @@ def _point(
     return SweepPoint(name, settings, spec, out / name)
 
 
+POINTS_DIR = "points"  # a sweep's point runs: SWEEP_DIR/points/<name>
+STATE_JSON = "sweep-state.json"  # the sweep's fingerprint and its refused points, written when it starts
+
+
+def sweep_of(run_dir: str | Path) -> Path | None:
+    """The sweep directory ``run_dir`` is a point of, or None for a run of its own."""
+    parent = Path(run_dir).resolve().parent
+    return parent.parent if parent.name == POINTS_DIR and (parent.parent / STATE_JSON).is_file() else None
+
+
 def sweep_points(spec: ProbeSpec, out: str | Path) -> SweepPlan:
     """Every point of ``spec``'s ``[sweep]``, each writing to ``out/points/<name>``.
 
@@ -117,7 +127,7 @@ def sweep_points(spec: ProbeSpec, out: str | Path) -> SweepPlan:
         raise ConfigError(
             "the spec has no [sweep] table", hint="add [sweep] and [[sweep.axes]] (see probes/sweep-demo.toml)"
         )
-    points_dir = Path(out) / "points"
+    points_dir = Path(out) / POINTS_DIR
     base = spec.model_copy(deep=True, update={"sweep": None})
     base._given_paths = dict(spec.given_paths)
     base.check_runnable()

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mismatch_probe.config.sweep import sweep_of
 from mismatch_probe.files import write_atomic
 from mismatch_probe.record import RunRecord
 from mismatch_probe.report import html, markdown
@@ -45,7 +46,8 @@ def write_run_pages(run_dir: Path, record: RunRecord, dist: dict, figures: list[
     """report.md and report.html, from the run's one view, and the files its "What to do next" names
     (next-sweep.toml, suggested-gate.toml)."""
     view = run_view(record, run_dir, dist)
-    write_next_files(run_dir, record)
+    if sweep_of(run_dir) is None:  # a sweep's point: the sweep's page says what to do next
+        write_next_files(run_dir, record)
     write_atomic(run_dir / REPORT_MD, markdown.render_run(view))
     write_atomic(run_dir / html.REPORT_HTML, html.render_run(view, figures))
 

@@ -21,6 +21,7 @@ from mismatch_probe.analysis.metric_docs import (
 )
 from mismatch_probe.analysis.metrics import KEPT_K3
 from mismatch_probe.analysis.next_steps import NEXT_SWEEP, SUGGESTED_GATE, next_steps
+from mismatch_probe.config.sweep import sweep_of
 from mismatch_probe.numbers import fmt, pct, ratio, seconds, short, tick
 from mismatch_probe.record import RunRecord
 from mismatch_probe.report import labels
@@ -491,9 +492,15 @@ def step_commands(record: RunRecord, path: Path) -> dict[str, str]:
 
 
 def next_steps_table(record: RunRecord, path: Path) -> Table:
-    """What to do next, from the run's own findings (analysis/next_steps.py), each citing its number."""
+    """What to do next, from the run's own findings (analysis/next_steps.py), each citing its number;
+    none for a sweep's point (the sweep's page connects its points into a decision)."""
     name = labels.run_label(record, path)
-    steps = next_steps(record, labels.rollout_precision(record), run_name=name, **step_commands(record, path))
+    point = sweep_of(path) is not None
+    steps = (
+        []
+        if point
+        else next_steps(record, labels.rollout_precision(record), run_name=name, **step_commands(record, path))
+    )
     return Table(
         "next-steps",
         "What to do next",

@@ -29,7 +29,15 @@ import numpy as np
 
 from mismatch_probe.config.spec import FINGERPRINT_SCHEMA, ProbeSpec
 from mismatch_probe.config.spec_reading import load_spec_file
-from mismatch_probe.config.sweep import BASELINE, SweepPlan, SweepPoint, engine_key, sweep_points
+from mismatch_probe.config.sweep import (
+    BASELINE,
+    POINTS_DIR,
+    STATE_JSON,
+    SweepPlan,
+    SweepPoint,
+    engine_key,
+    sweep_points,
+)
 from mismatch_probe.errors import ConfigError, ProbeError
 from mismatch_probe.files import portable_path, write_atomic
 from mismatch_probe.pipeline import Progress, RunContext, same_spec, stages
@@ -40,9 +48,7 @@ from mismatch_probe.sweep_record import SWEEP_JSON, SweepRecord
 from mismatch_probe.sweeps.summary import SweepRun, summarize
 from mismatch_probe.table.tokens import ROLLOUTS_DIR, read_rollout_shard
 
-POINTS_DIR = "points"
 ENGINES_DIR = "engines"  # one log per engine start (engines are shared between points)
-STATE_JSON = "sweep-state.json"  # the sweep's fingerprint and its refused points, for resume
 DETERMINISM_JSON = "determinism.json"
 # the run timings that are engine or reference compute; the rest of a sweep's time is its overhead
 COMPUTE_TIMINGS = ("generation_s", "prefill_s", "reference_load_s", "scoring_s")
