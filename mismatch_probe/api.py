@@ -65,6 +65,26 @@ class Run:
         """The per-token table as a pandas DataFrame (expert-id columns as lists)."""
         return _to_pandas(self.tokens_table(columns, model_tokens_only=model_tokens_only))
 
+    def dashboard(self, framework: str) -> pd.DataFrame:
+        """``framework``'s own mismatch metrics on this run, one row per metric as that framework logs
+        it (``key``, ``value``, the probe's counterpart ``probe`` and ``probe_value``, ``formula``,
+        ``source``, ``note``): the rows of the report's "Your dashboard" table
+        (analysis/peer_metrics.py)."""
+        import pyarrow as pa
+
+        from mismatch_probe.analysis.peer_metrics import frameworks
+        from mismatch_probe.report.run_view import dashboard_rows
+
+        if framework not in frameworks():
+            raise ConfigError(f"no dashboard for {framework!r}", hint=f"one of {', '.join(frameworks())}")
+        if not (self.record.dashboard or {}).get(framework):
+            raise ConfigError(
+                f"{self.path}/run.json has no dashboard (analysed before it existed)",
+                hint=f"mismatch-probe analyze {self.path}",
+            )
+        rows = dashboard_rows(self.record, framework)
+        return _to_pandas(pa.Table.from_pylist(rows))
+
     def sequences(self, group: str | None = "all") -> pd.DataFrame:
         """One row per sequence: ``group`` "all" (samples), "first" or "later" (sample-turns), or None
         for every group."""

@@ -464,6 +464,12 @@ def report(
         bool,
         typer.Option("--json", help="Print what the pages show (the report's view model) as JSON; write nothing."),
     ] = False,
+    framework: Annotated[
+        str | None,
+        typer.Option(
+            help="One run: show this RL framework's own metrics (Your dashboard), e.g. slime; recorded in its run.json."
+        ),
+    ] = None,
 ) -> None:
     """Render the report of a run again (figures, report.md, report.html), a sweep's pages from its
     sweep.json, or compare runs (grouped by GPU type); needs no engine and no GPU."""
@@ -492,7 +498,7 @@ def report(
         from mismatch_probe import pipeline
 
         t0 = time.perf_counter()
-        path = pipeline.report(run_dirs[0])
+        path = pipeline.report(run_dirs[0], framework=framework)
         size, seconds = path.stat().st_size, time.perf_counter() - t0
         out.print(
             f"report: {escape(str(path))} ({size / 1e6:.2f} MB, rendered in {seconds:.1f} s), report.md, figures/"

@@ -382,6 +382,9 @@ class RunRecord(Section):
     # path against a fresh load, the stale prefix cache, the findings (analysis/sync.py); None when
     # the run did not sync
     sync: dict[str, Any] | None = None
+    # each RL framework's own mismatch metrics, as it computes them: {framework: {key as it logs it: value}}
+    # (analysis/peer_metrics.py)
+    dashboard: dict[str, dict[str, Any]] | None = None
     # sequence-bootstrap intervals of the run's metrics (analysis/intervals.py: run_intervals)
     intervals: dict[str, Any] | None = None
     samples: dict[str, Any] | None = None
@@ -399,7 +402,7 @@ class RunRecord(Section):
     def _bucket_numbers(cls, value: Any) -> Any:  # a bucket's |delta| max or K3 mean can be inf
         return restore_numbers(value)
 
-    @field_validator("sync", "intervals", mode="before")
+    @field_validator("sync", "intervals", "dashboard", mode="before")
     @classmethod
     def _sync_numbers(cls, value: Any) -> Any:  # the stale cache's K3 ratio is inf when the reset one is 0
         return restore_numbers(value)

@@ -170,6 +170,7 @@ BETTER = {
 
 def metrics_page() -> str:
     from mismatch_probe.analysis import metric_docs as md
+    from mismatch_probe.analysis import peer_metrics as pm
 
     out = [
         "# Metrics",
@@ -217,6 +218,35 @@ def metrics_page() -> str:
         for key, c in md.CORRECTION_DOCS.items()
     ]
     out += [
+        "",
+        "## Your dashboard: each framework's own metrics {#your-dashboard}",
+        "",
+        "The mismatch metrics each RL framework logs, computed on the run's tokens as that framework's",
+        "code computes them (`analysis/peer_metrics.py`), so a number compares with the one its training",
+        "dashboard shows: the engine's log-probs in its rollout's place, the reference's in its",
+        "trainer's. All of them are in `run.json` under `dashboard.<framework>.<key>` (a gate path as",
+        'written: `metric = "dashboard.slime.mis_k3_kl"`); the report\'s "Your dashboard" table shows the',
+        "framework the spec names (`[stack] framework`, from `mismatch-probe init`, or",
+        "`mismatch-probe report RUN --framework NAME`; an imported run, its dump's framework);",
+        '`mismatch_probe.load_run(RUN).dashboard("slime")` returns the same rows. A key with `[...]`',
+        "is a variant the framework's configuration selects (NeMo-RL's `reference_policy_kl_type`,",
+        "slime's `--calculate-per-token-loss`); the plain key is the framework's default. Thresholds",
+        "(`token_tis`, `token_mask_low`/`high`, `geo_eps`) are the run's `[corrections]`. Formulas are over",
+        "the model tokens of each sequence (a sample, its turns together).",
+        "",
+        "| framework | key | formula | the probe's | computed as in |",
+        "|---|---|---|---|---|",
+    ]
+    out += [
+        f"| {m.framework} | `{m.key}` | {_cell(m.formula + (f' ({m.note})' if m.note else ''))} | "
+        f"{f'`{m.probe}`' if m.probe else ''} | {_cell(m.source)} |"
+        for m in pm.PEER_METRICS
+    ]
+    out += [
+        "",
+        "NeMo-RL's `gen_kl_error` is K3 only under its default `reference_policy_kl_type` (`k3`,",
+        "nemo_rl/algorithms/loss/loss_functions.py:131 at 7ea279a); under `k1` or `k2` it is the mean of",
+        "−δ or δ²/2, and the published figures quoted as K3 assume the default.",
         "",
         "## Decode vs prefill {#decode-vs-prefill}",
         "",

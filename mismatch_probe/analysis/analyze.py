@@ -17,6 +17,7 @@ import pyarrow as pa
 
 from mismatch_probe.analysis.distributions import DistributionAccumulator
 from mismatch_probe.analysis.metrics import GROUP_TURNS, CorrectionThresholds, MetricsAccumulator
+from mismatch_probe.analysis.peer_metrics import PeerAccumulator
 from mismatch_probe.analysis.routing_agreement import RoutingAccumulator, compare_routing
 from mismatch_probe.analysis.routing_replay import ReplayAccumulator
 from mismatch_probe.analysis.sequences import SequenceCollector
@@ -55,6 +56,7 @@ def analyze(
     }
     # the next shard is read while this one is computed, except for MoE runs: their expert ids
     # (layers x top-k int16 a side) make a shard several times larger, and one is enough in memory
+    peers = PeerAccumulator(thresholds)  # each framework's own metrics (analysis/peer_metrics.py)
     for shard in iter_model_tokens(Path(run_dir), prefetch=not routing):
         sample, turn = shard["sample_id"], shard["turn"]
         lt, li, pos = shard["logp_train"], shard["logp_infer"], shard["position"]
@@ -63,6 +65,7 @@ def analyze(
         done = acc.add(lt, li, starts, pos, turn)
         if done is None:
             continue
+        peers.add(lt, li, starts)
         if sequences is not None:
             sequences.add(sample, turn, starts, done)
         if distributions is not None:
@@ -98,6 +101,7 @@ def analyze(
         "corrections_by_turn": {name: acc.corrections(name) for name in GROUP_TURNS},
         "breakdowns": acc.breakdowns(),
         "breakdowns_by_turn": {name: acc.breakdowns(name) for name in GROUP_TURNS},
+        "dashboard": peers.result(),
         "routing": None,
         "decode_vs_prefill": None,
         "trainer": None,

@@ -67,7 +67,7 @@ PUBLISHED = (
         0.0024,
         0.0031,
         "NeMo-RL, Qwen3.5-35B-A3B, blockwise FP8 vLLM rollouts and FP8 Megatron training, over 126 steps",
-        "NVIDIA-NeMo/RL PR #2744, docs/guides/models/qwen/qwen3-5.md (train/gen_kl_error)",
+        "NVIDIA-NeMo/RL PR #2744, docs/guides/models/qwen/qwen3-5.md (train/gen_kl_error: K3 under NeMo-RL's default reference_policy_kl_type k3)",
         precision="fp8",
     ),
     Published(

@@ -29,6 +29,7 @@ STATUS_ORDER = ("PASS", "WARN", "FAIL", "ERROR")
 def metric_paths() -> set[str]:
     """Every dotted path into run.json that a check may name (a typo is an error, not a FAIL)."""
     from mismatch_probe.analysis.metrics import CORRECTION_KEYS, KEPT_K3, MetricsAccumulator
+    from mismatch_probe.analysis.peer_metrics import PEER_METRICS
 
     keys = set(MetricsAccumulator().metrics())
     paths = {f"metrics.{k}" for k in keys}
@@ -41,6 +42,8 @@ def metric_paths() -> set[str]:
     paths |= {"server_template_check.share_differing", "server_template_check.n_differing"}
     # the routing replay (R3) what-if (analysis/routing_replay.py: ReplayAccumulator)
     paths |= {f"routing.replay.{k}" for k in ("k3_free", "k3_replayed", "gap_closed_share")}
+    # each framework's own metrics, under the names its dashboard gives them (analysis/peer_metrics.py)
+    paths |= {f"dashboard.{m.framework}.{m.key}" for m in PEER_METRICS}
     return paths
 
 

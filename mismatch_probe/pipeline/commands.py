@@ -24,6 +24,7 @@ from mismatch_probe.pipeline.runs import (
     open_run,
     require_shards,
 )
+from mismatch_probe.record import read_record
 from mismatch_probe.table.tokens import ROLLOUTS_DIR, TOKENS_DIR
 
 
@@ -211,9 +212,19 @@ def analyze(run_dir: str | Path, *, progress: Progress | None = None, model: str
     return RunResult(ctx.out, ctx.record)
 
 
-def report(run_dir: str | Path) -> Path:
+def report(run_dir: str | Path, *, framework: str | None = None) -> Path:
     """``mismatch-probe report RUN``: a finished run's figures, report.md and report.html rendered
-    again from its directory, as the render stage does; returns report.html's path."""
+    again from its directory, as the render stage does; returns report.html's path. ``framework``
+    names the RL framework whose dashboard the report shows (recorded as the spec's
+    ``[stack].framework``, which no fingerprint holds)."""
     from mismatch_probe.report.pages import render_again
 
+    if framework is not None:
+        from mismatch_probe.analysis.peer_metrics import frameworks
+
+        if framework not in frameworks():
+            raise ConfigError(f"--framework {framework!r} has no dashboard", hint=f"one of {', '.join(frameworks())}")
+        record = read_record(run_dir)
+        record.spec.stack = {**(record.spec.stack or {}), "framework": framework}
+        record.write(Path(run_dir))
     return render_again(run_dir)

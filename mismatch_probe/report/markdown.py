@@ -56,7 +56,10 @@ def render_run(view: RunView) -> str:
     out += ["## Environment and settings", ""] + _pairs(view.setup)
     for t in view.stack:
         out += table(t)
-    out += table(view.metrics) + table(view.corrections)
+    out += table(view.metrics)
+    if view.dashboard is not None:
+        out += table(view.dashboard)
+    out += table(view.corrections)
     for t in view.breakdowns:
         out += table(t)
     for t in view.routing:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from mismatch_probe.analysis.metric_docs import (
     CORRECTION_DOCS,
@@ -21,6 +21,8 @@ from mismatch_probe.analysis.metric_docs import (
 )
 from mismatch_probe.analysis.metrics import KEPT_K3
 from mismatch_probe.analysis.next_steps import NEXT_SWEEP, SUGGESTED_GATE, next_steps
+from mismatch_probe.analysis.peer_metrics import frameworks as peer_frameworks
+from mismatch_probe.analysis.peer_metrics import metrics_of as peer_metrics_of
 from mismatch_probe.config.sweep import sweep_of
 from mismatch_probe.numbers import fmt, pct, ratio, seconds, short, tick
 from mismatch_probe.record import RunRecord
@@ -43,6 +45,7 @@ class RunView(View):
     setup: Pairs
     stack: list[Table]  # the framework config the spec mirrors: its risks, what was not mirrored
     next_steps: Table  # what to do next, from the run's findings (analysis/next_steps.py)
+    dashboard: Table | None  # the framework's own metrics ("Your dashboard"), when the run names one
     metrics: Table
     corrections: Table
     breakdowns: list[Table]
@@ -479,6 +482,74 @@ def stack_tables(record: RunRecord) -> list[Table]:
     return [risk_table, unmirrored]
 
 
+def dashboard_framework(record: RunRecord) -> str | None:
+    """The framework whose dashboard the report shows: the one the spec mirrors (``[stack]``, from
+    ``init`` or ``report --framework``), else the one whose dump the run was imported from."""
+    stack = record.spec.stack or {}
+    framework = stack.get("framework") or record.import_info().format
+    return framework if framework in peer_frameworks() else None
+
+
+def dashboard_rows(record: RunRecord, framework: str) -> list[dict[str, Any]]:
+    """The "Your dashboard" table of ``framework`` as rows: each metric as the framework logs it, its
+    value on this run, the probe's metric of the same value, the formula and where it is computed.
+    ``Run.dashboard`` returns the same rows as a DataFrame."""
+    values = (record.dashboard or {}).get(framework) or {}
+    return [
+        {
+            "key": m.key,
+            "value": values.get(m.key),
+            "probe": m.probe,
+            "probe_value": _probe_value(record, m.probe),
+            "formula": m.formula,
+            "source": m.source,
+            "note": m.note,
+        }
+        for m in peer_metrics_of(framework)
+    ]
+
+
+def _probe_value(record: RunRecord, key: str | None) -> Any:
+    """The probe's value of a metric or correction share (a peer metric's counterpart)."""
+    if key is None:
+        return None
+    return record.metric(key) if key in (record.metrics or {}) else (record.corrections or {}).get(key)
+
+
+def dashboard_table(record: RunRecord) -> Table | None:
+    """Your dashboard: the named framework's own mismatch metrics on this run (analysis/peer_metrics.py)."""
+    framework = dashboard_framework(record)
+    if framework is None or not (record.dashboard or {}).get(framework):
+        return None
+    rows = dashboard_rows(record, framework)
+    return Table(
+        "dashboard",
+        f"Your dashboard: {framework}",
+        [
+            Column(f"{framework} logs", "code"),
+            Column("this run"),
+            Column("the probe's", "code"),
+            Column("formula", "long"),
+            Column("computed as in", "long"),
+        ],
+        [
+            Row(
+                [
+                    r["key"],
+                    fmt(r["value"]),
+                    f"{r['probe']} = {fmt(r['probe_value'])}" if r["probe"] else "",
+                    r["formula"] + (f" ({r['note']})" if r["note"] else ""),
+                    r["source"],
+                ]
+            )
+            for r in rows
+        ],
+        lead=f"{framework}'s own mismatch metrics, computed on this run's tokens as {framework} computes them "
+        "(the engine's log-probs as its rollout's, the reference's as its trainer's), so they compare with "
+        "the numbers its training logs show. Keys with [...] are a variant its configuration selects.",
+    )
+
+
 def step_commands(record: RunRecord, path: Path) -> dict[str, str]:
     """The commands "What to do next" gives, with this run's directory as the run was given it (its
     ``out``, from where it was made: the same page wherever the directory is copied)."""
@@ -558,6 +629,7 @@ def run_view(record: RunRecord, path: Path, dist: dict | None = None) -> RunView
         setup=pairs(labels.setup_rows(record)),
         stack=stack_tables(record),
         next_steps=next_steps_table(record, path),
+        dashboard=dashboard_table(record),
         metrics=metrics_table(record),
         corrections=corrections_table(record),
         breakdowns=breakdown_tables(record),

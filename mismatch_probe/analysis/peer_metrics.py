@@ -1,0 +1,610 @@
+"""Your dashboard: each RL framework's own mismatch metrics, computed as that framework computes them,
+on this run's tokens, so the number a user compares with is the one their training dashboard shows.
+
+A framework logs the training-inference mismatch under its own names and reductions: slime averages
+each sequence first, then the sequences; NeMo-RL's ``gen_kl_error`` is K3 only under its default
+``reference_policy_kl_type``; prime-rl logs K3's std and max; TRL logs the importance ratio of whole
+sequences after masking them. Each :class:`PeerMetric` below names the framework, the key exactly as
+that framework logs it (``[...]``: a variant the framework's configuration selects, e.g. NeMo-RL's
+KL type or slime's per-token reduction, named here because both are in use), its formula in the
+terms of docs/concepts/metrics.md (δ_t = logp_train − logp_infer over the model tokens,
+r_t = exp(δ_t); "the trainer" is this run's reference), where its code is (file:line at the commit
+mismatch_probe/frameworks/<framework>.py reads), and the probe metric it equals, if any.
+
+Everything is computed from one streamed pass (:class:`PeerAccumulator`, fed by ``analyze`` with each
+shard's model tokens): token-level sums, extrema and second moments in float64, and one row of values
+per sequence (a sample: every model token of it, its turns together, as a framework's loss mask
+holds it). A framework reduces over micro-batches and ranks; the global batch is one step here, and
+where a framework's reduction would depend on its batch layout (SkyRL's std over a padded batch) the
+entry says what is computed instead. Pure NumPy; no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+from mismatch_probe.config.spec import CorrectionThresholds
+
+# the clamp several frameworks apply to a log-ratio before exp (verl's and slime's SAFETY_BOUND,
+# SkyRL's safe_exp_delta clip)
+SAFETY_BOUND = 20.0
+
+# the commits mismatch_probe/frameworks/<framework>.py read (each module's COMMIT)
+VERL = "verl@b178a3c"
+NEMO_RL = "NeMo-RL@7ea279a"
+SLIME = "slime@624b824"
+PRIME_RL = "prime-rl@559b447"
+SKYRL = "SkyRL@a956457"
+OPENRLHF = "OpenRLHF@3c3be62"
+TRL = "TRL@f2cd577"
+
+
+class PeerStats(NamedTuple):
+    """What every peer metric is computed from: float64 token statistics and per-sequence values."""
+
+    n: int  # model tokens
+    tok: dict[str, float]  # token-level sums, extrema and second moments (see PeerAccumulator)
+    seq: dict[str, np.ndarray]  # one value per sequence
+    thresholds: CorrectionThresholds
+
+
+@dataclass(frozen=True)
+class PeerMetric:
+    framework: str  # a name of mismatch_probe/frameworks FRAMEWORKS
+    key: str  # as the framework logs it; "[...]" names a variant its configuration selects
+    formula: str
+    source: str  # file:line at the framework's commit
+    compute: Callable[[PeerStats], float | None]
+    probe: str | None = None  # the probe's metric of the same value, if any
+    note: str = ""  # where this differs from the framework's own number, and why
+
+
+def _mean(s: PeerStats, key: str) -> float | None:
+    return s.tok[key] / s.n if s.n else None
+
+
+def _std(s: PeerStats, key: str) -> float | None:
+    """Unbiased sd (torch.std's) of a token quantity from its sum and its sum of squares."""
+    if s.n < 2:
+        return None
+    mean = s.tok[key] / s.n
+    return math.sqrt(max(s.tok[key + "_sq"] - s.n * mean * mean, 0.0) / (s.n - 1))
+
+
+def _seq_mean(s: PeerStats, key: str) -> float | None:
+    v = s.seq[key]
+    return float(v.mean()) if len(v) else None
+
+
+def _token_weighted(s: PeerStats, key: str) -> float | None:
+    """A per-sequence value expanded to its tokens and averaged over every token (slime's per-token
+    reduction of a sequence metric)."""
+    n = s.seq["n_tokens"]
+    return float((s.seq[key] * n).sum() / n.sum()) if n.sum() else None
+
+
+def _seq_stat(fn: Callable[[np.ndarray], float], key: str) -> Callable[[PeerStats], float | None]:
+    return lambda s: fn(s.seq[key]) if len(s.seq[key]) else None
+
+
+def _share(key: str) -> Callable[[PeerStats], float | None]:
+    return lambda s: _mean(s, key)
+
+
+def _seq_share(key: str) -> Callable[[PeerStats], float | None]:
+    return lambda s: float(s.seq[key].mean()) if len(s.seq[key]) else None
+
+
+def _slime(name: str, formula: str, line: str, *, token_level: bool, probe: str | None = None) -> list[PeerMetric]:
+    """A slime mis_* metric in its two reductions: the default (each sequence's token mean, then the
+    mean over sequences: cp_utils.py:73-80 with ``calculate_per_token_loss`` off) and the per-token
+    one (the mean over every token of the values expanded to tokens)."""
+    seq_key = f"slime_{name}"
+    default = PeerMetric(
+        "slime",
+        f"mis_{name}",
+        f"mean over sequences of ({formula}) per sequence",
+        f"{SLIME} examples/train_infer_mismatch_helper/mis.py:{line}; slime/backends/megatron_utils/cp_utils.py:73",
+        lambda s: _seq_mean(s, seq_key),
+    )
+    per_token = PeerMetric(
+        "slime",
+        f"mis_{name}[per-token]",
+        f"mean over tokens of ({formula}) {'per token' if token_level else 'of its sequence'} "
+        "(--calculate-per-token-loss)",
+        f"{SLIME} examples/train_infer_mismatch_helper/mis.py:{line}; slime/backends/megatron_utils/cp_utils.py:73",
+        (lambda s: _mean(s, f"slime_tok_{name}")) if token_level else (lambda s: _token_weighted(s, seq_key)),
+        probe=probe if token_level else None,
+    )
+    return [default, per_token]
+
+
+def _nemo_kl(kind: str, side: str) -> Callable[[PeerStats], float | None]:
+    return lambda s: _mean(s, f"nemo_{side}_{kind}")
+
+
+PEER_METRICS: tuple[PeerMetric, ...] = (
+    # ---- verl: rollout_corr/* (trainer/ppo/rollout_corr_helper.py: compute_offpolicy_metrics) and the
+    # debug metrics (utils/debug/metrics.py: calculate_debug_metrics)
+    PeerMetric(
+        "verl",
+        "rollout_corr/k3_kl",
+        "mean over tokens of r − δ − 1",
+        f"{VERL} verl/trainer/ppo/rollout_corr_helper.py:896",
+        lambda s: _mean(s, "k3"),
+        probe="k3_kl",
+    ),
+    PeerMetric(
+        "verl",
+        "rollout_corr/kl",
+        "mean over tokens of −δ (logp_rollout − logp_train)",
+        f"{VERL} verl/trainer/ppo/rollout_corr_helper.py:889",
+        lambda s: -_mean(s, "delta") if s.n else None,  # type: ignore[operator]
+    ),
+    PeerMetric(
+        "verl",
+        "rollout_corr/training_ppl",
+        "mean over sequences of exp(−mean_t logp_train)",
+        f"{VERL} verl/trainer/ppo/rollout_corr_helper.py:879",
+        lambda s: _seq_mean(s, "ppl_train"),
+    ),
+    PeerMetric(
+        "verl",
+        "rollout_corr/rollout_ppl",
+        "mean over sequences of exp(−mean_t logp_infer)",
+        f"{VERL} verl/trainer/ppo/rollout_corr_helper.py:901",
+        lambda s: _seq_mean(s, "ppl_infer"),
+    ),
+    PeerMetric(
+        "verl",
+        "rollout_corr/log_ppl_diff",
+        "mean over sequences of (mean_t logp_infer − mean_t logp_train)",
+        f"{VERL} verl/trainer/ppo/rollout_corr_helper.py:910",
+        lambda s: _seq_mean(s, "log_ppl_diff"),
+    ),
+    PeerMetric(
+        "verl",
+        "rollout_corr/log_ppl_abs_diff",
+        "mean over sequences of |mean_t logp_infer − mean_t logp_train|",
+        f"{VERL} verl/trainer/ppo/rollout_corr_helper.py:911",
+        lambda s: _seq_mean(s, "log_ppl_abs_diff"),
+    ),
+    PeerMetric(
+        "verl",
+        "rollout_corr/log_ppl_diff_max",
+        "max over sequences of (mean_t logp_infer − mean_t logp_train)",
+        f"{VERL} verl/trainer/ppo/rollout_corr_helper.py:912",
+        _seq_stat(lambda v: float(v.max()), "log_ppl_diff"),
+    ),
+    PeerMetric(
+        "verl",
+        "rollout_corr/ppl_ratio",
+        "mean over sequences of exp(mean_t logp_infer − mean_t logp_train)",
+        f"{VERL} verl/trainer/ppo/rollout_corr_helper.py:921",
+        lambda s: _seq_mean(s, "ppl_ratio"),
+    ),
+    PeerMetric(
+        "verl",
+        "rollout_corr/chi2_token",
+        "mean over tokens of exp(clamp(δ, ±20))² − 1",
+        f"{VERL} verl/trainer/ppo/rollout_corr_helper.py:931",
+        lambda s: _mean(s, "rho2") - 1.0 if s.n else None,  # type: ignore[operator]
+        probe="chi2_token",
+    ),
+    PeerMetric(
+        "verl",
+        "rollout_corr/chi2_seq",
+        "mean over sequences of exp(2 · clamp(Σ_t δ, ±20)) − 1",
+        f"{VERL} verl/trainer/ppo/rollout_corr_helper.py:938",
+        lambda s: _seq_mean(s, "rho_sq_seq") - 1.0 if len(s.seq["rho_sq_seq"]) else None,  # type: ignore[operator]
+    ),
+    PeerMetric(
+        "verl",
+        "training/rollout_probs_diff_mean",
+        "mean over tokens of |p_train − p_infer|",
+        f"{VERL} verl/utils/debug/metrics.py:106",
+        lambda s: _mean(s, "abs_dp"),
+        probe="prob_diff_mean",
+    ),
+    PeerMetric(
+        "verl",
+        "training/rollout_probs_diff_max",
+        "max over tokens of |p_train − p_infer|",
+        f"{VERL} verl/utils/debug/metrics.py:105",
+        lambda s: s.tok["abs_dp_max"] if s.n else None,
+        probe="prob_diff_max",
+    ),
+    PeerMetric(
+        "verl",
+        "training/rollout_probs_diff_std",
+        "unbiased sd over tokens of |p_train − p_infer|",
+        f"{VERL} verl/utils/debug/metrics.py:107",
+        lambda s: _std(s, "abs_dp"),
+    ),
+    # ---- NeMo-RL: ClippedPGLossFn (nemo_rl/algorithms/loss/loss_functions.py), KL types from
+    # nemo_rl/algorithms/utils.py: calculate_kl (logr = logprobs_reference − logprobs)
+    PeerMetric(
+        "nemo-rl",
+        "token_mult_prob_error",
+        "mean over tokens of exp(|δ|)",
+        f"{NEMO_RL} nemo_rl/algorithms/loss/loss_functions.py:408",
+        lambda s: _mean(s, "mult"),
+        probe="mult_prob_error",
+    ),
+    *(
+        PeerMetric(
+            "nemo-rl",
+            "gen_kl_error" if kind == "k3" else f"gen_kl_error[{kind}]",
+            {"k1": "mean over tokens of −δ", "k2": "mean over tokens of δ²/2", "k3": "mean over tokens of r − δ − 1"}[
+                kind
+            ]
+            + f" (reference_policy_kl_type {kind}{', its default' if kind == 'k3' else ''})",
+            f"{NEMO_RL} nemo_rl/algorithms/loss/loss_functions.py:416; nemo_rl/algorithms/utils.py:72",
+            _nemo_kl(kind, "gen"),
+            probe="k3_kl" if kind == "k3" else None,
+        )
+        for kind in ("k3", "k1", "k2")
+    ),
+    *(
+        PeerMetric(
+            "nemo-rl",
+            "policy_kl_error" if kind == "k3" else f"policy_kl_error[{kind}]",
+            {
+                "k1": "mean over tokens of δ",
+                "k2": "mean over tokens of δ²/2",
+                "k3": "mean over tokens of exp(−δ) + δ − 1",
+            }[kind]
+            + f" (reference_policy_kl_type {kind}{', its default' if kind == 'k3' else ''})",
+            f"{NEMO_RL} nemo_rl/algorithms/loss/loss_functions.py:431; nemo_rl/algorithms/utils.py:72",
+            _nemo_kl(kind, "policy"),
+        )
+        for kind in ("k3", "k1", "k2")
+    ),
+    PeerMetric(
+        "nemo-rl",
+        "js_divergence_error",
+        "mean over tokens of ½[e^(a)−a−1] + ½[e^(b)−b−1], a = logp_train − m, b = logp_infer − m, "
+        "m = log(½p_train + ½p_infer)",
+        f"{NEMO_RL} nemo_rl/algorithms/loss/loss_functions.py:462",
+        lambda s: _mean(s, "js"),
+    ),
+    PeerMetric(
+        "nemo-rl",
+        "sampling_importance_ratio",
+        "mean over tokens of r (an infinite r counts 0: nan_to_num); token-level IS, no truncation (the defaults)",
+        f"{NEMO_RL} nemo_rl/algorithms/loss/loss_functions.py:704",
+        lambda s: _mean(s, "r_finite"),
+    ),
+    PeerMetric(
+        "nemo-rl",
+        "is_oob_ratio[tis]",
+        "share of tokens with r > token_tis (truncated_importance_sampling_type tis)",
+        f"{NEMO_RL} nemo_rl/algorithms/loss/loss_functions.py:597",
+        _share("oob_tis"),
+        probe="token_tis_clipped_share",
+    ),
+    PeerMetric(
+        "nemo-rl",
+        "is_oob_ratio[icepop]",
+        "share of tokens with r outside [token_mask_low, token_mask_high] (icepop)",
+        f"{NEMO_RL} nemo_rl/algorithms/loss/loss_functions.py:617",
+        _share("oob_icepop"),
+        probe="token_mask_share",
+    ),
+    PeerMetric(
+        "nemo-rl",
+        "is_oob_ratio[seq-mask-tis]",
+        "share of sequences whose exp(mean_t δ) is outside [1 − geo_eps, 1 + geo_eps] (seq-mask-tis)",
+        f"{NEMO_RL} nemo_rl/algorithms/loss/loss_functions.py:637",
+        _seq_share("geo_oob"),
+        probe="geo_rejected_share",
+    ),
+    # ---- slime: mis_* (examples/train_infer_mismatch_helper/mis.py: add_ppl_metrics) and the trainer's own
+    *_slime("training_log_ppl", "−mean_t logp_train", "394", token_level=False),
+    *_slime("training_ppl", "exp(−mean_t logp_train)", "395", token_level=False),
+    *_slime("rollout_log_ppl", "−mean_t logp_infer", "401", token_level=False),
+    *_slime("rollout_ppl", "exp(−mean_t logp_infer)", "402", token_level=False),
+    *_slime("kl", "−δ", "408", token_level=True),
+    *_slime("k3_kl", "r − δ − 1", "415", token_level=True, probe="k3_kl"),
+    *_slime("log_ppl_diff", "mean_t logp_infer − mean_t logp_train", "423", token_level=False),
+    *_slime("log_ppl_abs_diff", "|mean_t logp_infer − mean_t logp_train|", "424", token_level=False),
+    *_slime("ppl_ratio", "exp(mean_t logp_infer − mean_t logp_train)", "430", token_level=False),
+    *_slime("chi2_token", "mean_t exp(clamp(δ, ±20))² − 1", "442", token_level=False),
+    *_slime("chi2_seq", "exp(2 · clamp(Σ_t δ, ±20)) − 1", "451", token_level=False),
+    PeerMetric(
+        "slime",
+        "train_rollout_logprob_abs_diff",
+        "mean over sequences of mean_t |δ|",
+        f"{SLIME} slime/backends/megatron_utils/loss.py:1140; slime/backends/megatron_utils/cp_utils.py:73",
+        lambda s: _seq_mean(s, "slime_abs_delta"),
+    ),
+    PeerMetric(
+        "slime",
+        "train_rollout_logprob_abs_diff[per-token]",
+        "mean over tokens of |δ| (--calculate-per-token-loss)",
+        f"{SLIME} slime/backends/megatron_utils/loss.py:1140; slime/backends/megatron_utils/cp_utils.py:73",
+        lambda s: _mean(s, "abs_delta"),
+    ),
+    # ---- prime-rl: mismatch_kl/all/* (trainer/rl/train.py gathers K3 per token, trainer/utils.py reduces)
+    PeerMetric(
+        "prime-rl",
+        "mismatch_kl/all/mean",
+        "mean over tokens of r − δ − 1",
+        f"{PRIME_RL} src/prime_rl/trainer/rl/train.py:510; src/prime_rl/trainer/utils.py:271",
+        lambda s: _mean(s, "k3"),
+        probe="k3_kl",
+    ),
+    PeerMetric(
+        "prime-rl",
+        "mismatch_kl/all/std",
+        "unbiased sd over tokens of r − δ − 1",
+        f"{PRIME_RL} src/prime_rl/trainer/utils.py:273",
+        lambda s: _std(s, "k3"),
+    ),
+    PeerMetric(
+        "prime-rl",
+        "mismatch_kl/all/max",
+        "max over tokens of r − δ − 1",
+        f"{PRIME_RL} src/prime_rl/trainer/utils.py:275",
+        lambda s: s.tok["k3_max"] if s.n else None,
+    ),
+    PeerMetric(
+        "prime-rl",
+        "mismatch_kl/all/min",
+        "min over tokens of r − δ − 1",
+        f"{PRIME_RL} src/prime_rl/trainer/utils.py:274",
+        lambda s: s.tok["k3_min"] if s.n else None,
+    ),
+    # ---- SkyRL: off_policy_correction_utils.py (the IS ratio) and trainer.py (the forward pass's diff)
+    PeerMetric(
+        "skyrl",
+        "is_ratio_mean",
+        "mean over tokens of exp(clamp(δ, ±20))",
+        f"{SKYRL} skyrl/backends/skyrl_train/utils/off_policy_correction_utils.py:309",
+        lambda s: _mean(s, "r_clamped"),
+    ),
+    PeerMetric(
+        "skyrl",
+        "is_ratio_max",
+        "max over tokens of exp(clamp(δ, ±20))",
+        f"{SKYRL} skyrl/backends/skyrl_train/utils/off_policy_correction_utils.py:311",
+        lambda s: s.tok["r_clamped_max"] if s.n else None,
+    ),
+    PeerMetric(
+        "skyrl",
+        "is_ratio_std",
+        "unbiased sd over tokens of exp(clamp(δ, ±20))",
+        f"{SKYRL} skyrl/backends/skyrl_train/utils/off_policy_correction_utils.py:310",
+        lambda s: _std(s, "r_clamped"),
+        note="SkyRL takes it over its padded batch, masked positions as 0, which depends on its padding",
+    ),
+    PeerMetric(
+        "skyrl",
+        "tis_token_clip_high_ratio",
+        "share of tokens with r > token_tis (tis_ratio_type token)",
+        f"{SKYRL} skyrl/backends/skyrl_train/utils/off_policy_correction_utils.py:59",
+        _share("oob_tis"),
+        probe="token_tis_clipped_share",
+    ),
+    PeerMetric(
+        "skyrl",
+        "geo_sequence_mask_masked_ratio",
+        "share of sequences whose exp(mean_t δ) is outside [1 − geo_eps, 1 + geo_eps] (sequence_mask_metric geometric)",
+        f"{SKYRL} skyrl/backends/skyrl_train/utils/off_policy_correction_utils.py:232",
+        _seq_share("geo_oob"),
+        probe="geo_rejected_share",
+    ),
+    *(
+        PeerMetric(
+            "skyrl",
+            f"policy/rollout_train_logprobs_abs_diff_{stat}",
+            f"{word} over tokens of |δ|",
+            f"{SKYRL} skyrl/train/trainer.py:1386",
+            fn,
+        )
+        for stat, word, fn in (
+            ("mean", "mean", lambda s: _mean(s, "abs_delta")),
+            ("std", "unbiased sd", lambda s: _std(s, "abs_delta")),
+            ("max", "max", lambda s: s.tok["abs_delta_max"] if s.n else None),
+            ("min", "min", lambda s: s.tok["abs_delta_min"] if s.n else None),
+        )
+    ),
+    # ---- OpenRLHF: the actor's vllm_kl (models/loss.py: PolicyLoss, logged by trainer/ray/ppo_actor.py)
+    PeerMetric(
+        "openrlhf",
+        "vllm_kl",
+        "mean over tokens of −δ (rollout_log_probs − old_log_probs)",
+        f"{OPENRLHF} openrlhf/models/loss.py:218; openrlhf/trainer/ray/ppo_actor.py:317",
+        lambda s: -_mean(s, "delta") if s.n else None,  # type: ignore[operator]
+    ),
+    # ---- TRL: GRPOTrainer's sampling/* (trl/trainer/grpo_trainer.py), under its default
+    # vllm_importance_sampling_mode "sequence_mask" with clip_max 3.0 (grpo_config.py:924, :937)
+    PeerMetric(
+        "trl",
+        "sampling/sampling_logp_difference/mean",
+        "mean over tokens of |δ|",
+        f"{TRL} trl/trainer/grpo_trainer.py:2785",
+        lambda s: _mean(s, "abs_delta"),
+    ),
+    PeerMetric(
+        "trl",
+        "sampling/sampling_logp_difference/max",
+        "max over tokens of |δ|",
+        f"{TRL} trl/trainer/grpo_trainer.py:2788",
+        lambda s: s.tok["abs_delta_max"] if s.n else None,
+    ),
+    *(
+        PeerMetric(
+            "trl",
+            f"sampling/importance_sampling_ratio/{stat}",
+            f"{word} over sequences of exp(Σ_t δ), set to 0 above token_tis (sequence_mask, clip_max)",
+            f"{TRL} trl/trainer/grpo_trainer.py:2590, :2614, :2805",
+            _seq_stat(fn, "trl_seq_ratio"),
+        )
+        for stat, word, fn in (
+            ("min", "min", lambda v: float(v.min())),
+            ("mean", "mean", lambda v: float(v.mean())),
+            ("max", "max", lambda v: float(v.max())),
+        )
+    ),
+)
+
+
+def frameworks() -> list[str]:
+    """The frameworks with a dashboard, in registry order."""
+    return list(dict.fromkeys(m.framework for m in PEER_METRICS))
+
+
+def metrics_of(framework: str) -> list[PeerMetric]:
+    return [m for m in PEER_METRICS if m.framework == framework]
+
+
+# the token statistics PeerAccumulator keeps: sums (a "_sq" beside a key: its sum of squares, for an sd)
+TOKEN_SUMS = (
+    "delta", "abs_delta", "abs_delta_sq", "k3", "k3_sq", "mult", "rho2", "abs_dp", "abs_dp_sq", "js",
+    "r_finite", "r_clamped", "r_clamped_sq", "oob_tis", "oob_icepop",
+    "nemo_gen_k1", "nemo_gen_k2", "nemo_gen_k3", "nemo_policy_k1", "nemo_policy_k2", "nemo_policy_k3",
+    "slime_tok_kl", "slime_tok_k3_kl",
+)  # fmt: skip
+TOKEN_MAX = ("abs_delta_max", "k3_max", "abs_dp_max", "r_clamped_max")
+TOKEN_MIN = ("abs_delta_min", "k3_min")
+
+
+def token_values(lt: np.ndarray, li: np.ndarray, th: CorrectionThresholds) -> dict[str, np.ndarray]:
+    """Every per-token quantity a peer metric averages, for one shard's model tokens (float64)."""
+    lt, li = np.asarray(lt, np.float64), np.asarray(li, np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        d = lt - li
+        r = np.exp(d)
+        k3 = r - d - 1.0
+        rev = np.exp(-d) + d - 1.0
+        pt, pi = np.exp(lt), np.exp(li)
+        m = np.log(0.5 * pt + 0.5 * pi)
+        a, b = lt - m, li - m
+        js = 0.5 * (np.exp(a) - a - 1.0) + 0.5 * (np.exp(b) - b - 1.0)
+        rc = np.exp(np.clip(d, -SAFETY_BOUND, SAFETY_BOUND))
+    abs_d, abs_dp = np.abs(d), np.abs(pt - pi)
+    return {
+        "delta": d,
+        "abs_delta": abs_d,
+        "k3": k3,
+        "mult": np.exp(abs_d),
+        "rho2": rc * rc,
+        "abs_dp": abs_dp,
+        "js": js,
+        "r_finite": np.where(np.isfinite(r), r, 0.0),
+        "r_clamped": rc,
+        "oob_tis": (r > th.token_tis).astype(np.float64),
+        "oob_icepop": ((r < th.token_mask_low) | (r > th.token_mask_high)).astype(np.float64),
+        "nemo_gen_k1": -d,
+        "nemo_gen_k2": d * d / 2.0,
+        "nemo_gen_k3": k3,
+        "nemo_policy_k1": d,
+        "nemo_policy_k2": d * d / 2.0,
+        "nemo_policy_k3": rev,
+        "slime_tok_kl": -d,
+        "slime_tok_k3_kl": k3,
+    }
+
+
+def sequence_values(
+    lt: np.ndarray, li: np.ndarray, starts: np.ndarray, tv: dict[str, np.ndarray], th: CorrectionThresholds
+) -> dict[str, np.ndarray]:
+    """Every per-sequence value a peer metric reduces, for one shard (``starts``: each sequence's first
+    token; a shard holds whole sequences)."""
+    n = np.diff(np.append(starts, len(lt))).astype(np.float64)
+
+    def mean(x: np.ndarray) -> np.ndarray:
+        return np.add.reduceat(x, starts) / n
+
+    mt, mi = mean(np.asarray(lt, np.float64)), mean(np.asarray(li, np.float64))
+    sum_d = np.add.reduceat(tv["delta"], starts)
+    with np.errstate(over="ignore"):
+        geo = np.exp(sum_d / n)
+        trl = np.exp(sum_d)
+    log_ppl_diff = mi - mt
+    chi2_token = mean(tv["rho2"]) - 1.0
+    chi2_seq = np.exp(2.0 * np.clip(sum_d, -SAFETY_BOUND, SAFETY_BOUND)) - 1.0
+    out = {
+        "n_tokens": n,
+        "ppl_train": np.exp(-mt),
+        "ppl_infer": np.exp(-mi),
+        "log_ppl_diff": log_ppl_diff,
+        "log_ppl_abs_diff": np.abs(log_ppl_diff),
+        "ppl_ratio": np.exp(log_ppl_diff),
+        "rho_sq_seq": chi2_seq + 1.0,
+        "geo_oob": ((geo < 1.0 - th.geo_eps) | (geo > 1.0 + th.geo_eps)).astype(np.float64),
+        # sequence_mask: a ratio above clip_max (the spec's token_tis) is set to 0
+        "trl_seq_ratio": np.where(trl > th.token_tis, 0.0, trl),
+        "slime_training_log_ppl": -mt,
+        "slime_training_ppl": np.exp(-mt),
+        "slime_rollout_log_ppl": -mi,
+        "slime_rollout_ppl": np.exp(-mi),
+        "slime_kl": -mean(tv["delta"]),
+        "slime_k3_kl": mean(tv["k3"]),
+        "slime_log_ppl_diff": log_ppl_diff,
+        "slime_log_ppl_abs_diff": np.abs(log_ppl_diff),
+        "slime_ppl_ratio": np.exp(log_ppl_diff),
+        "slime_chi2_token": chi2_token,
+        "slime_chi2_seq": chi2_seq,
+        "slime_abs_delta": mean(tv["abs_delta"]),
+    }
+    return out
+
+
+@dataclass
+class PeerAccumulator:
+    """The peer metrics' statistics, streamed: :meth:`add` each shard's model tokens, :meth:`result` at
+    the end. Token statistics are float64 sums and extrema; per-sequence values are kept (a few floats
+    a sequence)."""
+
+    thresholds: CorrectionThresholds = field(default_factory=CorrectionThresholds)
+    n: int = 0
+    tok: dict[str, float] = field(default_factory=dict)
+    seq_parts: list[dict[str, np.ndarray]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.tok = (
+            dict.fromkeys(TOKEN_SUMS, 0.0) | dict.fromkeys(TOKEN_MAX, -math.inf) | dict.fromkeys(TOKEN_MIN, math.inf)
+        )
+
+    def add(self, lt: np.ndarray, li: np.ndarray, starts: np.ndarray) -> None:
+        if not len(lt):
+            return
+        tv = token_values(lt, li, self.thresholds)
+        self.n += len(lt)
+        for key in TOKEN_SUMS:
+            base = key.removesuffix("_sq")
+            x = tv[base]
+            self.tok[key] += float(np.dot(x, x)) if key.endswith("_sq") else float(x.sum())
+        for key in TOKEN_MAX:
+            self.tok[key] = max(self.tok[key], float(tv[key[:-4]].max()))
+        for key in TOKEN_MIN:
+            self.tok[key] = min(self.tok[key], float(tv[key[:-4]].min()))
+        self.seq_parts.append(sequence_values(lt, li, starts, tv, self.thresholds))
+
+    def stats(self) -> PeerStats:
+        one = np.zeros(1)  # the keys sequence_values gives, for a run without a model token
+        keys = sequence_values(
+            one, one, np.zeros(1, np.int64), token_values(one, one, self.thresholds), self.thresholds
+        )
+        seq = {k: np.concatenate([p[k] for p in self.seq_parts]) if self.seq_parts else np.zeros(0) for k in keys}
+        return PeerStats(self.n, dict(self.tok), seq, self.thresholds)
+
+    def result(self) -> dict[str, dict[str, float | None]]:
+        """run.json's ``dashboard``: ``{framework: {key: value}}`` for every framework of the registry."""
+        return dashboard(self.stats())
+
+
+def dashboard(stats: PeerStats) -> dict[str, dict[str, float | None]]:
+    out: dict[str, dict[str, float | None]] = {}
+    for m in PEER_METRICS:
+        with np.errstate(over="ignore", invalid="ignore"):
+            value = m.compute(stats)
+        out.setdefault(m.framework, {})[m.key] = None if value is None else float(value)
+    return out
