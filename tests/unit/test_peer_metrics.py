@@ -208,3 +208,41 @@ def test_the_registry_names_known_frameworks_once_per_key():
     for m in pm.PEER_METRICS:
         assert "@" in m.source and ":" in m.source.split(" ", 1)[1], m.source  # commit and file:line
         assert "." not in m.key, m.key  # a gate names it as dashboard.<framework>.<key>
+
+
+def test_the_reports_dashboard_is_run_dashboard_and_the_gate_reads_it(tmp_path):
+    """On the committed example: `report --framework slime` shows the table Run.dashboard("slime")
+    returns, row for row, records the framework, and a gate check names a dashboard value."""
+    import shutil
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from mismatch_probe import load_run
+    from mismatch_probe.cli import app
+    from mismatch_probe.numbers import fmt
+
+    example = Path(__file__).resolve().parents[2] / "reports" / "example"
+    run_dir = tmp_path / "example"
+    shutil.copytree(example, run_dir)
+    result = CliRunner().invoke(app, ["report", str(run_dir), "--framework", "slime"])
+    assert result.exit_code == 0, result.output
+    frame = load_run(run_dir).dashboard("slime")
+    assert list(frame["key"]) == [m.key for m in pm.metrics_of("slime")]
+    assert load_run(run_dir).record.spec.stack == {"framework": "slime"}
+    md = (run_dir / "report.md").read_text()
+    section = md.split("## Your dashboard: slime", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split(" | ") for line in section.splitlines() if line.startswith("| `")]
+    assert [r[0].strip("| `") for r in rows] == list(frame["key"])
+    assert [r[1] for r in rows] == [fmt(v) for v in frame["value"]]
+    # the slime default reduction against the probe's token mean, on the same run
+    k3 = frame.set_index("key").loc["mis_k3_kl[per-token]"]
+    assert k3["value"] == pytest.approx(k3["probe_value"], rel=1e-12) and k3["probe"] == "k3_kl"
+    gate = tmp_path / "gate.toml"
+    value = frame.set_index("key").loc["mis_k3_kl", "value"]
+    gate.write_text(f'[[checks]]\nmetric = "dashboard.slime.mis_k3_kl"\nop = "<="\nthreshold = {value * 1.01}\n')
+    assert CliRunner().invoke(app, ["gate", str(run_dir), "--thresholds", str(gate)]).exit_code == 0
+    gate.write_text(f'[[checks]]\nmetric = "dashboard.slime.mis_k3_kl"\nop = "<="\nthreshold = {value * 0.99}\n')
+    assert CliRunner().invoke(app, ["gate", str(run_dir), "--thresholds", str(gate)]).exit_code == 1
+    bad = CliRunner().invoke(app, ["report", str(run_dir), "--framework", "nope"])
+    assert bad.exit_code == 2 and "has no dashboard" in bad.output
