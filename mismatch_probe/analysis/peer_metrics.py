@@ -129,8 +129,8 @@ def _nemo_kl(kind: str, side: str) -> Callable[[PeerStats], float | None]:
 
 
 PEER_METRICS: tuple[PeerMetric, ...] = (
-    # ---- verl: rollout_corr/* (trainer/ppo/rollout_corr_helper.py: compute_offpolicy_metrics) and the
-    # debug metrics (utils/debug/metrics.py: calculate_debug_metrics)
+    # ---- verl: rollout_corr/* (compute_offpolicy_metrics in verl/trainer/ppo/rollout_corr_helper.py) and
+    # the debug metrics (calculate_debug_metrics in verl/utils/debug/metrics.py)
     PeerMetric(
         "verl",
         "rollout_corr/k3_kl",
@@ -227,7 +227,7 @@ PEER_METRICS: tuple[PeerMetric, ...] = (
         lambda s: _std(s, "abs_dp"),
     ),
     # ---- NeMo-RL: ClippedPGLossFn (nemo_rl/algorithms/loss/loss_functions.py), KL types from
-    # nemo_rl/algorithms/utils.py: calculate_kl (logr = logprobs_reference − logprobs)
+    # calculate_kl in nemo_rl/algorithms/utils.py (logr = logprobs_reference − logprobs)
     PeerMetric(
         "nemo-rl",
         "token_mult_prob_error",
@@ -304,7 +304,7 @@ PEER_METRICS: tuple[PeerMetric, ...] = (
         _seq_share("geo_oob"),
         probe="geo_rejected_share",
     ),
-    # ---- slime: mis_* (examples/train_infer_mismatch_helper/mis.py: add_ppl_metrics) and the trainer's own
+    # ---- slime: mis_* (add_ppl_metrics in examples/train_infer_mismatch_helper/mis.py) and the trainer's own
     *_slime("training_log_ppl", "−mean_t logp_train", "394", token_level=False),
     *_slime("training_ppl", "exp(−mean_t logp_train)", "395", token_level=False),
     *_slime("rollout_log_ppl", "−mean_t logp_infer", "401", token_level=False),
@@ -414,7 +414,7 @@ PEER_METRICS: tuple[PeerMetric, ...] = (
             ("min", "min", lambda s: s.tok["abs_delta_min"] if s.n else None),
         )
     ),
-    # ---- OpenRLHF: the actor's vllm_kl (models/loss.py: PolicyLoss, logged by trainer/ray/ppo_actor.py)
+    # ---- OpenRLHF: the actor's vllm_kl (PolicyLoss in openrlhf/models/loss.py, logged by openrlhf/trainer/ray/ppo_actor.py)
     PeerMetric(
         "openrlhf",
         "vllm_kl",
