@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from mismatch_probe.analysis.terms import TokenTerms, token_terms
 from mismatch_probe.config.spec import CorrectionThresholds
 
 # the clamp several frameworks apply to a log-ratio before exp (verl's and slime's SAFETY_BOUND,
@@ -100,7 +101,9 @@ def _seq_share(key: str) -> Callable[[PeerStats], float | None]:
     return lambda s: float(s.seq[key].mean()) if len(s.seq[key]) else None
 
 
-def _slime(name: str, formula: str, line: str, *, token_level: bool, probe: str | None = None) -> list[PeerMetric]:
+def _slime(
+    name: str, formula: str, line: str, *, token_level: str | None = None, probe: str | None = None
+) -> list[PeerMetric]:
     """A slime mis_* metric in its two reductions: the default (each sequence's token mean, then the
     mean over sequences: cp_utils.py:73-80 with ``calculate_per_token_loss`` off) and the per-token
     one (the mean over every token of the values expanded to tokens)."""
@@ -118,14 +121,25 @@ def _slime(name: str, formula: str, line: str, *, token_level: bool, probe: str 
         f"mean over tokens of ({formula}) {'per token' if token_level else 'of its sequence'} "
         "(--calculate-per-token-loss)",
         f"{SLIME} examples/train_infer_mismatch_helper/mis.py:{line}; slime/backends/megatron_utils/cp_utils.py:73",
-        (lambda s: _mean(s, f"slime_tok_{name}")) if token_level else (lambda s: _token_weighted(s, seq_key)),
+        (lambda s: _token_sign(name) * s.tok[token_level] / s.n if s.n else None)
+        if token_level
+        else (lambda s: _token_weighted(s, seq_key)),
         probe=probe if token_level else None,
     )
     return [default, per_token]
 
 
+def _token_sign(name: str) -> float:
+    """slime's kl is logp_rollout − logp_train: −δ, from the sum of δ."""
+    return -1.0 if name == "kl" else 1.0
+
+
 def _nemo_kl(kind: str, side: str) -> Callable[[PeerStats], float | None]:
-    return lambda s: _mean(s, f"nemo_{side}_{kind}")
+    """NeMo-RL's calculate_kl, logr = logprobs_reference − logprobs: δ for gen_kl_error (the reference
+    is the trainer's), −δ for policy_kl_error; k1 = −logr, k2 = logr²/2, k3 = e^logr − logr − 1."""
+    key = {"k1": "delta", "k2": "k2", "k3": "k3" if side == "gen" else "reverse_k3"}[kind]
+    sign = -1.0 if (side, kind) == ("gen", "k1") else 1.0
+    return lambda s: sign * s.tok[key] / s.n if s.n else None
 
 
 PEER_METRICS: tuple[PeerMetric, ...] = (
@@ -305,17 +319,17 @@ PEER_METRICS: tuple[PeerMetric, ...] = (
         probe="geo_rejected_share",
     ),
     # ---- slime: mis_* (add_ppl_metrics in examples/train_infer_mismatch_helper/mis.py) and the trainer's own
-    *_slime("training_log_ppl", "−mean_t logp_train", "394", token_level=False),
-    *_slime("training_ppl", "exp(−mean_t logp_train)", "395", token_level=False),
-    *_slime("rollout_log_ppl", "−mean_t logp_infer", "401", token_level=False),
-    *_slime("rollout_ppl", "exp(−mean_t logp_infer)", "402", token_level=False),
-    *_slime("kl", "−δ", "408", token_level=True),
-    *_slime("k3_kl", "r − δ − 1", "415", token_level=True, probe="k3_kl"),
-    *_slime("log_ppl_diff", "mean_t logp_infer − mean_t logp_train", "423", token_level=False),
-    *_slime("log_ppl_abs_diff", "|mean_t logp_infer − mean_t logp_train|", "424", token_level=False),
-    *_slime("ppl_ratio", "exp(mean_t logp_infer − mean_t logp_train)", "430", token_level=False),
-    *_slime("chi2_token", "mean_t exp(clamp(δ, ±20))² − 1", "442", token_level=False),
-    *_slime("chi2_seq", "exp(2 · clamp(Σ_t δ, ±20)) − 1", "451", token_level=False),
+    *_slime("training_log_ppl", "−mean_t logp_train", "394"),
+    *_slime("training_ppl", "exp(−mean_t logp_train)", "395"),
+    *_slime("rollout_log_ppl", "−mean_t logp_infer", "401"),
+    *_slime("rollout_ppl", "exp(−mean_t logp_infer)", "402"),
+    *_slime("kl", "−δ", "408", token_level="delta"),
+    *_slime("k3_kl", "r − δ − 1", "415", token_level="k3", probe="k3_kl"),
+    *_slime("log_ppl_diff", "mean_t logp_infer − mean_t logp_train", "423"),
+    *_slime("log_ppl_abs_diff", "|mean_t logp_infer − mean_t logp_train|", "424"),
+    *_slime("ppl_ratio", "exp(mean_t logp_infer − mean_t logp_train)", "430"),
+    *_slime("chi2_token", "mean_t exp(clamp(δ, ±20))² − 1", "442"),
+    *_slime("chi2_seq", "exp(2 · clamp(Σ_t δ, ±20)) − 1", "451"),
     PeerMetric(
         "slime",
         "train_rollout_logprob_abs_diff",
@@ -466,49 +480,44 @@ def metrics_of(framework: str) -> list[PeerMetric]:
 
 # the token statistics PeerAccumulator keeps: sums (a "_sq" beside a key: its sum of squares, for an sd)
 TOKEN_SUMS = (
-    "delta", "abs_delta", "abs_delta_sq", "k3", "k3_sq", "mult", "rho2", "abs_dp", "abs_dp_sq", "js",
-    "r_finite", "r_clamped", "r_clamped_sq", "oob_tis", "oob_icepop",
-    "nemo_gen_k1", "nemo_gen_k2", "nemo_gen_k3", "nemo_policy_k1", "nemo_policy_k2", "nemo_policy_k3",
-    "slime_tok_kl", "slime_tok_k3_kl",
+    "delta", "abs_delta", "abs_delta_sq", "k2", "k3", "k3_sq", "reverse_k3", "mult", "rho2", "abs_dp",
+    "abs_dp_sq", "js", "r_finite", "r_clamped", "r_clamped_sq", "oob_tis", "oob_icepop",
 )  # fmt: skip
 TOKEN_MAX = ("abs_delta_max", "k3_max", "abs_dp_max", "r_clamped_max")
 TOKEN_MIN = ("abs_delta_min", "k3_min")
+LOG4 = math.log(4.0)
 
 
-def token_values(lt: np.ndarray, li: np.ndarray, th: CorrectionThresholds) -> dict[str, np.ndarray]:
-    """Every per-token quantity a peer metric averages, for one shard's model tokens (float64)."""
-    lt, li = np.asarray(lt, np.float64), np.asarray(li, np.float64)
+def token_values(terms: TokenTerms, lt: np.ndarray, li: np.ndarray, th: CorrectionThresholds) -> dict[str, np.ndarray]:
+    """Every per-token quantity a peer metric averages, for one shard's model tokens (float64), from the
+    token terms the metrics pass computed (analysis/terms.py: token_terms) and what they lack."""
+    d, r = terms.delta, terms.ratio
     with np.errstate(over="ignore", invalid="ignore"):
-        d = lt - li
-        r = np.exp(d)
-        k3 = r - d - 1.0
-        rev = np.exp(-d) + d - 1.0
-        pt, pi = np.exp(lt), np.exp(li)
-        m = np.log(0.5 * pt + 0.5 * pi)
-        a, b = lt - m, li - m
-        js = 0.5 * (np.exp(a) - a - 1.0) + 0.5 * (np.exp(b) - b - 1.0)
-        rc = np.exp(np.clip(d, -SAFETY_BOUND, SAFETY_BOUND))
-    abs_d, abs_dp = np.abs(d), np.abs(pt - pi)
+        reverse_k3 = np.expm1(-d)
+        reverse_k3 += d  # exp(−δ) + δ − 1: NeMo-RL's policy_kl_error under k3
+        # NeMo-RL's JS term, ½[x − ln x − 1] + ½[y − ln y − 1] with x = 2p_t/(p_t+p_i), y = 2 − x,
+        # is −½ ln(xy) = ½ (2 ln(p_t + p_i) − logp_t − logp_i − ln 4): one logaddexp, stable in the tails
+        js = np.logaddexp(lt, li)
+        js *= 2.0
+        js -= lt
+        js -= li
+        js -= LOG4
+        js *= 0.5
+        rc = np.clip(r, math.exp(-SAFETY_BOUND), math.exp(SAFETY_BOUND))  # exp(clamp(δ, ±20))
     return {
         "delta": d,
-        "abs_delta": abs_d,
-        "k3": k3,
-        "mult": np.exp(abs_d),
+        "abs_delta": terms.abs_delta,
+        "k2": terms.k2,
+        "k3": terms.k3,
+        "reverse_k3": reverse_k3,
+        "mult": terms.mult_error,
         "rho2": rc * rc,
-        "abs_dp": abs_dp,
+        "abs_dp": terms.prob_diff,
         "js": js,
         "r_finite": np.where(np.isfinite(r), r, 0.0),
         "r_clamped": rc,
         "oob_tis": (r > th.token_tis).astype(np.float64),
         "oob_icepop": ((r < th.token_mask_low) | (r > th.token_mask_high)).astype(np.float64),
-        "nemo_gen_k1": -d,
-        "nemo_gen_k2": d * d / 2.0,
-        "nemo_gen_k3": k3,
-        "nemo_policy_k1": d,
-        "nemo_policy_k2": d * d / 2.0,
-        "nemo_policy_k3": rev,
-        "slime_tok_kl": -d,
-        "slime_tok_k3_kl": k3,
     }
 
 
@@ -573,10 +582,13 @@ class PeerAccumulator:
             dict.fromkeys(TOKEN_SUMS, 0.0) | dict.fromkeys(TOKEN_MAX, -math.inf) | dict.fromkeys(TOKEN_MIN, math.inf)
         )
 
-    def add(self, lt: np.ndarray, li: np.ndarray, starts: np.ndarray) -> None:
+    def add(self, lt: np.ndarray, li: np.ndarray, starts: np.ndarray, terms: TokenTerms | None = None) -> None:
+        """One shard's model tokens (whole sequences; ``starts``: each one's first token), with their
+        token terms when the caller has them already."""
         if not len(lt):
             return
-        tv = token_values(lt, li, self.thresholds)
+        lt, li = np.asarray(lt, np.float64), np.asarray(li, np.float64)
+        tv = token_values(terms if terms is not None else token_terms(lt, li), lt, li, self.thresholds)
         self.n += len(lt)
         for key in TOKEN_SUMS:
             base = key.removesuffix("_sq")
@@ -590,9 +602,8 @@ class PeerAccumulator:
 
     def stats(self) -> PeerStats:
         one = np.zeros(1)  # the keys sequence_values gives, for a run without a model token
-        keys = sequence_values(
-            one, one, np.zeros(1, np.int64), token_values(one, one, self.thresholds), self.thresholds
-        )
+        tv = token_values(token_terms(one, one), one, one, self.thresholds)
+        keys = sequence_values(one, one, np.zeros(1, np.int64), tv, self.thresholds)
         seq = {k: np.concatenate([p[k] for p in self.seq_parts]) if self.seq_parts else np.zeros(0) for k in keys}
         return PeerStats(self.n, dict(self.tok), seq, self.thresholds)
 

@@ -23,6 +23,7 @@ from mismatch_probe.analysis.metrics import (
     CorrectionThresholds,
     MetricsAccumulator,
 )
+from mismatch_probe.analysis.peer_metrics import PEER_METRICS, PeerAccumulator
 from mismatch_probe.analysis.routing_agreement import RoutingAccumulator, compare_routing
 from mismatch_probe.analysis.terms import SequenceTerms, segment_starts
 
@@ -31,6 +32,8 @@ STEP_GROUPS = ("all", *GROUP_TURNS)  # all model tokens; the first assistant tur
 INTERVAL_KEYS = ("k3_kl", "k1_kl", "prob_diff_max", "prob_diff_mean", "mult_prob_error", "seq_max_mismatch_mean")
 CORRECTION_COLUMNS = tuple(k for key in CORRECTION_KEYS for k in (key, KEPT_K3[key]))
 ROUTING_COLUMNS = ("routing_flip_share", "routing_set_agreement_mean")
+# each RL framework's own metrics of the step (group all), named as a gate names them in run.json
+DASHBOARD_COLUMNS = tuple(f"dashboard.{m.framework}.{m.key}" for m in PEER_METRICS)
 COUNT_COLUMNS = ("n_samples", "n_model_tokens", "n_sequences", "n_zero_prob_train", "seq_max_mismatch_gt_0_5_count")
 # every value column of steps.parquet, in order; a value a step cannot have (routing of a dense
 # model, the later turns of a single-turn run) is null
@@ -42,6 +45,7 @@ VALUE_COLUMNS = tuple(
             *CORRECTION_COLUMNS,
             *ROUTING_COLUMNS,
             *(f"{k}_{end}" for k in INTERVAL_KEYS for end in ("low", "high")),
+            *DASHBOARD_COLUMNS,
         )
     )
 )
@@ -121,6 +125,10 @@ def step_rows(
             keep = None if name == "all" else GROUP_TURNS[name](tokens.turn)
             routing[name] = RoutingAccumulator(n_layers, top_k)
             routing[name].add(cmp, terms=done.terms, keep=keep)
+    peers = PeerAccumulator(thresholds or CorrectionThresholds())
+    if done is not None:
+        peers.add(tokens.logp_train, tokens.logp_infer, starts, done.terms)
+    dashboard = {f"dashboard.{fw}.{key}": v for fw, values in peers.result().items() for key, v in values.items()}
     rows = []
     for group in STEP_GROUPS:
         metrics = acc.metrics(group)
@@ -131,6 +139,8 @@ def step_rows(
         row.update({k: v for k, v in metrics.items() if k in row})
         row.update({k: corrections.get(k) for k in CORRECTION_COLUMNS})
         row["n_samples"] = tokens.n_samples if group == "all" else _n_samples(tokens, group)
+        if group == "all":
+            row.update(dashboard)
         if group in routing and (r := routing[group].result())["n_tokens"]:
             row["routing_flip_share"] = r["tokens_with_flip_share"]
             row["routing_set_agreement_mean"] = r["set_agreement_mean"]

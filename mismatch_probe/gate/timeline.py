@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from mismatch_probe.analysis.timeline import VALUE_COLUMNS
+from mismatch_probe.analysis.timeline import DASHBOARD_COLUMNS, VALUE_COLUMNS
 from mismatch_probe.config.thresholds import SYNC_VALUES
 from mismatch_probe.gate.checks import CheckResult, GateResult, GateSpec, judge, load_gate
 from mismatch_probe.numbers import significant
@@ -31,6 +31,8 @@ def step_column(metric: str) -> tuple[str, str] | None:
     """(group, column) of steps.parquet holding a check's run.json path, or None."""
     if metric in RENAMED:
         return "all", RENAMED[metric]
+    if metric in DASHBOARD_COLUMNS:  # a framework's own metric, as run.json's dashboard names it
+        return "all", metric
     section, _, rest = metric.partition(".")
     if section in ("metrics", "corrections") and rest in VALUE_COLUMNS:
         return "all", rest

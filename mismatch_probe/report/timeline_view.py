@@ -330,8 +330,12 @@ def view_of(record: TimelineRecord, columns: Columns) -> TimelineView:
         Card("steps", fmt(s.get("count") or 0), _steps([s.get("first"), s.get("last")]) if s.get("count") else ""),
         Card("model tokens", fmt(s.get("model_tokens") or 0), "over every step"),
         Card(
-            "drifted metrics",
-            f"{sum(bool(r.get('detected')) for r in tested)} of {len(tested)} tested",
+            "drift",
+            (
+                f"the run drifted: {drifted} of {len(tested)} metrics"
+                if (drifted := sum(bool(r.get("detected")) for r in tested))
+                else f"none in {len(tested)} metrics tested"
+            ),
             f"false-alarm rate {false_alarm_rate(record)}",
         ),
     ]
