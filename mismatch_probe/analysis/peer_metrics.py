@@ -102,11 +102,18 @@ def _seq_share(key: str) -> Callable[[PeerStats], float | None]:
 
 
 def _slime(
-    name: str, formula: str, line: str, *, token_level: str | None = None, probe: str | None = None
+    name: str,
+    formula: str,
+    line: str,
+    *,
+    token_level: str | None = None,
+    probe: str | None = None,
+    probe_default: str | None = None,
 ) -> list[PeerMetric]:
     """A slime mis_* metric in its two reductions: the default (each sequence's token mean, then the
     mean over sequences: cp_utils.py:73-80 with ``calculate_per_token_loss`` off) and the per-token
-    one (the mean over every token of the values expanded to tokens)."""
+    one (the mean over every token of the values expanded to tokens). ``probe``: the probe metric
+    the per-token reduction equals; ``probe_default``: the one the default reduction equals."""
     seq_key = f"slime_{name}"
     default = PeerMetric(
         "slime",
@@ -114,6 +121,7 @@ def _slime(
         f"mean over sequences of ({formula}) per sequence",
         f"{SLIME} examples/train_infer_mismatch_helper/mis.py:{line}; slime/backends/megatron_utils/cp_utils.py:73",
         lambda s: _seq_mean(s, seq_key),
+        probe=probe_default,
     )
     per_token = PeerMetric(
         "slime",
@@ -124,7 +132,7 @@ def _slime(
         (lambda s: _token_sign(name) * s.tok[token_level] / s.n if s.n else None)
         if token_level
         else (lambda s: _token_weighted(s, seq_key)),
-        probe=probe if token_level else None,
+        probe=probe,
     )
     return [default, per_token]
 
@@ -209,6 +217,7 @@ PEER_METRICS: tuple[PeerMetric, ...] = (
         f"{VERL} verl/trainer/ppo/rollout_corr_helper.py:931",
         lambda s: _mean(s, "rho2") - 1.0 if s.n else None,  # type: ignore[operator]
         probe="chi2_token",
+        note="equal to the probe's chi2_token while no |δ| passes 20, where verl clamps and the probe does not",
     ),
     PeerMetric(
         "verl",
@@ -323,13 +332,16 @@ PEER_METRICS: tuple[PeerMetric, ...] = (
     *_slime("training_ppl", "exp(−mean_t logp_train)", "395"),
     *_slime("rollout_log_ppl", "−mean_t logp_infer", "401"),
     *_slime("rollout_ppl", "exp(−mean_t logp_infer)", "402"),
-    *_slime("kl", "−δ", "408", token_level="delta"),
+    *_slime("kl", "−δ", "408", token_level="delta", probe="k1_kl"),
     *_slime("k3_kl", "r − δ − 1", "415", token_level="k3", probe="k3_kl"),
-    *_slime("log_ppl_diff", "mean_t logp_infer − mean_t logp_train", "423"),
+    # weighted by its tokens, each sequence's mean difference sums to the token mean of −δ
+    *_slime("log_ppl_diff", "mean_t logp_infer − mean_t logp_train", "423", probe="k1_kl"),
     *_slime("log_ppl_abs_diff", "|mean_t logp_infer − mean_t logp_train|", "424"),
     *_slime("ppl_ratio", "exp(mean_t logp_infer − mean_t logp_train)", "430"),
     *_slime("chi2_token", "mean_t exp(clamp(δ, ±20))² − 1", "442"),
-    *_slime("chi2_seq", "exp(2 · clamp(Σ_t δ, ±20)) − 1", "451"),
+    # a sequence's value, so the mean over sequences is the probe's chi2_seq (clamped alike); slime's
+    # chi2_token clamps δ at ±20 where the probe's does not, so it has no counterpart that equals it
+    *_slime("chi2_seq", "exp(2 · clamp(Σ_t δ, ±20)) − 1", "451", probe_default="chi2_seq"),
     PeerMetric(
         "slime",
         "train_rollout_logprob_abs_diff",
@@ -343,6 +355,7 @@ PEER_METRICS: tuple[PeerMetric, ...] = (
         "mean over tokens of |δ| (--calculate-per-token-loss)",
         f"{SLIME} slime/backends/megatron_utils/loss.py:1140; slime/backends/megatron_utils/cp_utils.py:73",
         lambda s: _mean(s, "abs_delta"),
+        probe="abs_delta_mean",
     ),
     # ---- prime-rl: mismatch_kl/all/* (trainer/rl/train.py gathers K3 per token, trainer/utils.py reduces)
     PeerMetric(

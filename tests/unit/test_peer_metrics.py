@@ -246,3 +246,19 @@ def test_the_reports_dashboard_is_run_dashboard_and_the_gate_reads_it(tmp_path):
     assert CliRunner().invoke(app, ["gate", str(run_dir), "--thresholds", str(gate)]).exit_code == 1
     bad = CliRunner().invoke(app, ["report", str(run_dir), "--framework", "nope"])
     assert bad.exit_code == 2 and "has no dashboard" in bad.output
+
+
+@pytest.mark.parametrize("framework", pm.frameworks())
+def test_every_named_probe_counterpart_equals_the_dashboard_value(framework):
+    """A row names a probe metric only where the two are the same number (the report prints them
+    side by side as equal): on the committed example, every such pair agrees to float rounding."""
+    from pathlib import Path
+
+    from mismatch_probe import load_run
+
+    example = Path(__file__).resolve().parents[2] / "reports" / "example"
+    frame = load_run(example).dashboard(framework)
+    linked = frame[frame["probe"].notna()]
+    for row in linked.itertuples():
+        assert row.value is not None and row.probe_value is not None, row.key
+        assert row.value == pytest.approx(row.probe_value, rel=1e-9, abs=1e-15), (row.key, row.probe)
