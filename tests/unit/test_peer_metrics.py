@@ -262,3 +262,29 @@ def test_every_named_probe_counterpart_equals_the_dashboard_value(framework):
     for row in linked.itertuples():
         assert row.value is not None and row.probe_value is not None, row.key
         assert row.value == pytest.approx(row.probe_value, rel=1e-9, abs=1e-15), (row.key, row.probe)
+
+
+def test_a_timeline_step_carries_the_dashboard_and_its_gate_names_it():
+    """steps.parquet's all row holds every framework's metric of the step, as run.json names it, equal
+    to the dashboard of the same tokens; the timeline gate reads a check of that name from that column."""
+    from mismatch_probe.analysis.timeline import DASHBOARD_COLUMNS, STEP_SCHEMA, StepTokens, step_rows
+    from mismatch_probe.gate.timeline import step_column
+
+    seqs = run(5)
+    lengths = [len(s[0]) for s in seqs]
+    tokens = StepTokens(
+        sample_id=np.repeat(np.arange(len(seqs)), lengths),
+        turn=np.zeros(sum(lengths), np.int16),
+        position=np.concatenate([np.arange(n) for n in lengths]),
+        logp_infer=np.concatenate([s[1] for s in seqs]),
+        logp_train=np.concatenate([s[0] for s in seqs]),
+        n_samples=len(seqs),
+    )
+    row = next(r for r in step_rows(7, tokens, n_boot=50) if r["group"] == "all")
+    want = pm.dashboard(accumulate(seqs, 1))
+    assert set(DASHBOARD_COLUMNS) <= set(STEP_SCHEMA.names)
+    for fw, metrics in want.items():
+        for key, value in metrics.items():
+            column = f"dashboard.{fw}.{key}"
+            assert row[column] == pytest.approx(value, rel=1e-12, abs=1e-15), column
+            assert step_column(column) == ("all", column)
