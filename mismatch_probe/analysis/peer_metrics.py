@@ -70,11 +70,10 @@ def _mean(s: PeerStats, key: str) -> float | None:
 
 
 def _std(s: PeerStats, key: str) -> float | None:
-    """Unbiased sd (torch.std's) of a token quantity from its sum and its sum of squares."""
+    """Unbiased sd (torch.std's) of a token quantity from its streamed sum of squared deviations."""
     if s.n < 2:
         return None
-    mean = s.tok[key] / s.n
-    return math.sqrt(max(s.tok[key + "_sq"] - s.n * mean * mean, 0.0) / (s.n - 1))
+    return math.sqrt(s.tok[key + "_m2"] / (s.n - 1))
 
 
 def _seq_mean(s: PeerStats, key: str) -> float | None:
@@ -202,6 +201,27 @@ PEER_METRICS: tuple[PeerMetric, ...] = (
         "max over sequences of (mean_t logp_infer − mean_t logp_train)",
         f"{VERL} verl/trainer/ppo/rollout_corr_helper.py:912",
         _seq_stat(lambda v: float(v.max()), "log_ppl_diff"),
+    ),
+    PeerMetric(
+        "verl",
+        "rollout_corr/log_ppl_diff_min",
+        "min over sequences of (mean_t logp_infer − mean_t logp_train)",
+        f"{VERL} verl/trainer/ppo/rollout_corr_helper.py:913",
+        _seq_stat(lambda v: float(v.min()), "log_ppl_diff"),
+    ),
+    PeerMetric(
+        "verl",
+        "rollout_corr/training_log_ppl",
+        "mean over sequences of −mean_t logp_train",
+        f"{VERL} verl/trainer/ppo/rollout_corr_helper.py:882",
+        lambda s: _seq_mean(s, "slime_training_log_ppl"),
+    ),
+    PeerMetric(
+        "verl",
+        "rollout_corr/rollout_log_ppl",
+        "mean over sequences of −mean_t logp_infer",
+        f"{VERL} verl/trainer/ppo/rollout_corr_helper.py:902",
+        lambda s: _seq_mean(s, "slime_rollout_log_ppl"),
     ),
     PeerMetric(
         "verl",
@@ -426,6 +446,20 @@ PEER_METRICS: tuple[PeerMetric, ...] = (
         _seq_share("geo_oob"),
         probe="geo_rejected_share",
     ),
+    PeerMetric(
+        "skyrl",
+        "geo_sequence_mask_over_high_ratio",
+        "share of sequences whose exp(mean_t δ) is above 1 + geo_eps (sequence_mask_metric geometric)",
+        f"{SKYRL} skyrl/backends/skyrl_train/utils/off_policy_correction_utils.py:233",
+        _seq_share("geo_over"),
+    ),
+    PeerMetric(
+        "skyrl",
+        "geo_sequence_mask_under_low_ratio",
+        "share of sequences whose exp(mean_t δ) is below 1 − geo_eps (sequence_mask_metric geometric)",
+        f"{SKYRL} skyrl/backends/skyrl_train/utils/off_policy_correction_utils.py:234",
+        _seq_share("geo_under"),
+    ),
     *(
         PeerMetric(
             "skyrl",
@@ -469,7 +503,7 @@ PEER_METRICS: tuple[PeerMetric, ...] = (
         PeerMetric(
             "trl",
             f"sampling/importance_sampling_ratio/{stat}",
-            f"{word} over sequences of exp(Σ_t δ), set to 0 above token_tis (sequence_mask, clip_max)",
+            f"{word} over sequences of exp(Σ_t δ), set to 0 above seq_mis (sequence_mask, clip_max)",
             f"{TRL} trl/trainer/grpo_trainer.py:2590, :2614, :2805",
             _seq_stat(fn, "trl_seq_ratio"),
         )
@@ -491,11 +525,14 @@ def metrics_of(framework: str) -> list[PeerMetric]:
     return [m for m in PEER_METRICS if m.framework == framework]
 
 
-# the token statistics PeerAccumulator keeps: sums (a "_sq" beside a key: its sum of squares, for an sd)
+# the token statistics PeerAccumulator keeps: sums, extrema, and for an sd the sum of squared deviations
+# from the mean ("_m2"), merged across shards (Chan et al.) because the sum of squares less n·mean²
+# cancels when the mean dwarfs the sd (an fp32 run's importance ratio: 1 ± 1e-6)
 TOKEN_SUMS = (
-    "delta", "abs_delta", "abs_delta_sq", "k2", "k3", "k3_sq", "reverse_k3", "mult", "rho2", "abs_dp",
-    "abs_dp_sq", "js", "r_finite", "r_clamped", "r_clamped_sq", "oob_tis", "oob_icepop",
+    "delta", "abs_delta", "k2", "k3", "reverse_k3", "mult", "rho2", "abs_dp",
+    "js", "r_finite", "r_clamped", "oob_tis", "oob_icepop",
 )  # fmt: skip
+TOKEN_M2 = ("abs_delta_m2", "k3_m2", "abs_dp_m2", "r_clamped_m2")
 TOKEN_MAX = ("abs_delta_max", "k3_max", "abs_dp_max", "r_clamped_max")
 TOKEN_MIN = ("abs_delta_min", "k3_min")
 LOG4 = math.log(4.0)
@@ -561,8 +598,11 @@ def sequence_values(
         "ppl_ratio": np.exp(log_ppl_diff),
         "rho_sq_seq": chi2_seq + 1.0,
         "geo_oob": ((geo < 1.0 - th.geo_eps) | (geo > 1.0 + th.geo_eps)).astype(np.float64),
-        # sequence_mask: a ratio above clip_max (the spec's token_tis) is set to 0
-        "trl_seq_ratio": np.where(trl > th.token_tis, 0.0, trl),
+        "geo_over": (geo > 1.0 + th.geo_eps).astype(np.float64),
+        "geo_under": (geo < 1.0 - th.geo_eps).astype(np.float64),
+        # sequence_mask: a ratio above clip_max is set to 0; frameworks/trl.py reads clip_max under
+        # sequence_mask into the spec's seq_mis (a sequence mask), not token_tis
+        "trl_seq_ratio": np.where(trl > th.seq_mis, 0.0, trl),
         "slime_training_log_ppl": -mt,
         "slime_training_ppl": np.exp(-mt),
         "slime_rollout_log_ppl": -mi,
@@ -592,7 +632,9 @@ class PeerAccumulator:
 
     def __post_init__(self) -> None:
         self.tok = (
-            dict.fromkeys(TOKEN_SUMS, 0.0) | dict.fromkeys(TOKEN_MAX, -math.inf) | dict.fromkeys(TOKEN_MIN, math.inf)
+            dict.fromkeys(TOKEN_SUMS + TOKEN_M2, 0.0)
+            | dict.fromkeys(TOKEN_MAX, -math.inf)
+            | dict.fromkeys(TOKEN_MIN, math.inf)
         )
 
     def add(self, lt: np.ndarray, li: np.ndarray, starts: np.ndarray, terms: TokenTerms | None = None) -> None:
@@ -602,11 +644,17 @@ class PeerAccumulator:
             return
         lt, li = np.asarray(lt, np.float64), np.asarray(li, np.float64)
         tv = token_values(terms if terms is not None else token_terms(lt, li), lt, li, self.thresholds)
-        self.n += len(lt)
-        for key in TOKEN_SUMS:
-            base = key.removesuffix("_sq")
+        n_before, n_shard = self.n, len(lt)
+        self.n += n_shard
+        for key in TOKEN_M2:  # before the sums grow: the merge needs the mean so far
+            base = key.removesuffix("_m2")
             x = tv[base]
-            self.tok[key] += float(np.dot(x, x)) if key.endswith("_sq") else float(x.sum())
+            mean_shard = float(x.mean())
+            gap = mean_shard - (self.tok[base] / n_before if n_before else 0.0)
+            m2_shard = float(np.dot(x - mean_shard, x - mean_shard))
+            self.tok[key] += m2_shard + gap * gap * n_before * n_shard / self.n
+        for key in TOKEN_SUMS:
+            self.tok[key] += float(tv[key].sum())
         for key in TOKEN_MAX:
             self.tok[key] = max(self.tok[key], float(tv[key[:-4]].max()))
         for key in TOKEN_MIN:

@@ -13,7 +13,8 @@ import pytest
 from mismatch_probe.analysis import peer_metrics as pm
 from mismatch_probe.config.spec import CorrectionThresholds
 
-TH = CorrectionThresholds()
+# every threshold distinct, so a metric that reads the wrong one fails (the defaults share 2.0)
+TH = CorrectionThresholds(token_tis=2.5, token_mask_low=0.4, token_mask_high=2.2, seq_tis=2.8, seq_mis=3.0)
 
 
 def run(seed: int, n_seq: int = 40, extreme: bool = False) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -65,7 +66,7 @@ def expected(seqs, th: CorrectionThresholds = TH) -> dict[str, dict[str, float]]
     n_s = np.array([len(s[0]) for s in seqs], float)
     with np.errstate(over="ignore"):
         trl = np.exp(sum_d)
-    trl = np.where(trl > th.token_tis, 0.0, trl)
+    trl = np.where(trl > th.seq_mis, 0.0, trl)  # TRL's clip_max under sequence_mask is the spec's seq_mis
 
     def slime(per_seq: np.ndarray, per_token: np.ndarray | None = None) -> tuple[float, float]:
         """(default: mean of sequence means, per-token: mean over tokens of the expanded values)."""
@@ -101,6 +102,9 @@ def expected(seqs, th: CorrectionThresholds = TH) -> dict[str, dict[str, float]]
             "rollout_corr/log_ppl_diff": lpd.mean(),
             "rollout_corr/log_ppl_abs_diff": np.abs(lpd).mean(),
             "rollout_corr/log_ppl_diff_max": lpd.max(),
+            "rollout_corr/log_ppl_diff_min": lpd.min(),
+            "rollout_corr/training_log_ppl": (-mean_t).mean(),
+            "rollout_corr/rollout_log_ppl": (-mean_i).mean(),
             "rollout_corr/ppl_ratio": np.exp(lpd).mean(),
             "rollout_corr/chi2_token": rho2.mean() - 1,
             "rollout_corr/chi2_seq": (np.exp(2 * np.clip(sum_d, -20, 20))).mean() - 1,
@@ -137,6 +141,8 @@ def expected(seqs, th: CorrectionThresholds = TH) -> dict[str, dict[str, float]]
             "is_ratio_std": rc.std(ddof=1),
             "tis_token_clip_high_ratio": (r > th.token_tis).mean(),
             "geo_sequence_mask_masked_ratio": ((geo < 1 - th.geo_eps) | (geo > 1 + th.geo_eps)).mean(),
+            "geo_sequence_mask_over_high_ratio": (geo > 1 + th.geo_eps).mean(),
+            "geo_sequence_mask_under_low_ratio": (geo < 1 - th.geo_eps).mean(),
             "policy/rollout_train_logprobs_abs_diff_mean": np.abs(d).mean(),
             "policy/rollout_train_logprobs_abs_diff_std": np.abs(d).std(ddof=1),
             "policy/rollout_train_logprobs_abs_diff_max": np.abs(d).max(),
@@ -192,6 +198,41 @@ def test_slimes_default_reduction_is_not_the_token_mean():
     k3 = math.exp(0.5) - 0.5 - 1
     assert got["mis_k3_kl"] == pytest.approx(k3 / 2, rel=1e-14)
     assert got["mis_k3_kl[per-token]"] == pytest.approx(k3 / 100, rel=1e-14)
+
+
+def test_an_sd_streamed_over_shards_keeps_its_digits_when_the_mean_dwarfs_it():
+    """An importance ratio ~1 with an sd of 1e-7 (an fp32 run): the sd of r, |δ|, K3 and |Δp| streamed
+    over uneven shards equals numpy's two-pass sd in float64 to 1e-9; the sum of squares less n·mean²
+    kept only a few digits of it."""
+    rng = np.random.default_rng(7)
+    seqs = []
+    for i in range(50):
+        li = -rng.exponential(0.8, 1 + i % 13)
+        seqs.append((li + rng.normal(0, 1e-7, len(li)), li))
+    stats = accumulate(seqs, shards=7)
+    d = np.concatenate([s[0] - s[1] for s in seqs])
+    pt, pi = np.exp(np.concatenate([s[0] for s in seqs])), np.exp(np.concatenate([s[1] for s in seqs]))
+    want = {
+        "is_ratio_std": np.exp(d).std(ddof=1),
+        "policy/rollout_train_logprobs_abs_diff_std": np.abs(d).std(ddof=1),
+        "mismatch_kl/all/std": (np.exp(d) - d - 1).std(ddof=1),
+        "training/rollout_probs_diff_std": np.abs(pt - pi).std(ddof=1),
+    }
+    got = {k: v for fw in pm.dashboard(stats).values() for k, v in fw.items()}
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-9), key
+
+
+def test_trls_sequence_mask_drops_at_its_clip_max_which_the_spec_holds_as_seq_mis():
+    """TRL's default sequence_mask zeroes a sequence whose ratio exceeds clip_max (grpo_trainer.py:2614-2619);
+    frameworks/trl.py reads clip_max into seq_mis there. A ratio of 2.7 lies between TH's token_tis
+    (2.5) and seq_mis (3.0): kept; one of 3.3: zeroed."""
+    li = np.array([-1.0, -2.0])
+    seqs = [(li + np.log(2.7) / 2, li), (li + np.log(3.3) / 2, li)]
+    got = pm.dashboard(accumulate(seqs, shards=1))["trl"]
+    assert got["sampling/importance_sampling_ratio/max"] == pytest.approx(2.7, rel=1e-12)
+    assert got["sampling/importance_sampling_ratio/min"] == 0.0
+    assert got["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.35, rel=1e-12)
 
 
 def test_a_run_without_tokens_has_no_values():
@@ -280,7 +321,7 @@ def test_a_timeline_step_carries_the_dashboard_and_its_gate_names_it():
         logp_train=np.concatenate([s[0] for s in seqs]),
         n_samples=len(seqs),
     )
-    row = next(r for r in step_rows(7, tokens, n_boot=50) if r["group"] == "all")
+    row = next(r for r in step_rows(7, tokens, TH, n_boot=50) if r["group"] == "all")
     want = pm.dashboard(accumulate(seqs, 1))
     assert set(DASHBOARD_COLUMNS) <= set(STEP_SCHEMA.names)
     for fw, metrics in want.items():
