@@ -649,9 +649,10 @@ class PeerAccumulator:
         for key in TOKEN_M2:  # before the sums grow: the merge needs the mean so far
             base = key.removesuffix("_m2")
             x = tv[base]
-            mean_shard = float(x.mean())
-            gap = mean_shard - (self.tok[base] / n_before if n_before else 0.0)
-            m2_shard = float(np.dot(x - mean_shard, x - mean_shard))
+            with np.errstate(invalid="ignore"):  # an infinite term (p_train = 0) makes the sd NaN, as torch's
+                mean_shard = float(x.mean())
+                gap = mean_shard - (self.tok[base] / n_before if n_before else 0.0)
+                m2_shard = float(np.dot(x - mean_shard, x - mean_shard))
             self.tok[key] += m2_shard + gap * gap * n_before * n_shard / self.n
         for key in TOKEN_SUMS:
             self.tok[key] += float(tv[key].sum())
