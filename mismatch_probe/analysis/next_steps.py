@@ -169,8 +169,8 @@ def later_turns_step(record: RunRecord) -> NextStep | None:
     first, later = record.metric("k3_kl", "first"), record.metric("k3_kl", "later")
     if not record.metric("n_model_tokens", "later") or first is None or later is None:
         return None
-    if isinstance(first, str) or isinstance(later, str):
-        return None
+    if isinstance(first, str) or isinstance(later, str) or not (math.isfinite(first) and math.isfinite(later)):
+        return None  # an infinite K3 is the K3 line's finding, not a comparison of turns
     check = ", ".join(f"{k} {v}" for k, v in (record.tokenization_check or {}).items()) or "not recorded"
     if first > 0 and later / first >= LATER_FACTOR:
         return NextStep(
@@ -195,9 +195,14 @@ def corrections_step(record: RunRecord, precision: str | None) -> NextStep | Non
     correction lowers K3 by more than that noise, or K3 is already inside the published range."""
     c = record.corrections or {}
     kept = {k: c.get(KEPT_K3[k]) for k in CORRECTION_KEYS}
-    known = {k: (float(v), float(c[k])) for k, v in kept.items() if isinstance(v, int | float) and c.get(k) is not None}
+    known = {
+        k: (float(v), float(c[k]))
+        for k, v in kept.items()
+        if isinstance(v, int | float) and math.isfinite(v) and isinstance(c.get(k), int | float)
+    }
     interval = k3_interval(record)
-    if not known or interval is None or not interval[0]:
+    # an infinite K3 (a sampled token the reference gives p = 0) has no noise to judge a correction by
+    if not known or interval is None or not all(map(math.isfinite, interval)) or not interval[0]:
         return None
     estimate, low, high = interval
     noise = max(high - estimate, estimate - low) / estimate  # relative half-width: the run's own noise

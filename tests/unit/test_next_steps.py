@@ -210,3 +210,20 @@ def test_the_written_sweep_loads_and_runs_the_runs_settings(tmp_path: Path):
     from mismatch_probe.config.thresholds import load_thresholds
 
     load_thresholds(run_dir / ns.SUGGESTED_GATE)
+
+
+def test_an_infinite_k3_leaves_out_what_it_cannot_judge():
+    """A sampled token the reference gives p = 0: K3, its interval and kept K3s are infinite; the K3
+    line says so, and the corrections and turns lines, which would compare infinities, are left out."""
+    inf = math.inf
+    by_turn = {"first": {"k3_kl": inf, "n_model_tokens": 5}, "later": {"k3_kl": 1e-3, "n_model_tokens": 5}}
+    c = corrections(token_tis_clipped_share=inf, geo_rejected_share=1e-3, seq_mis_masked_share=inf)
+    rec = record(
+        metrics={"k3_kl": inf, "n_zero_prob_train": 1},
+        intervals={"metrics": {"k3_kl": [inf, 1e-3, inf]}},
+        corrections=c,
+        metrics_by_turn=by_turn,
+    )
+    found = steps(rec)
+    assert found["K3"].urgent and "corrections" not in found and "later turns" not in found
+    assert "gate" not in found  # no finite bound to suggest
