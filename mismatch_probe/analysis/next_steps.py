@@ -81,23 +81,15 @@ def k3_interval(record: RunRecord) -> tuple[float, float, float] | None:
     return tuple(float(x) for x in found) if found else None  # type: ignore[return-value]
 
 
-def published_k3_top(precision: str | None) -> tuple[float, str]:
-    """The top of the healthiest published K3 range for the rollout's precision, and where it is from:
-    the bf16 H20 range (the lowest per-GPU range), or the highest figure published for the precision."""
+def published_k3_range(precision: str | None) -> tuple[float, float, str]:
+    """The healthiest published K3 range for the rollout's precision, as (low, high, where): the bf16
+    H20 range (the lowest per-GPU range), or the highest figure published for the precision."""
     published = [f for f in PUBLISHED_K3 if f.precision == precision]
     if precision not in (None, "bf16") and published:
         top = max(published, key=lambda f: f.high)
-        return top.high, f"{precision} rollouts, {top.where}: {fmt_range(top.low, top.high)}"
+        return top.low, top.high, f"{precision} rollouts, {top.where}: {fmt_range(top.low, top.high)}"
     where, low, high = K3_BY_GPU[0]
-    return high, f"bf16 rollouts on {where}: {fmt_range(low, high)}"
-
-
-def published_k3_bottom(precision: str | None) -> float:
-    """The bottom of the range :func:`published_k3_top` tops."""
-    published = [f for f in PUBLISHED_K3 if f.precision == precision]
-    if precision not in (None, "bf16") and published:
-        return max(published, key=lambda f: f.high).low
-    return K3_BY_GPU[0][1]
+    return low, high, f"bf16 rollouts on {where}: {fmt_range(low, high)}"
 
 
 def _interval_text(interval: tuple[float, float, float] | None) -> str:
@@ -106,7 +98,7 @@ def _interval_text(interval: tuple[float, float, float] | None) -> str:
 
 def k3_step(record: RunRecord, precision: str | None, axes: list[Axis], sweep_command: str) -> NextStep:
     k3 = record.metric("k3_kl")
-    top, where = published_k3_top(precision)
+    bottom, top, where = published_k3_range(precision)
     interval = k3_interval(record)
     named = ", ".join(a.key for a in axes) or "no axis"
     if k3 is None:
@@ -131,7 +123,7 @@ def k3_step(record: RunRecord, precision: str | None, axes: list[Axis], sweep_co
             NEXT_SWEEP,
             urgent=True,
         )
-    place = "below" if k3 < published_k3_bottom(precision) else "inside"
+    place = "below" if k3 < bottom else "inside"
     return NextStep(
         "K3",
         f"K3 {fmt(k3)}{_interval_text(interval)} is {place} the published range for {where}",
@@ -220,7 +212,7 @@ def corrections_step(record: RunRecord, precision: str | None) -> NextStep | Non
             f"{fmt(estimate)} for all tokens",
             "none needed on this evidence; a correction here would cost data for no measurable gain",
         )
-    top, _ = published_k3_top(precision)
+    _, top, _ = published_k3_range(precision)
     finding = (
         f"{label} keeps K3 {fmt(k3_kept)} (all tokens: {fmt(estimate)}) at a cost of {pct(share)} of the data; "
         f"the lowest K3 any correction keeps is {fmt(best_k3)}, and this run's K3 noise is ±{pct(noise)}"

@@ -149,6 +149,12 @@ def run_label(record: RunRecord, path: Path) -> str:
     return record.spec.name or path.name
 
 
+def given_run_dir(record: RunRecord, path: Path) -> Path:
+    """The run's directory as the run was given it (its ``out``, from where it was made), for the
+    commands a page prints: the same page wherever the directory is copied."""
+    return Path(record.spec.out) if record.spec.out else path
+
+
 def kv_cache_line(sizing: Mapping[str, Any]) -> str:
     """The KV cache mismatch-probe chose for the engine (``engine.kv_cache_sizing``), and from what."""
     line = mib(sizing.get("kv_cache_memory_bytes", 0))

@@ -57,7 +57,7 @@ def next_sweep_text(record: RunRecord, run_dir: Path, axes: list[Axis]) -> str:
     lines = [
         f"# What to sweep next for {name}: written by mismatch-probe from this run's findings (report.md,",
         '# "What to do next"). Each axis changes one setting from what this run ran with.',
-        f"#   mismatch-probe sweep {Path(record.spec.out or run_dir) / NEXT_SWEEP}",
+        f"#   mismatch-probe sweep {labels.given_run_dir(record, run_dir) / NEXT_SWEEP}",
         "# Paths are relative to this file.",
         "",
         f"name = {toml_value(f'{name}-next')}",
@@ -106,7 +106,7 @@ def suggested_gate_text(record: RunRecord, run_dir: Path) -> str | None:
     lines = [
         f"# A gate for later runs of {name}'s configuration (a new engine version, GPU type or kernel flag),",
         '# from this run\'s own sampling noise: written by mismatch-probe (report.md, "What to do next").',
-        f"#   mismatch-probe gate NEW_RUN --thresholds {Path(record.spec.out or run_dir) / SUGGESTED_GATE}",
+        f"#   mismatch-probe gate NEW_RUN --thresholds {labels.given_run_dir(record, run_dir) / SUGGESTED_GATE}",
         "",
     ]
     for check in checks:

@@ -551,10 +551,9 @@ def dashboard_table(record: RunRecord) -> Table | None:
 
 
 def step_commands(record: RunRecord, path: Path) -> dict[str, str]:
-    """The commands "What to do next" gives, with this run's directory as the run was given it (its
-    ``out``, from where it was made: the same page wherever the directory is copied)."""
+    """The commands "What to do next" gives, with this run's directory as the run was given it."""
     spec = record.spec_file or "SPEC"
-    path = Path(record.spec.out) if record.spec.out else path
+    path = labels.given_run_dir(record, path)
     return {
         "sweep_command": f"mismatch-probe sweep {path / NEXT_SWEEP}",
         "gate_command": f"mismatch-probe gate NEW_RUN --thresholds {path / SUGGESTED_GATE}",
