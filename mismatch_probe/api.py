@@ -95,12 +95,11 @@ class Run:
             table = table.filter(pc.equal(table.column("group"), group))
         return _to_pandas(table)
 
-    @staticmethod
-    def figure_ids() -> list[str]:
-        """The ids of a run's figures, in report order (``figures/<id>.svg`` in the run directory)."""
-        from mismatch_probe.report.figures import RUN_FIGURE_IDS
+    def figure_ids(self) -> list[str]:
+        """The ids of this run's figures, in report order (``figures/<id>.svg`` in the run directory)."""
+        from mismatch_probe.report.figures import run_figure_list
 
-        return list(RUN_FIGURE_IDS)
+        return [info.id for info, _ in run_figure_list(self.record)]
 
     def figure(self, figure_id: str) -> Figure:
         """One of the report's figures as a matplotlib ``Figure`` (``fig.savefig(...)``, or shown by

@@ -186,6 +186,9 @@ class Inputs(Section):
     n_prompts: int | None = None
     n_samples: int | None = None
     n_shards: int | None = None
+    # an adaptive run (sampling.precision): the samples of each round, the first the prompts x n
+    # (pipeline/runs.py: shard_samples); None: one round of n_prompts x n
+    round_samples: list[int] | None = None
     stop_token_ids: list[int] = Field(default_factory=list)
     # engine.checkpoint: what the engine loaded instead of the model, and the quantization its
     # config.json declares (modeling/loading.py: checkpoint_quantization)
@@ -387,6 +390,9 @@ class RunRecord(Section):
     dashboard: dict[str, dict[str, Any]] | None = None
     # sequence-bootstrap intervals of the run's metrics (analysis/intervals.py: run_intervals)
     intervals: dict[str, Any] | None = None
+    # an adaptive run (sampling.precision): K3's interval after each round of sampling, the target and
+    # whether it was met (pipeline/adaptive.py: sample_in_rounds)
+    precision: dict[str, Any] | None = None
     samples: dict[str, Any] | None = None
     distributions: str | None = None
     sequences: str | None = None
@@ -402,7 +408,7 @@ class RunRecord(Section):
     def _bucket_numbers(cls, value: Any) -> Any:  # a bucket's |delta| max or K3 mean can be inf
         return restore_numbers(value)
 
-    @field_validator("sync", "intervals", "dashboard", mode="before")
+    @field_validator("sync", "intervals", "dashboard", "precision", mode="before")
     @classmethod
     def _sync_numbers(cls, value: Any) -> Any:  # the stale cache's K3 ratio is inf when the reset one is 0
         return restore_numbers(value)

@@ -49,6 +49,66 @@ class SamplingSpec(SpecTable):
     seed: int = setting(
         0, "Sampling seed.", flag="--seed", affects="rollouts", group=SAMPLING, not_an_axis="the repeats vary the seed"
     )
+    # adaptive sample size (pipeline/adaptive.py): the engine samples in rounds, each scored by the
+    # reference as it comes, until K3's interval is as tight as asked or a budget is spent. They
+    # decide how many samples exist, so they enter the rollout fingerprint; since=5: unset, they are
+    # in no record or fingerprint, so every run recorded before them still resumes.
+    precision: float | None = setting(
+        None,
+        "Sample in rounds until K3's 95% sequence-bootstrap interval is within this fraction of K3 "
+        "(0.1: +-10%), or a budget is spent; the first round is the prompts x n samples.",
+        flag="--precision",
+        affects="rollouts",
+        group=SAMPLING,
+        since=5,
+        not_an_axis="it decides how many samples a point draws, not how they are drawn",
+        gt=0,
+        lt=1,
+    )
+    max_samples: int | None = setting(
+        None,
+        "With --precision: the most samples all rounds may draw (default: 10x the prompts x n).",
+        flag="--max-samples",
+        affects="rollouts",
+        group=SAMPLING,
+        since=5,
+        not_an_axis="a budget of --precision",
+        ge=1,
+    )
+    token_budget: int | None = setting(
+        None,
+        "With --precision: the most model tokens all rounds may hold (a round is sized by this run's tokens per "
+        "sample so far; default: no limit).",
+        flag="--token-budget",
+        affects="rollouts",
+        group=SAMPLING,
+        since=5,
+        not_an_axis="a budget of --precision",
+        ge=1,
+    )
+    time_budget: float | None = setting(
+        None,
+        "With --precision: the most seconds sampling and scoring all rounds may take (a round is sized by this "
+        "run's seconds per sample so far; the engine's start and the reference's load not counted; default: no limit).",
+        flag="--time-budget",
+        affects="rollouts",
+        group=SAMPLING,
+        since=5,
+        not_an_axis="a budget of --precision",
+        gt=0,
+    )
+
+    @model_validator(mode="after")
+    def _budget_of_precision(self) -> SamplingSpec:
+        if self.precision is None:
+            for key in ("max_samples", "token_budget", "time_budget"):
+                if getattr(self, key) is not None:
+                    raise rule_error(
+                        f"sampling.{key} is a budget of the adaptive sample size, which sampling.precision turns on",
+                        key=key,
+                        hint="add --precision (e.g. 0.1), or drop the budget",
+                    )
+        return self
 
 
 class ReferenceSpec(SpecTable):

@@ -34,11 +34,17 @@ ADOPTED_FIELDS = (
     "tokenization_check",
     "server_template_check",
     "imported_from",
+    "precision",  # an adaptive run's rounds: the adopting run has the same samples
 )
 
 
-def sample_shards(ctx: RunContext, engine: Engine, missing: list[int]) -> None:
-    """Sample the missing rollout shards (and re-score them with the engine's prefill)."""
+def sample_shards(
+    ctx: RunContext, engine: Engine, missing: list[int], *, workarounds_before: dict | None = None
+) -> dict:
+    """Sample the missing rollout shards (and re-score them with the engine's prefill). Returns how
+    often each engine workaround had applied before this engine started (what its counts add to),
+    for a caller that samples with the same engine again (an adaptive run's next round) to pass
+    back as ``workarounds_before``."""
     from mismatch_probe.rollout.multiturn import (
         RetokenizationCheck,
         ServerTemplateCheck,
@@ -72,8 +78,10 @@ def sample_shards(ctx: RunContext, engine: Engine, missing: list[int]) -> None:
             )
     sampled_before = len(missing) < len(shards) or (rollout_dir / RECEIVED_DIR).is_dir()
     # what an earlier invocation of this run worked around (engine.workarounds): counts add up
-    worked_around = dict(
-        (record.engine.to_dict().get("workarounds") if sampled_before and record.engine else None) or {}
+    worked_around = (
+        dict(workarounds_before)
+        if workarounds_before is not None
+        else dict((record.engine.to_dict().get("workarounds") if sampled_before and record.engine else None) or {})
     )
     if sampled_before and record.engine is not None:
         from mismatch_probe.engines.remote import server_changes
@@ -153,6 +161,7 @@ def sample_shards(ctx: RunContext, engine: Engine, missing: list[int]) -> None:
                 done[key] = {**now, "restored": int(now["restored"]) + int(before.get("restored", 0))}
         record.update_sections({"engine": {**info, "workarounds": done}})
         ctx.save()
+    return worked_around
 
 
 def prefill_skip_reason(spec: ProbeSpec, engine: Engine, semantics: LogprobSemantics) -> str | None:

@@ -40,6 +40,7 @@ CARRIED_SECTIONS = (
     "decode_vs_prefill",
     "tokenization_check",
     "server_template_check",
+    "precision",  # an adaptive run's rounds so far: a resumed run goes on from them (pipeline/adaptive.py)
 )
 
 
@@ -72,11 +73,26 @@ class SampleRef:
     prompt_index: int
 
 
-def shard_samples(n_samples: int, n: int, shard_size: int) -> list[list[SampleRef]]:
+def shard_samples(
+    n_samples: int, n: int, shard_size: int, *, n_prompts: int | None = None, rounds: list[int] | None = None
+) -> list[list[SampleRef]]:
     """A run's samples (``n`` per prompt, numbered prompt by prompt) in shards of ``shard_size``:
-    the unit of sampling, scoring and resume."""
-    samples = [SampleRef(sid, sid // n) for sid in range(n_samples)]
-    return [samples[i : i + shard_size] for i in range(0, len(samples), shard_size)]
+    the unit of sampling, scoring and resume.
+
+    An adaptive run (``sampling.precision``, :mod:`.adaptive`) samples in ``rounds`` (their sizes,
+    summing to ``n_samples``), each in shards of its own, so the shards of the rounds already
+    sampled stay what they were when another round is added; past the ``n_prompts`` x ``n``
+    samples of the first pass, the samples answer the prompts again from the first."""
+    sizes = rounds if rounds is not None else [n_samples]
+    if sum(sizes) != n_samples:
+        raise DataError(f"rounds of {sizes} samples are not the run's {n_samples}")
+    cycle = n_prompts if n_prompts else None
+    samples = [SampleRef(sid, (sid // n) % cycle if cycle else sid // n) for sid in range(n_samples)]
+    shards, start = [], 0
+    for size in sizes:
+        shards += [samples[i : min(i + shard_size, start + size)] for i in range(start, start + size, shard_size)]
+        start += size
+    return shards
 
 
 @dataclass
@@ -274,7 +290,9 @@ def open_run(run_dir: str | Path, *, progress: Progress | None = None, model: st
     inputs = record.inputs
     if inputs is None or inputs.n_samples is None or inputs.n_shards is None:
         raise ConfigError(f"{out}/run.json does not say how many samples the run has", hint="sample it again")
-    shards = shard_samples(inputs.n_samples, spec.sampling.n, spec.shard_size)
+    shards = shard_samples(
+        inputs.n_samples, spec.sampling.n, spec.shard_size, n_prompts=inputs.n_prompts, rounds=inputs.round_samples
+    )
     if len(shards) != inputs.n_shards:
         raise DataError(
             f"{out}/run.json: {inputs.n_samples} samples in shards of {spec.shard_size} are not {inputs.n_shards} shards"

@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from mismatch_probe.analysis.analyze import analyze as analyze_tokens
 from mismatch_probe.analysis.distributions import (
@@ -40,6 +43,7 @@ from mismatch_probe.engines.base import Engine
 from mismatch_probe.errors import ConfigError, DataError, ProbeError
 from mismatch_probe.files import portable_path, resolve_from_dir
 from mismatch_probe.modeling.logprobs import LogprobSemantics
+from mismatch_probe.pipeline import adaptive
 from mismatch_probe.pipeline.rollouts import adopt_rollouts, sample_shards
 from mismatch_probe.pipeline.runs import (
     ENGINE_LOG,
@@ -98,6 +102,7 @@ def prepare(
             hint="run `mismatch-probe sample` once, then `torchrun ... mismatch-probe score RUN_DIR`",
         )
     spec.check_runnable()
+    adaptive.check_adaptive(spec)
     spec = spec.normalized()
     if rollouts_from is not None and (theirs := find_record(Path(rollouts_from))) and theirs.imported_from:
         # its spec is the dump's, which no probe spec reproduces: score re-scores it as it is
@@ -179,6 +184,13 @@ def prepare(
     )
     ctx.inputs = RolloutInputs(entry, prompts, stops, model_len)
     ctx._tokenizer = tokenizer
+    if adaptive.is_adaptive(spec):
+        source = rollouts_from or (
+            resolve_from_dir(ctx.out, ctx.earlier_rollouts_from) if ctx.earlier_rollouts_from else None
+        )
+        theirs = find_record(Path(source)) if source is not None else None  # adopted: their rounds
+        adaptive.plan_rounds(ctx, theirs.inputs.round_samples if theirs is not None and theirs.inputs else None)
+        ctx.save()
     return ctx
 
 
@@ -200,19 +212,28 @@ def sample(ctx: RunContext, *, engine: Engine | None = None, rollouts_from: str 
     if spec.sync.enabled and rollouts_from is None:
         _sample_synced(ctx, missing)
         return
-    if not missing:
+    in_rounds = adaptive.is_adaptive(spec) and rollouts_from is None
+    if not missing and not (in_rounds and not adaptive.finished(ctx)):
         # a run stopped right after its last shard may have left a remote engine's answers
         shutil.rmtree(rollout_dir / RECEIVED_DIR, ignore_errors=True)
         return
-    if ctx.inputs is None:
+    if ctx.inputs is None and not in_rounds:
         raise ConfigError(
             f"{out} lacks rollout shards", hint=f"sample them with its spec: mismatch-probe sample SPEC --out {out}"
         )
     process = None  # the engine worker started here (None: the caller's engine, left open for it)
-    try:
+
+    def started() -> Engine:
+        """The engine, started here the first time a shard needs it."""
+        nonlocal engine, process
         if engine is None:
             from mismatch_probe.engines.process import EngineProcess
 
+            if ctx.inputs is None:
+                raise ConfigError(
+                    f"{out} lacks rollout shards",
+                    hint=f"sample them with its spec: mismatch-probe sample SPEC --out {out}",
+                )
             entry = ctx.inputs.entry
             ctx.progress.log(f"starting engine {entry.name} (log: {portable_path(out / ENGINE_LOG)})")
             with timed(ctx.timings, "engine_start_s"):
@@ -224,8 +245,14 @@ def sample(ctx: RunContext, *, engine: Engine | None = None, rollouts_from: str 
                     trust_remote_code=spec.trust_remote_code,
                     state_dir=rollout_dir / RECEIVED_DIR,
                 )
+        return engine
+
+    try:
         try:
-            sample_shards(ctx, engine, missing)
+            if in_rounds:  # the reference scores each round beside the engine, which stays up between rounds
+                adaptive.sample_in_rounds(ctx, started, sample_shards, opened_reference)
+            else:
+                sample_shards(ctx, started(), missing)
         finally:
             if process is not None:
                 with timed(ctx.timings, "engine_stop_s"):
@@ -263,40 +290,62 @@ def _sample_synced(ctx: RunContext, missing: list[int]) -> None:
 
 def score(ctx: RunContext) -> None:
     """The reference scores the missing token shards, the exact ids the engine sampled."""
-    from mismatch_probe.reference import open_reference_scorer
-    from mismatch_probe.reference.scorer import replay_info, routing_replay
-
     missing = ctx.missing(TOKENS_DIR)
     if not missing:
         return
-    out, record, progress = ctx.out, ctx.record, ctx.progress
-    semantics = reference_semantics(ctx)
+    with opened_reference(ctx) as reference:
+        ctx.progress.stage("score", sum(len(ctx.shards[i]) for i in missing))
+        for i in missing:
+            reference.score_shard(i)
+
+
+class ReferenceScoring:
+    """The reference, loaded, scoring a run's shards one at a time: :func:`score` all the missing ones
+    at once, an adaptive run's rounds (``pipeline/adaptive.py``) each round's as it is sampled."""
+
+    def __init__(self, ctx: RunContext, scorer: Any, replay: Any) -> None:
+        routing = ctx.record.engine.routing if ctx.record.engine is not None else None
+        self.ctx, self.scorer = ctx, scorer
+        self.semantics = reference_semantics(ctx)
+        self.width = (len(routing.moe_layers), routing.top_k) if routing else None
+        self.options = {"replay": True} if replay is True else {}  # only the in-process scorer takes it
+
+    def score_shard(self, i: int) -> None:
+        ctx = self.ctx
+        with timed(ctx.timings, "scoring_s"):
+            rollouts = read_rollout_shard(ctx.out / ROLLOUTS_DIR / shard_name(i), self.width)
+            scores = self.scorer.score(
+                rollouts, self.semantics, on_progress=lambda k: ctx.progress.advance("score", k), **self.options
+            )
+            trainer = [r.logp_trainer for r in rollouts]  # an imported dump's, kept beside ours
+            table = token_table(
+                rollouts, scores.logp, scores.entropy, scores.experts, trainer, logp_replay=scores.logp_replay
+            )
+            write_table_atomic(table, ctx.out / TOKENS_DIR / shard_name(i))
+
+
+@contextmanager
+def opened_reference(ctx: RunContext) -> Iterator[ReferenceScoring]:
+    """The run's reference, loaded (its load timed, what it is recorded) until the block ends; then its
+    peak memory is recorded and it is closed."""
+    from mismatch_probe.reference import open_reference_scorer
+    from mismatch_probe.reference.scorer import replay_info, routing_replay
+
+    record = ctx.record
+    reference_semantics(ctx)  # a run whose record lacks the semantics fails before the load
     with timed(ctx.timings, "reference_load_s"):
         scorer = open_reference_scorer(
             ctx.model_path,
             ctx.spec.reference,
             trust_remote_code=ctx.spec.trust_remote_code,
-            log_path=out / REFERENCE_LOG,
+            log_path=ctx.out / REFERENCE_LOG,
         )
     try:
         routing = record.engine.routing if record.engine is not None else None
         replay = routing_replay(ctx.spec.reference.routing_replay, scorer) if routing else None
         record.update_sections({"reference": scorer.info() | replay_info(replay)})
         ctx.save()
-        width = (len(routing.moe_layers), routing.top_k) if routing else None
-        options = {"replay": True} if replay is True else {}  # only the in-process scorer takes it
-        progress.stage("score", sum(len(ctx.shards[i]) for i in missing))
-        with timed(ctx.timings, "scoring_s"):
-            for i in missing:
-                rollouts = read_rollout_shard(out / ROLLOUTS_DIR / shard_name(i), width)
-                scores = scorer.score(
-                    rollouts, semantics, on_progress=lambda k: progress.advance("score", k), **options
-                )
-                trainer = [r.logp_trainer for r in rollouts]  # an imported dump's, kept beside ours
-                table = token_table(
-                    rollouts, scores.logp, scores.entropy, scores.experts, trainer, logp_replay=scores.logp_replay
-                )
-                write_table_atomic(table, out / TOKENS_DIR / shard_name(i))
+        yield ReferenceScoring(ctx, scorer, replay)
         info, peaks = scorer.info() | replay_info(replay), scorer.peak_memory()
         if "parallel" in info:
             info["parallel"]["peak_memory_per_rank"] = peaks

@@ -52,6 +52,8 @@ def render_run(view: RunView) -> str:
         f"- **{md_text(c.label)}**: {md_text(c.value)} ({md_text(c.note)})" for c in view.headline
     ]
     out += [""] + [f"- {md_text(line)}" for line in view.notes] + ([""] if view.notes else [])
+    if view.precision is not None:
+        out += table(view.precision)
     out += table(view.next_steps)
     out += ["## Environment and settings", ""] + _pairs(view.setup)
     for t in view.stack:

@@ -23,11 +23,12 @@ from mismatch_probe.analysis.metrics import KEPT_K3
 from mismatch_probe.analysis.next_steps import NEXT_SWEEP, SUGGESTED_GATE, next_steps
 from mismatch_probe.analysis.peer_metrics import frameworks as peer_frameworks
 from mismatch_probe.analysis.peer_metrics import metrics_of as peer_metrics_of
+from mismatch_probe.analysis.precision import outcome_line, percent
 from mismatch_probe.config.sweep import sweep_of
 from mismatch_probe.numbers import fmt, pct, ratio, seconds, short, tick
 from mismatch_probe.record import RunRecord
 from mismatch_probe.report import labels
-from mismatch_probe.report.figures import RUN_FIGURES
+from mismatch_probe.report.figures import run_figure_list
 from mismatch_probe.report.sync_view import SyncView, sync_view
 from mismatch_probe.report.view import Card, Column, FigureInfo, Pairs, Row, Span, Table, View, pairs
 from mismatch_probe.version import __version__
@@ -44,6 +45,8 @@ class RunView(View):
     notes: list[str]
     setup: Pairs
     stack: list[Table]  # the framework config the spec mirrors: its risks, what was not mirrored
+    precision: Table | None  # an adaptive run's rounds (--precision)
+    precision_outcome: str  # its outcome in one line (met, or not and why); "" for a run of a fixed size
     next_steps: Table  # what to do next, from the run's findings (analysis/next_steps.py)
     dashboard: Table | None  # the framework's own metrics ("Your dashboard"), when the run names one
     metrics: Table
@@ -596,6 +599,54 @@ def next_steps_table(record: RunRecord, path: Path) -> Table:
     )
 
 
+def precision_table(record: RunRecord) -> Table | None:
+    """An adaptive run's rounds (run.json's ``precision``): K3 and its interval after each, the samples
+    the target was then expected to need; the lead says met, or not met and how many more samples."""
+    state = record.precision or {}
+    rounds = state.get("rounds") or []
+    if not rounds:
+        return None
+    budget = state.get("budget") or {}
+    limits = ", ".join(f"{k} {fmt(v)}" for k, v in budget.items() if v is not None)
+    return Table(
+        "precision",
+        "Sample size",
+        [
+            Column("round", "text"),
+            Column("samples"),
+            Column("samples so far"),
+            Column("model tokens so far"),
+            Column("K3 KL"),
+            Column(f"{pct(state.get('level', 0.95))} interval"),
+            Column("± of K3"),
+            Column("samples needed (estimated)"),
+            Column("seconds so far"),
+        ],
+        [
+            Row(
+                [
+                    str(r["round"]),
+                    str(r["samples"]),
+                    str(r["samples_total"]),
+                    str(r["tokens_total"]),
+                    fmt(r["k3_kl"]),
+                    f"{fmt(r['low'])} – {fmt(r['high'])}",
+                    percent(r["relative_half_width"]),
+                    "-" if r.get("samples_needed") is None else str(r["samples_needed"]),
+                    "-" if r.get("seconds_total") is None else seconds(r["seconds_total"]),
+                ],
+                muted=not r.get("met"),
+            )
+            for r in rounds
+        ],
+        lead=(
+            f"{outcome_line(state)}. Sampled in rounds until K3's sequence-bootstrap interval was within "
+            f"±{percent(state['target'])} of K3 (--precision), within the budget ({limits}). A round adds the "
+            "samples the interval then asked for (its half-width shrinks as 1/√n), at most 3x those before it."
+        ),
+    )
+
+
 def _run_rows(record: RunRecord) -> Pairs:
     samples = record.samples or {}
     reasons = ", ".join(f"{k} {v}" for k, v in (samples.get("finish_reasons") or {}).items())
@@ -627,6 +678,8 @@ def run_view(record: RunRecord, path: Path, dist: dict | None = None) -> RunView
         notes=labels.notes(record),
         setup=pairs(labels.setup_rows(record)),
         stack=stack_tables(record),
+        precision=precision_table(record),
+        precision_outcome=outcome_line(record.precision or {}) if (record.precision or {}).get("rounds") else "",
         next_steps=next_steps_table(record, path),
         dashboard=dashboard_table(record),
         metrics=metrics_table(record),
@@ -634,7 +687,7 @@ def run_view(record: RunRecord, path: Path, dist: dict | None = None) -> RunView
         breakdowns=breakdown_tables(record),
         routing=routing,
         routing_lead=routing_lead,
-        figures=[info for info, _ in RUN_FIGURES],
+        figures=[info for info, _ in run_figure_list(record)],
         worst=worst_table(worst),
         worst_tokens=[token_view(seq) for seq in worst],
         worst_has_text=any(s["tokens"].get("text") is not None for s in worst),

@@ -61,6 +61,8 @@ def print_run(console: Console, view: RunView) -> None:
         for row in t.rows:
             if len(row.cells) == 3:
                 console.print(note(NOTE + f"known risk of this configuration: {row.cells[0]}: {row.cells[1]}"))
+    if view.precision_outcome:  # met, or not met and how many more samples
+        console.print(escape(view.precision_outcome))
     for line in view.notes:
         console.print(note(line))
     for row in view.next_steps.rows:  # what to do next: the problems only; the report has every line

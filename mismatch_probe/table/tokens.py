@@ -330,20 +330,21 @@ def iter_model_tokens(run_dir: Path, columns=MODEL_TOKEN_COLUMNS, prefetch: bool
     """
     paths = shard_paths(run_dir, TOKENS_DIR)
     if not prefetch or len(paths) < 2:
-        yield from (_read_model_tokens(path, columns) for path in paths)
+        yield from (read_model_tokens(path, columns) for path in paths)
         return
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="read-shard") as pool:
-        ahead = pool.submit(_read_model_tokens, paths[0], columns)
+        ahead = pool.submit(read_model_tokens, paths[0], columns)
         for path in paths[1:]:
             shard = ahead.result()
-            ahead = pool.submit(_read_model_tokens, path, columns)
+            ahead = pool.submit(read_model_tokens, path, columns)
             yield shard
         yield ahead.result()
 
 
-def _read_model_tokens(path: Path, columns) -> dict[str, Any]:
+def read_model_tokens(path: Path, columns=MODEL_TOKEN_COLUMNS) -> dict[str, Any]:
+    """One token shard's model tokens, as :func:`iter_model_tokens` yields each."""
     with pq.ParquetFile(path) as f:  # one open: the footer gives the schema, then the columns
         present = set(f.schema_arrow.names)
         wanted = [c for c in columns if c in present or c not in OPTIONAL_COLUMNS]

@@ -108,8 +108,27 @@ RUN_FIGURES: tuple[tuple[FigureInfo, RunDraw], ...] = (
         ),
         run.importance_ratio,
     ),
+    (
+        _figure(
+            "precision_rounds",
+            "K3's interval, round by round",
+            "An adaptive run (--precision): K3 and its 95% sequence-bootstrap interval after each round of sampling, "
+            "against the samples so far; green: the band the target asks for around the last K3.",
+        ),
+        run.precision_rounds,
+    ),
 )
 RUN_FIGURE_IDS = tuple(info.id for info, _ in RUN_FIGURES)
+# the figures only some runs have, and which: the others are drawn for every run
+RUN_FIGURE_WHEN: dict[str, Callable[[RunRecord], bool]] = {
+    "precision_rounds": lambda record: bool((record.precision or {}).get("rounds")),
+}
+
+
+def run_figure_list(record: RunRecord) -> list[tuple[FigureInfo, RunDraw]]:
+    """The figures ``record``'s report has, in report order."""
+    return [(info, draw) for info, draw in RUN_FIGURES if RUN_FIGURE_WHEN.get(info.id, lambda _: True)(record)]
+
 
 CompareDraw = Callable[[Sequence[RunData]], "Figure"]
 COMPARISON_FIGURES: tuple[tuple[FigureInfo, CompareDraw], ...] = (
@@ -288,7 +307,12 @@ def check_figure_id(figure_id: str) -> None:
 def run_figure(record: RunRecord, dist: dict, figure_id: str) -> Figure:
     """One of a run's figures as a matplotlib ``Figure`` (for a notebook, or to save elsewhere)."""
     check_figure_id(figure_id)
-    draw = {info.id: draw for info, draw in RUN_FIGURES}[figure_id]
+    draw = {info.id: draw for info, draw in run_figure_list(record)}.get(figure_id)
+    if draw is None:
+        raise ConfigError(
+            f"this run has no figure {figure_id!r} (only an adaptive run, sampled with --precision, has it)",
+            hint=f"choose one of {', '.join(info.id for info, _ in run_figure_list(record))}",
+        )
     with style():
         return finish(draw(record, dist))
 
@@ -296,7 +320,7 @@ def run_figure(record: RunRecord, dist: dict, figure_id: str) -> Figure:
 def run_figures(record: RunRecord, dist: dict) -> list[DrawnFigure]:
     """Every figure of a one-run report, in report order, as SVG."""
     with style():
-        return [DrawnFigure(info, to_svg(finish(draw(record, dist)))) for info, draw in RUN_FIGURES]
+        return [DrawnFigure(info, to_svg(finish(draw(record, dist)))) for info, draw in run_figure_list(record)]
 
 
 def comparison_figures(runs: Sequence[RunData]) -> list[DrawnFigure]:
@@ -330,6 +354,7 @@ __all__ = [
     "check_figure_id",
     "comparison_figures",
     "run_figure",
+    "run_figure_list",
     "run_figures",
     "sweep_figure_list",
     "sweep_figures",

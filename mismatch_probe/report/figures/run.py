@@ -288,3 +288,32 @@ def importance_ratio(record: RunRecord, dist: dict) -> Figure:
         ax.tick_params(axis="x", labelsize=7.5)
         ax.set(xlabel=xlabel + " (symlog)", ylabel=f"share of {unit}")
     return fig
+
+
+def precision_rounds(record: RunRecord, dist: dict) -> Figure:
+    """An adaptive run (run.json's ``precision``): K3 and its 95% interval after each round against the
+    samples so far, with the band the target asks for around the last estimate, and the
+    ``1/sqrt(n)`` the interval was expected to follow from the first round."""
+    state = record.precision or {}
+    rounds = state.get("rounds") or []
+    fig, (ax,) = new_figure(6.0, 3.6)
+    n = np.array([r["samples_total"] for r in rounds], float)
+    k3 = np.array([r["k3_kl"] for r in rounds], float)
+    low, high = np.array([r["low"] for r in rounds], float), np.array([r["high"] for r in rounds], float)
+    finite = np.isfinite(k3) & np.isfinite(low) & np.isfinite(high)
+    if finite.any():
+        n, k3, low, high = n[finite], k3[finite], low[finite], high[finite]
+        ax.errorbar(n, k3, yerr=[k3 - low, high - k3], fmt="o", color=BLUE, capsize=3, lw=1.2, label="K3, 95% interval")
+        target, last = float(state.get("target") or 0.0), k3[-1]
+        if target:
+            ax.axhspan(last * (1 - target), last * (1 + target), color=GREEN, alpha=0.15, lw=0)
+            ax.plot([], [], color=GREEN, alpha=0.4, lw=6, label=f"±{target:.0%} of the last K3")
+        if len(n) > 1 and k3[0] > 0:
+            grid = np.linspace(n[0], n[-1], 50)
+            half = (high[0] - low[0]) / 2 * np.sqrt(n[0] / grid)
+            ax.plot(grid, last + half, color=GREY, ls=(0, (3, 2)), lw=0.9, label="round 1's half-width x √(n₁/n)")
+            ax.plot(grid, last - half, color=GREY, ls=(0, (3, 2)), lw=0.9)
+        legend(ax, loc="upper right")
+    ax.set(xlabel="samples", ylabel="K3 KL")
+    ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    return fig
