@@ -23,6 +23,11 @@ from mismatch_probe.numbers import pct
 # noisy, and a round sized on an optimistic one could spend the whole budget on what two smaller
 # rounds would have shown was not needed
 MAX_GROWTH = 3
+# how many more samples a round draws than the estimate asks for: the half-width a round measures is
+# itself an estimate, so a round sized on it exactly misses the target about half the time, and every
+# further round costs a whole batch of decode steps (an engine's step costs nearly the same at any
+# batch size); 20% more brings the expected half-width to 0.91x the target, at most 20% more samples
+ROUND_MARGIN = 1.2
 # the budget of samples when none is given, in first rounds (the prompts x n samples)
 DEFAULT_MAX_ROUNDS_OF_SAMPLES = 10
 
@@ -94,8 +99,8 @@ class NextRound(NamedTuple):
 
 def next_round(relative: float, target: float, spent: Spent, budget: Budget, n_per_prompt: int = 1) -> NextRound:
     """The size of the next round, or why there is none: the target is met; K3 is not finite; or a
-    budget is spent. A round adds what the target is expected to need (rounded up to whole groups
-    of ``n_per_prompt``, so every prompt's group is sampled together), at most :data:`MAX_GROWTH`
+    budget is spent. A round adds what the target is expected to need times :data:`ROUND_MARGIN`
+    (rounded up to whole groups of ``n_per_prompt``, so every prompt's group is sampled together), at most :data:`MAX_GROWTH`
     times the samples so far, and no more than each budget has left (the tokens and seconds a
     sample costs are this run's means so far)."""
     if relative <= target:
@@ -108,7 +113,8 @@ def next_round(relative: float, target: float, spent: Spent, budget: Budget, n_p
             else "K3 is 0 but its interval is not"
         )
         return NextRound(0, why, None, False)
-    wanted = _whole_groups(min(needed - spent.samples, MAX_GROWTH * spent.samples), n_per_prompt, up=True)
+    more = math.ceil(needed * ROUND_MARGIN - 1e-9) - spent.samples
+    wanted = _whole_groups(min(more, MAX_GROWTH * spent.samples), n_per_prompt, up=True)
     # each budget: what it allows (samples), and how the stop names it
     limits = [(budget.samples - spent.samples, f"max_samples = {budget.samples}")]
     if budget.tokens is not None and spent.tokens > 0:

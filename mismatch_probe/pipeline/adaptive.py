@@ -39,7 +39,7 @@ from mismatch_probe.analysis.precision import (
 from mismatch_probe.config.spec import ProbeSpec
 from mismatch_probe.engines.base import Engine
 from mismatch_probe.errors import ConfigError
-from mismatch_probe.pipeline.runs import RunContext, shard_samples
+from mismatch_probe.pipeline.runs import RunContext, shard_samples, timed
 from mismatch_probe.table.tokens import ROLLOUTS_DIR, TOKENS_DIR, read_model_tokens, shard_name
 
 
@@ -123,24 +123,26 @@ def sample_in_rounds(
             shards = round_shards(rounds, spec.shard_size)[r]
             t0 = _round_time(ctx)
             if missing := [i for i in shards if not (ctx.out / ROLLOUTS_DIR / shard_name(i)).is_file()]:
+                sampler = engine()  # started on the first shard to sample (its start is logged)
                 ctx.progress.log(f"round {r + 1}: sampling {_samples(ctx, missing)} samples")
-                workarounds = sample_shards(ctx, engine(), missing, workarounds_before=workarounds)
+                workarounds = sample_shards(ctx, sampler, missing, workarounds_before=workarounds)
             if unscored := [i for i in shards if not (ctx.out / TOKENS_DIR / shard_name(i)).is_file()]:
                 if reference is None:
                     reference = stack.enter_context(open_reference(ctx))
                 ctx.progress.stage("score", _samples(ctx, unscored))
                 for i in unscored:
                     reference.score_shard(i)
-            for i in shards:
-                shard = read_model_tokens(ctx.out / TOKENS_DIR / shard_name(i))
-                ks, nt = sequence_k3(shard["logp_train"], shard["logp_infer"], shard["sample_id"])
-                k3_sum.append(ks)
-                n_tokens.append(nt)
-            if r < len(done):  # decided by an earlier invocation: its record stands
-                r += 1
-                continue
-            seconds += _round_time(ctx) - t0
-            interval = k3_interval(np.concatenate(k3_sum), np.concatenate(n_tokens))
+            with timed(ctx.timings, "precision_s"):  # what rounds cost beyond sampling and scoring
+                for i in shards:
+                    shard = read_model_tokens(ctx.out / TOKENS_DIR / shard_name(i))
+                    ks, nt = sequence_k3(shard["logp_train"], shard["logp_infer"], shard["sample_id"])
+                    k3_sum.append(ks)
+                    n_tokens.append(nt)
+                if r < len(done):  # decided by an earlier invocation: its record stands
+                    r += 1
+                    continue
+                seconds += _round_time(ctx) - t0
+                interval = k3_interval(np.concatenate(k3_sum), np.concatenate(n_tokens))
             assert interval is not None  # every round has sequences
             relative = relative_half_width(interval)
             n_samples = sum(rounds[: r + 1])

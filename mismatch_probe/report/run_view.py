@@ -360,6 +360,7 @@ TIMING_LABELS = {
     "engine_stop_s": "engine stop",
     "reference_load_s": "reference load",
     "scoring_s": "reference scoring",
+    "precision_s": "K3's interval after each round",
     "metrics_s": "metrics",
     "figures_s": "figures",
     "report_s": "report",
