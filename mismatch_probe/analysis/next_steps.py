@@ -8,6 +8,9 @@ The findings, in the order a reader should act on them:
   (:func:`sweep_axes`) over the settings most likely to cause it on this stack, which the report
   writes as ``next-sweep.toml`` beside the run; inside or below it, the same sweep is offered as the
   attribution of what remains.
+* **Sample size**: K3's interval against ±10% (:data:`SAMPLE_SIZE_TARGET`): a looser interval asks
+  for a run with ``--precision``, with the samples it is expected to take; a run with ``--precision``
+  that stopped short of its target asks for the samples it was estimated to need.
 * **Decode against the engine's own prefill** (``decode_vs_prefill``): an engine whose sampled
   log-probs disagree with its own full-sequence prefill by a sizable share of the run's K3 is
   inconsistent with itself, a problem no trainer setting fixes.
@@ -26,14 +29,19 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from mismatch_probe.analysis.intervals import Interval
 from mismatch_probe.analysis.metric_docs import CORRECTION_DOCS, K3_BY_GPU, PUBLISHED_K3, fmt_range
 from mismatch_probe.analysis.metrics import CORRECTION_KEYS, KEPT_K3
+from mismatch_probe.analysis.precision import percent, relative_half_width, samples_needed
 from mismatch_probe.config.spec import COMMON_ENGINE_SETTINGS, engine_settings
 from mismatch_probe.numbers import fmt, pct
 from mismatch_probe.record import RunRecord
 
 NEXT_SWEEP = "next-sweep.toml"
 SUGGESTED_GATE = "suggested-gate.toml"
+# the relative half-width of K3's 95% interval the sample-size step asks for (--precision): within it, a
+# re-run's K3 lands within about ±14% (sqrt(2) x 10%) of this one's, tight enough to tell a 1.5x change
+SAMPLE_SIZE_TARGET = 0.1
 # decode vs prefill: the engine disagreeing with itself by this share of the run's K3 or more is an
 # engine problem worth its own reproduction (below it, the kernels' usual decode/prefill rounding)
 PREFILL_SHARE = 0.25
@@ -130,6 +138,51 @@ def k3_step(record: RunRecord, precision: str | None, axes: list[Axis], sweep_co
         f"nothing to fix on this count; {NEXT_SWEEP} sweeps {named} to show which of them moves it on this stack",
         sweep_command,
         NEXT_SWEEP,
+    )
+
+
+def sample_size_step(record: RunRecord, precision_command: str) -> NextStep | None:
+    """K3's interval against the target: a run with ``--precision`` by its own outcome (run.json's
+    ``precision``), any other against :data:`SAMPLE_SIZE_TARGET`."""
+    state = record.precision or {}
+    if state.get("rounds") and state.get("met") is not None:
+        last, target = state["rounds"][-1], float(state["target"])
+        where = f"K3 ±{percent(last['relative_half_width'])} on {last['samples_total']} samples"
+        if state["met"]:
+            return NextStep(
+                "sample size",
+                f"{where}, within the target ±{percent(target)}",
+                "nothing to do: K3 is as tight as asked",
+            )
+        more = state.get("more_samples_needed")
+        if more is None:  # K3 is infinite: the K3 step says what to do
+            return None
+        total = int(last["samples_total"]) + int(more)
+        return NextStep(
+            "sample size",
+            f"{where}, short of the target ±{percent(target)}: {state.get('stop')}",
+            f"sample about {more} more: run again with a budget of {total} samples",
+            f"{precision_command} --precision {target:g} --max-samples {total}",
+            urgent=True,
+        )
+    interval = k3_interval(record)
+    n = (record.intervals or {}).get("n_sequences")
+    if interval is None or not n or not all(math.isfinite(x) for x in interval):
+        return None
+    relative = relative_half_width(Interval(*interval))
+    where = f"K3's 95% interval is ±{percent(relative)} of K3 on {n} samples"
+    if relative <= SAMPLE_SIZE_TARGET:
+        return NextStep(
+            "sample size", f"{where} (within ±{percent(SAMPLE_SIZE_TARGET)})", "nothing to do: enough samples"
+        )
+    needed = samples_needed(n, relative, SAMPLE_SIZE_TARGET)
+    return NextStep(
+        "sample size",
+        f"{where}: a re-run of this configuration can land anywhere in it (above ±{percent(SAMPLE_SIZE_TARGET)})",
+        f"sample in rounds until it is within ±{percent(SAMPLE_SIZE_TARGET)}: about {needed} samples "
+        f"({needed / n:.1f}x this run)",
+        f"{precision_command} --precision {SAMPLE_SIZE_TARGET:g}",
+        urgent=True,
     )
 
 
@@ -377,12 +430,20 @@ def sweep_axes(record: RunRecord, precision: str | None) -> list[Axis]:
 
 
 def next_steps(
-    record: RunRecord, precision: str | None, *, run_name: str, sweep_command: str, gate_command: str, spec_command: str
+    record: RunRecord,
+    precision: str | None,
+    *,
+    run_name: str,
+    sweep_command: str,
+    gate_command: str,
+    spec_command: str,
+    precision_command: str,
 ) -> list[NextStep]:
     """The report's "What to do next", from the run's own findings (the module docstring says which)."""
     axes = sweep_axes(record, precision)
     steps = [k3_step(record, precision, axes, sweep_command)]
     for step in (
+        sample_size_step(record, precision_command),
         prefill_step(record, spec_command),
         later_turns_step(record),
         corrections_step(record, precision),

@@ -562,6 +562,7 @@ def step_commands(record: RunRecord, path: Path) -> dict[str, str]:
         "sweep_command": f"mismatch-probe sweep {path / NEXT_SWEEP}",
         "gate_command": f"mismatch-probe gate NEW_RUN --thresholds {path / SUGGESTED_GATE}",
         "spec_command": f"mismatch-probe compare {spec} --prefill-check --out {path}-decode-vs-prefill",
+        "precision_command": f"mismatch-probe compare {spec} --out {path}-precision",
     }
 
 

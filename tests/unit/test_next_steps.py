@@ -44,7 +44,9 @@ def record(**sections) -> RunRecord:
 
 
 def steps(rec: RunRecord, precision: str | None = "bf16") -> dict[str, ns.NextStep]:
-    found = ns.next_steps(rec, precision, run_name="one", sweep_command="S", gate_command="G", spec_command="C")
+    found = ns.next_steps(
+        rec, precision, run_name="one", sweep_command="S", gate_command="G", spec_command="C", precision_command="P"
+    )
     return {s.topic: s for s in found}
 
 
@@ -227,3 +229,26 @@ def test_an_infinite_k3_leaves_out_what_it_cannot_judge():
     found = steps(rec)
     assert found["K3"].urgent and "corrections" not in found and "later turns" not in found
     assert "gate" not in found  # no finite bound to suggest
+
+
+def test_a_loose_k3_interval_asks_for_a_run_with_precision_and_its_samples():
+    # (2.6e-4 - 1.5e-4) / 2 / 2e-4 = 27.5% on 128 samples: ceil(128 x 2.75^2) = 968 samples for ±10%
+    s = steps(record())["sample size"]
+    assert s.urgent and s.command == "P --precision 0.1"
+    assert s.finding.startswith("K3's 95% interval is ±27.5% of K3 on 128 samples: a re-run")
+    assert s.action.endswith("about 968 samples (7.6x this run)")
+    tight = steps(record(intervals={"n_sequences": 4000, "metrics": {"k3_kl": [2e-4, 1.9e-4, 2.1e-4]}}))
+    assert not tight["sample size"].urgent and "±5% of K3 on 4000 samples (within ±10%)" in tight["sample size"].finding
+    assert "sample size" not in steps(record(intervals=None))
+
+
+def test_a_run_with_precision_reports_its_own_outcome():
+    last = {"samples_total": 768, "relative_half_width": 0.0627}
+    state = {"target": 0.05, "rounds": [last], "met": False, "stop": "the budget max_samples = 768 is spent"}
+    s = steps(record(precision=state | {"more_samples_needed": 441}))["sample size"]
+    assert s.urgent and s.command == "P --precision 0.05 --max-samples 1209"
+    assert s.finding == "K3 ±6.27% on 768 samples, short of the target ±5%: the budget max_samples = 768 is spent"
+    met = steps(record(precision=state | {"met": True, "rounds": [last | {"relative_half_width": 0.048}]}))
+    assert not met["sample size"].urgent and met["sample size"].finding.endswith("within the target ±5%")
+    # K3 infinite: no sample count helps; the K3 line says what to do
+    assert "sample size" not in steps(record(precision=state | {"more_samples_needed": None}))
