@@ -144,7 +144,9 @@ def k3_step(record: RunRecord, precision: str | None, axes: list[Axis], sweep_co
 def sample_size_step(record: RunRecord, precision_command: str) -> NextStep | None:
     """K3's interval against the target: a run with ``--precision`` by its own outcome (run.json's
     ``precision``), any other against :data:`SAMPLE_SIZE_TARGET`."""
-    state = record.precision or {}
+    # a run that re-scores another's rollouts has that run's rounds, decided on that run's K3: its own
+    # interval is read against the target as any other run's
+    state = record.precision if record.precision and not record.rollouts_from else {}
     if state.get("rounds") and state.get("met") is not None:
         last, target = state["rounds"][-1], float(state["target"])
         where = f"K3 ±{percent(last['relative_half_width'])} on {last['samples_total']} samples"

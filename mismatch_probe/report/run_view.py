@@ -642,7 +642,13 @@ def precision_table(record: RunRecord) -> Table | None:
             for r in rounds
         ],
         lead=(
-            f"{outcome_line(state)}. Sampled in rounds until K3's sequence-bootstrap interval was within "
+            (
+                f"The rounds of {record.rollouts_source().run}, whose rollouts this run re-scores: the K3 below is "
+                "that run's, which decided them. "
+                if record.rollouts_from
+                else ""
+            )
+            + f"{outcome_line(state)}. Sampled in rounds until K3's sequence-bootstrap interval was within "
             f"±{percent(state['target'])} of K3 (--precision), within the budget ({limits}). A round adds the "
             "samples the interval then asked for (its half-width shrinks as 1/√n), at most 3x those before it."
         ),
@@ -681,7 +687,12 @@ def run_view(record: RunRecord, path: Path, dist: dict | None = None) -> RunView
         setup=pairs(labels.setup_rows(record)),
         stack=stack_tables(record),
         precision=precision_table(record),
-        precision_outcome=outcome_line(record.precision or {}) if (record.precision or {}).get("rounds") else "",
+        # a re-scoring run's rounds are another run's, decided on that run's K3: its table says so
+        precision_outcome=(
+            outcome_line(record.precision or {})
+            if (record.precision or {}).get("rounds") and not record.rollouts_from
+            else ""
+        ),
         next_steps=next_steps_table(record, path),
         dashboard=dashboard_table(record),
         metrics=metrics_table(record),

@@ -42,9 +42,11 @@ def _check_rounds(rec: dict) -> None:
         assert r["samples"] <= 3 * before["samples_total"] and r["samples"] % rec["spec"]["sampling"]["n"] == 0
         assert not before["met"] and before["relative_half_width"] > precision["target"]
     last = rounds[-1]
+    assert last["tokens_total"] == rec["metrics"]["n_model_tokens"]
+    if rec.get("rollouts_from"):  # re-scored: the rounds, and their K3, are the sampling run's
+        return
     assert rec["intervals"]["metrics"]["k3_kl"] == pytest.approx([last["k3_kl"], last["low"], last["high"]], rel=1e-12)
     assert rec["metrics"]["k3_kl"] == pytest.approx(last["k3_kl"], rel=1e-12)
-    assert last["tokens_total"] == rec["metrics"]["n_model_tokens"]
 
 
 @pytest.mark.vllm
@@ -133,3 +135,54 @@ def test_score_and_analyze_open_an_adaptive_run_from_its_directory(straight, tmp
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _record(rescored)["inputs"]["round_samples"] == rec["inputs"]["round_samples"]
     assert token_rows(rescored).num_rows == token_rows(out).num_rows
+
+
+SWEEP = """
+name = "sweep-adaptive"
+model = "{root}/fixtures/models/tiny-qwen2"
+prompts = "{root}/fixtures/prompts/single_turn.jsonl"
+max_prompts = 16
+
+[engine]
+name = "hf"
+dtype = "bfloat16"
+
+[sampling]
+max_tokens = 24
+n = 4
+precision = 0.15
+
+[reference]
+dtype = "float32"
+logits_fp32 = true
+
+[sweep]
+repeats = 2
+
+[[sweep.axes]]
+key = "engine.dtype"
+values = ["bfloat16", "float32"]
+
+[[sweep.axes]]
+key = "reference.logits_fp32"
+values = [true, false]
+"""
+
+
+def test_a_sweep_samples_each_point_in_rounds_and_a_rescored_point_takes_its_sources(tmp_path):
+    spec = tmp_path / "sweep.toml"
+    spec.write_text(SWEEP.format(root=ROOT))
+    out = tmp_path / "out"
+    proc = cli("sweep", str(spec), "--out", str(out))
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]  # 1: a finding outside the noise, not a failure
+    sweep = json.loads((out / "sweep.json").read_text())
+    assert all(p["status"] == "ok" for p in sweep["points"]), [(p["name"], p.get("reason")) for p in sweep["points"]]
+    points = {p.name: _record(p) for p in (out / "points").iterdir()}
+    assert set(points) == {"baseline", "baseline-repeat1", "engine.dtype=float32", "reference.logits_fp32=false"}
+    for name, rec in points.items():
+        _check_rounds(rec)
+        assert rec["precision"]["met"] is True, name  # the fixture reaches ±15% well within 10 first rounds
+    rescored = points["reference.logits_fp32=false"]
+    assert rescored["rollouts_from"]["run"] == "../baseline"
+    assert rescored["inputs"]["round_samples"] == points["baseline"]["inputs"]["round_samples"]
+    assert rescored["precision"] == points["baseline"]["precision"]

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from mismatch_probe.analysis.intervals import Interval, run_intervals
 from mismatch_probe.analysis.precision import (
     MAX_GROWTH,
+    ROUND_MARGIN,
     Budget,
     Spent,
     k3_interval,
@@ -93,10 +94,11 @@ def test_samples_needed_is_n_times_the_squared_ratio_rounded_up(n, relative, tar
 def test_next_round_met_grows_at_most_3x_in_whole_groups():
     budget = Budget(10_000)
     assert next_round(0.08, 0.1, Spent(64, 900, 3.0), budget) == (0, None, 64, True)
-    # needs 256: 192 more, a multiple of n = 4 already
-    assert next_round(0.2, 0.1, Spent(64, 900, 3.0), budget, n_per_prompt=4) == (192, None, 256, False)
-    # needs 144: 80 more, rounded up to whole groups of 3 -> 81
-    assert next_round(0.15, 0.1, Spent(64, 900, 3.0), budget, n_per_prompt=3).samples == 81
+    # 100 x 1.5^2 = 225 needed, drawn with the 20% margin: 270 in all, 170 more -> whole groups of 4: 172
+    assert ROUND_MARGIN == 1.2
+    assert next_round(0.15, 0.1, Spent(100, 900, 3.0), budget, n_per_prompt=4) == (172, None, 225, False)
+    # ceil(100 x 1.3^2) = 169 needed: ceil(202.8) = 203 in all, 103 more -> whole groups of 3: 105
+    assert next_round(0.13, 0.1, Spent(100, 900, 3.0), budget, n_per_prompt=3) == (105, None, 169, False)
     # needs 6,400: capped at 3x the 64 so far
     assert next_round(1.0, 0.1, Spent(64, 900, 3.0), budget).samples == MAX_GROWTH * 64
 

@@ -121,7 +121,8 @@ RUN_FIGURES: tuple[tuple[FigureInfo, RunDraw], ...] = (
 RUN_FIGURE_IDS = tuple(info.id for info, _ in RUN_FIGURES)
 # the figures only some runs have, and which: the others are drawn for every run
 RUN_FIGURE_WHEN: dict[str, Callable[[RunRecord], bool]] = {
-    "precision_rounds": lambda record: bool((record.precision or {}).get("rounds")),
+    # a run that re-scores another's rollouts has that run's rounds, but not its K3
+    "precision_rounds": lambda record: bool((record.precision or {}).get("rounds")) and not record.rollouts_from,
 }
 
 
@@ -349,6 +350,7 @@ __all__ = [
     "RUN_COLORS",
     "RUN_FIGURES",
     "RUN_FIGURE_IDS",
+    "RUN_FIGURE_WHEN",
     "DrawnFigure",
     "FigureInfo",
     "check_figure_id",
