@@ -23,7 +23,7 @@ from mismatch_probe.analysis.metrics import KEPT_K3
 from mismatch_probe.analysis.next_steps import NEXT_SWEEP, SUGGESTED_GATE, next_steps
 from mismatch_probe.analysis.peer_metrics import frameworks as peer_frameworks
 from mismatch_probe.analysis.peer_metrics import metrics_of as peer_metrics_of
-from mismatch_probe.analysis.precision import outcome_line, percent
+from mismatch_probe.analysis.precision import MAX_GROWTH, ROUND_MARGIN, outcome_line, percent
 from mismatch_probe.config.sweep import sweep_of
 from mismatch_probe.numbers import fmt, pct, ratio, seconds, short, tick
 from mismatch_probe.record import RunRecord
@@ -609,6 +609,7 @@ def precision_table(record: RunRecord) -> Table | None:
     if not rounds:
         return None
     budget = state.get("budget") or {}
+    outcome = outcome_line(state)
     limits = ", ".join(f"{k} {fmt(v)}" for k, v in budget.items() if v is not None)
     return Table(
         "precision",
@@ -648,9 +649,10 @@ def precision_table(record: RunRecord) -> Table | None:
                 if record.rollouts_from
                 else ""
             )
-            + f"{outcome_line(state)}. Sampled in rounds until K3's sequence-bootstrap interval was within "
-            f"±{percent(state['target'])} of K3 (--precision), within the budget ({limits}). A round adds the "
-            "samples the interval then asked for (its half-width shrinks as 1/√n), at most 3x those before it."
+            + f"{outcome[0].upper()}{outcome[1:]}. Sampled in rounds until K3's sequence-bootstrap interval was "
+            f"within ±{percent(state['target'])} of K3 (--precision), within the budget ({limits}). A round adds "
+            f"the samples the interval then asked for (its half-width shrinks as 1/√n) plus {pct(ROUND_MARGIN - 1)}, "
+            f"at most {MAX_GROWTH}x those before it."
         ),
     )
 
