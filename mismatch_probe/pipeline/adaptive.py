@@ -66,13 +66,21 @@ def plan_rounds(ctx: RunContext, source_rounds: list[int] | None = None) -> None
     the first round alone."""
     spec, inputs = ctx.spec, ctx.record.inputs
     assert inputs is not None and inputs.n_prompts is not None  # prepare records them
+    state = ctx.record.precision  # carried from the invocation that was stopped
     if source_rounds is not None:
         rounds = list(source_rounds)
-    elif ctx.record.precision and ctx.record.precision.get("planned"):  # carried from the killed invocation
-        rounds = [int(k) for k in ctx.record.precision["planned"]]
+    elif state and state.get("rounds"):
+        rounds = planned(state)
     else:
         rounds = [first_round(spec, inputs.n_prompts)]
     set_rounds(ctx, rounds)
+
+
+def planned(state: dict[str, Any]) -> list[int]:
+    """The rounds' sizes so far: each decided round's, and the next one's once decided."""
+    return [int(r["samples"]) for r in state["rounds"]] + (
+        [int(state["next_round"])] if state.get("next_round") else []
+    )
 
 
 def set_rounds(ctx: RunContext, rounds: list[int]) -> None:
@@ -166,8 +174,7 @@ def sample_in_rounds(
                     "met": decision.met,
                 }
             )
-            planned = [*rounds, decision.samples] if decision.samples else list(rounds)
-            state |= {"rounds": done, "planned": planned}
+            state |= {"rounds": done, "next_round": decision.samples or None}
             if decision.samples:
                 ctx.progress.log(
                     f"round {r + 1}: K3 {interval.estimate:.3g} ±{percent(relative)} on {n_samples} samples "
@@ -182,7 +189,7 @@ def sample_in_rounds(
                 }
                 ctx.progress.log(outcome_line(state))
             record.update_sections({"precision": state})
-            set_rounds(ctx, planned)
+            set_rounds(ctx, planned(state))
             ctx.save()  # the decision and the next round's plan at once: a kill leaves both or neither
             r += 1
 
@@ -206,7 +213,7 @@ def _fresh_state(target: float, budget: Budget) -> dict[str, Any]:
         "seed": RUN_SEED,
         "budget": {"max_samples": budget.samples, "token_budget": budget.tokens, "time_budget": budget.seconds},
         "rounds": [],
-        "planned": [],
+        "next_round": None,  # the samples of the round decided but not yet done
         "met": None,
         "stop": None,
         "samples_needed": None,
