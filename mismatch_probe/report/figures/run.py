@@ -303,7 +303,10 @@ def precision_rounds(record: RunRecord, dist: dict) -> Figure:
     finite = np.isfinite(k3) & np.isfinite(low) & np.isfinite(high)
     if finite.any():
         n, k3, low, high = n[finite], k3[finite], low[finite], high[finite]
-        ax.errorbar(n, k3, yerr=[k3 - low, high - k3], fmt="o", color=BLUE, capsize=3, lw=1.2, label="K3, 95% interval")
+        # the interval as a segment, not error bars off the estimate: a percentile interval of a skewed
+        # ratio need not contain its estimate
+        ax.vlines(n, low, high, color=BLUE, lw=1.2)
+        ax.plot(n, k3, "o", color=BLUE, label="K3, 95% interval")
         target, last = float(state.get("target") or 0.0), k3[-1]
         if target:
             ax.axhspan(last * (1 - target), last * (1 + target), color=GREEN, alpha=0.15, lw=0)
