@@ -126,7 +126,9 @@ def main() -> None:
         f"rounds {result['rounds']} ({n_samples} samples) cost {result['rounds_over_batch']}x one batch of the same "
         f"samples: {verdict} the {bar}x bar" + (" (smoke size: the bar holds at full size only)" if args.smoke else "")
     )
-    assert len(state["rounds"]) >= 2 or state["met"], "the adaptive run stopped after one round without meeting its target"
+    assert len(state["rounds"]) >= 2 or state["met"], (
+        "the adaptive run stopped after one round without meeting its target"
+    )
 
 
 if __name__ == "__main__":  # vLLM's engine workers re-import the main module
