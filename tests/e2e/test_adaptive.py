@@ -62,16 +62,24 @@ def _check_rounds(rec: dict) -> None:
 
 
 @pytest.mark.vllm
-def test_compare_demo_with_precision_stops_within_ten_percent(tmp_path):
+def test_compare_demo_with_precision_stops_within_ten_percent_or_says_it_could_not(tmp_path):
+    """The issue's words: it stops within ±10% or says it could not. Which one depends on the CPU's
+    kernels: on this AVX-512 machine round 1 is about ±15% and the target is met in 2-3 rounds; the
+    committed example, sampled with AMX, is ±37.7% on 128 samples, which would need about 1,800, more
+    than the default budget of 1,280 (the test then checks the other branch)."""
     out = tmp_path / "run"
     proc = cli("compare", str(DEMO), "--precision", "0.1", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rec = _record(out)
     _check_rounds(rec)
-    precision = rec["precision"]
-    assert precision["met"] is True and precision["stop"] is None
-    assert precision["rounds"][-1]["relative_half_width"] <= 0.1
-    assert "precision met: K3" in proc.stdout.replace("\n", " ")
+    precision, said = rec["precision"], proc.stdout.replace("\n", " ")
+    last = precision["rounds"][-1]
+    if precision["met"]:
+        assert precision["stop"] is None and last["relative_half_width"] <= 0.1
+        assert "precision met: K3" in said
+    else:
+        assert precision["stop"] == "the budget max_samples = 1280 is spent" and last["relative_half_width"] > 0.1
+        assert precision["more_samples_needed"] > 0 and "precision not met: K3" in said
     assert "## Sample size" in (out / "report.md").read_text()
     assert (out / "figures" / "precision_rounds.svg").is_file()
 
@@ -163,6 +171,7 @@ dtype = "bfloat16"
 max_tokens = 16
 n = 4
 precision = 0.25
+max_samples = 1024  # room for a CPU whose kernels give a wider first round than this one's
 
 [reference]
 dtype = "float32"
@@ -193,7 +202,7 @@ def test_a_sweep_samples_each_point_in_rounds_and_a_rescored_point_takes_its_sou
     assert set(points) == {"baseline", "baseline-repeat1", "engine.dtype=float32", "reference.logits_fp32=false"}
     for name, rec in points.items():
         _check_rounds(rec)
-        assert rec["precision"]["met"] is True, name  # the fixture reaches ±25% well within 10 first rounds
+        assert rec["precision"]["met"] is True, name  # the fixture reaches ±25% well within 1,024 samples
     rescored = points["reference.logits_fp32=false"]
     assert rescored["rollouts_from"]["run"] == "../baseline"
     assert rescored["inputs"]["round_samples"] == points["baseline"]["inputs"]["round_samples"]
