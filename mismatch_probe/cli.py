@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from mismatch_probe.config.options import key_values, with_spec_options
+from mismatch_probe.config.sweep import EXECUTORS
 from mismatch_probe.dumps import FORMATS as _DUMP_FORMATS
 from mismatch_probe.dumps import SAMPLED_SETTINGS as _DUMP_SAMPLED
 from mismatch_probe.errors import ProbeError
@@ -401,6 +402,31 @@ def sweep(
         bool, typer.Option("--resume/--no-resume", help="Keep the finished points of an earlier sweep in --out.")
     ] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print sweep.json instead of a summary.")] = False,
+    shard: Annotated[
+        str | None,
+        typer.Option(
+            "--shard",
+            help="Run shard I of N (e.g. 1/4, from 1; a Slurm array task): a share of the engine "
+            "configurations, into the shared --out. The last shard to finish writes the summary.",
+        ),
+    ] = None,
+    summarize_only: Annotated[
+        bool,
+        typer.Option("--summarize", help="Write the summary of a sweep whose shards have all finished; runs nothing."),
+    ] = False,
+    executor: Annotated[
+        str,
+        typer.Option(
+            "--executor",
+            help=f"Where the engine configurations run: {' or '.join(EXECUTORS)} (each one a Ray task on a cluster).",
+        ),
+    ] = "local",
+    ray_address: Annotated[
+        str | None,
+        typer.Option(
+            "--ray-address", help="With --executor ray: the cluster (default: RAY_ADDRESS, else a local one)."
+        ),
+    ] = None,
     overrides: dict[str, object],
 ) -> None:
     """Vary engine, reference and sampling settings around a spec, one run per point (one engine
@@ -413,7 +439,22 @@ def sweep(
 
     spec = _spec(spec_file, overrides)
     with RichSweepProgress(err) as progress:
-        result = run_sweep(spec, gate=gate_file, resume=resume, progress=progress)
+        result = run_sweep(
+            spec,
+            gate=gate_file,
+            resume=resume,
+            progress=progress,
+            shard=shard,
+            summarize_only=summarize_only,
+            executor=executor,
+            ray_address=ray_address,
+        )
+    if result.record is None:  # a shard whose share is done; others' points are still to come
+        out.print(
+            f"sweep: shard {escape(str(shard))} done; {len(result.waiting)} point(s) of other shards to come. "
+            "The last shard to finish writes the summary, or run: mismatch-probe sweep SPEC --summarize"
+        )
+        return
     if as_json:
         sys.stdout.write(json.dumps(result.record.to_dict(), indent=2) + "\n")
     else:
@@ -637,6 +678,19 @@ def timeline(
         Path | None, typer.Option("--out", help="Timeline directory (default reports/timeline-<format>-<time>).")
     ] = None,
     workers: Annotated[int, typer.Option(help="Processes reading and analysing steps.")] = 2,
+    executor: Annotated[
+        str,
+        typer.Option(
+            "--executor",
+            help=f"Where steps are read and analysed: {' or '.join(EXECUTORS)} (each step a Ray task on a cluster).",
+        ),
+    ] = "local",
+    ray_address: Annotated[
+        str | None,
+        typer.Option(
+            "--ray-address", help="With --executor ray: the cluster (default: RAY_ADDRESS, else a local one)."
+        ),
+    ] = None,
     keep: Annotated[
         str,
         typer.Option(help="Steps kept as full run directories: auto (first, last, worst, change points), all, none."),
@@ -687,6 +741,8 @@ def timeline(
         model=None if model is None else str(model),
         out=None if out_dir is None else str(out_dir),
         workers=workers,
+        executor=executor,
+        ray_address=ray_address,
         keep=keep,
         worst=worst,
         baseline_steps=baseline_steps,

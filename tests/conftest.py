@@ -232,3 +232,19 @@ import engine_fixtures
 import model_support
 import tiny_models
 from engine_fixtures import hf_engine, sglang_engine, vllm_engine  # noqa: F401
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A Ray cluster on this machine: a head and a worker node, one CPU each (Ray's own test cluster,
+    ``ray.cluster_utils.Cluster``); tasks run in either node's worker processes."""
+    pytest.importorskip("ray", reason="ray is not installed (pip install 'mismatch-probe[ray]')")
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    try:
+        yield cluster
+    finally:
+        cluster.shutdown()

@@ -108,6 +108,9 @@ def _point(
 
 POINTS_DIR = "points"  # a sweep's point runs: SWEEP_DIR/points/<name>
 STATE_JSON = "sweep-state.json"  # the sweep's fingerprint and its refused points, written when it starts
+# where a sweep's engine configurations run: local (this process, or the share --shard names), or
+# each one as a Ray task (sweeps/ray_executor.py)
+EXECUTORS = ("local", "ray")
 
 
 def sweep_of(run_dir: str | Path) -> Path | None:

@@ -11,6 +11,8 @@ Each point of the ``[sweep]`` (:func:`config.sweep.sweep_points`) is a normal ru
 * **refusals**: a setting the engine (or the spec's rules) will not run is recorded with its reason,
   and the sweep goes on; a point that fails later is recorded as failed, and retried on a re-run;
 * **resume**: finished points are skipped, a half-finished one resumes from its shards;
+* **many machines**: ``shard`` runs a share of the engine-configuration groups (a Slurm array),
+  ``executor="ray"`` each group as a Ray task (:mod:`sweeps.units`, :mod:`sweeps.ray_executor`);
 * ``sweep.json`` (:mod:`sweep_record`) with effects, noise floor, determinism, cost and the
   recommendation (:mod:`analysis.sweep`), rendered to ``sweep.md`` and ``sweep.html``.
 """
@@ -21,7 +23,7 @@ import json
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,21 +33,22 @@ from mismatch_probe.config.spec import FINGERPRINT_SCHEMA, ProbeSpec
 from mismatch_probe.config.spec_reading import load_spec_file
 from mismatch_probe.config.sweep import (
     BASELINE,
+    EXECUTORS,
     POINTS_DIR,
     STATE_JSON,
     SweepPlan,
     SweepPoint,
-    engine_key,
     sweep_points,
 )
 from mismatch_probe.errors import ConfigError, ProbeError
 from mismatch_probe.files import portable_path, write_atomic
-from mismatch_probe.pipeline import Progress, RunContext, same_spec, stages
-from mismatch_probe.record import find_record, json_safe, now, read_record
+from mismatch_probe.pipeline import Progress, RunContext, stages
+from mismatch_probe.record import json_safe, now, read_record
 from mismatch_probe.report.html import REPORT_HTML
 from mismatch_probe.report.pages import render_again as rerender
 from mismatch_probe.sweep_record import SWEEP_JSON, SweepRecord
-from mismatch_probe.sweeps.summary import SweepRun, summarize
+from mismatch_probe.sweeps.summary import SweepRun, complete_record, summarize
+from mismatch_probe.sweeps.units import UNITS_DIR, Group, Shard, SweepState, engine_groups, shard_groups, summary_lock
 from mismatch_probe.table.tokens import ROLLOUTS_DIR, read_rollout_shard
 
 ENGINES_DIR = "engines"  # one log per engine start (engines are shared between points)
@@ -63,11 +66,14 @@ class SweepProgress(Progress):
 @dataclass
 class SweepResult:
     out: Path
-    record: SweepRecord
+    record: SweepRecord | None  # None: a shard finished its share, and other shards' points are not done
+    waiting: list[str] = field(default_factory=list)  # those points, by name
 
     @property
     def exit_code(self) -> int:
         """With a gate: 0 when the baseline or a recommended change passes, 1 when none does."""
+        if self.record is None:
+            return 0
         rec = self.record.recommendation
         if rec is None or rec.get("gate") is None:
             return 0
@@ -95,16 +101,47 @@ def sweep(
     resume: bool = True,
     progress: SweepProgress | None = None,
     engine_factory: EngineFactory | None = None,
+    shard: Shard | str | None = None,
+    summarize_only: bool = False,
+    executor: str = "local",
+    ray_address: str | None = None,
 ) -> SweepResult:
     """Run every point of ``spec``'s ``[sweep]`` (a spec, or the path of a spec file) and write
     ``sweep.json``, ``sweep.md`` and ``sweep.html`` under ``out`` (default: the spec's ``out``).
 
     ``gate`` (a thresholds file) checks every point and names the cheapest passing change.
     ``resume=False`` replaces an earlier sweep in ``out``; by default its finished points are kept.
-    ``engine_factory`` replaces the engine worker (tests script engines with it)."""
+    ``engine_factory`` replaces the engine worker (tests script engines with it).
+
+    Across machines (:mod:`sweeps.units`): ``shard="i/N"`` runs shard i's share of the engine
+    configurations, and writes the summary if every other point is done too (else the result has no
+    record, and ``waiting`` names the points still to come); ``summarize_only`` writes the summary of
+    a sweep whose shards all finished; ``executor="ray"`` runs each engine configuration as a Ray task
+    on the cluster at ``ray_address`` (default: ``RAY_ADDRESS``, else a local one)."""
     if not isinstance(spec, ProbeSpec):
         spec = load_spec_file(spec)
-    return _Sweep(spec, out, gate, resume, progress or SweepProgress(), engine_factory or _default_engine_factory).run()
+    if isinstance(shard, str):
+        shard = Shard.parse(shard)
+    if sum([shard is not None, summarize_only, executor != "local"]) > 1:
+        raise ConfigError("--shard, --summarize and --executor ray are different ways to run a sweep: pick one")
+    if executor not in EXECUTORS:
+        raise ConfigError(f"--executor {executor!r}: choose one of {', '.join(EXECUTORS)}")
+    if not resume and (shard is not None or summarize_only):
+        raise ConfigError(
+            "--no-resume with --shard or --summarize would delete the other shards' points",
+            hint="empty the output directory before the shards start instead",
+        )
+    progress = progress or SweepProgress()
+    factory = engine_factory or _default_engine_factory
+    if executor == "ray":
+        from mismatch_probe.sweeps.ray_executor import run_on_ray
+
+        return run_on_ray(spec, out=out, gate=gate, resume=resume, progress=progress, address=ray_address)
+    if summarize_only:
+        return _Sweep(spec, out, gate, True, progress, factory, unit=None).summarize_only()
+    unit = None if shard is None else shard.unit
+    select = None if shard is None else (lambda groups: shard_groups(groups, shard))
+    return _Sweep(spec, out, gate, resume, progress, factory, unit=unit).run(select)
 
 
 class _Sweep:
@@ -116,6 +153,8 @@ class _Sweep:
         resume: bool,
         progress: SweepProgress,
         engine_factory: EngineFactory,
+        *,
+        unit: str | None,
     ) -> None:
         from mismatch_probe.gate.checks import load_gate
 
@@ -131,9 +170,9 @@ class _Sweep:
         self.engine_starts = 0
         self.timings: dict[str, float] = {"engine_start_s": 0.0, "engine_stop_s": 0.0, "determinism_s": 0.0}
         self.compute_s = 0.0
-        self.failures: dict[str, str] = {}
         # scored points whose figures and reports are still to draw (see _start_engine)
         self.deferred: list[tuple[SweepPoint, RunContext, dict]] = []
+        self.unit = unit  # a shard's or a Ray task's name: its state goes to shards/<unit>.json
         self._prepare_dir(resume)
 
     # ---- the directory -------------------------------------------------------------------
@@ -141,12 +180,13 @@ class _Sweep:
         out, state_path = self.out, self.out / STATE_JSON
         if out.exists() and not out.is_dir():
             raise ConfigError(f"--out {str(out)!r} exists and is not a directory")
-        if out.is_dir() and any(out.iterdir()):
+        # hidden files: another shard's state being written, the summary's lock
+        if out.is_dir() and any(not p.name.startswith(".") for p in out.iterdir()):
             if not state_path.is_file():
                 raise ConfigError(f"--out {str(out)!r} is not empty and holds no sweep", hint="choose another --out")
             state = json.loads(state_path.read_text())
             if not resume:
-                for name in (POINTS_DIR, ENGINES_DIR):
+                for name in (POINTS_DIR, ENGINES_DIR, UNITS_DIR):
                     shutil.rmtree(out / name, ignore_errors=True)
                 for name in (STATE_JSON, SWEEP_JSON, DETERMINISM_JSON, "sweep.md", "sweep.html"):
                     (out / name).unlink(missing_ok=True)
@@ -156,19 +196,15 @@ class _Sweep:
                     hint="use another --out, or --no-resume to replace it",
                 )
         out.mkdir(parents=True, exist_ok=True)
-        self.state = json.loads(state_path.read_text()) if state_path.is_file() else {}
-        if "fingerprint" not in self.state:
-            self.state.update(fingerprint=self.plan.fingerprint(), fingerprint_schema=FINGERPRINT_SCHEMA)
-        self.state.setdefault("refused", {})
-        self._save_state()
-
-    def _save_state(self) -> None:
-        write_atomic(self.out / STATE_JSON, json.dumps(self.state, indent=2) + "\n")
+        self.state = SweepState(out, self.unit)
+        if "fingerprint" not in self.state.main:
+            # every shard starting on an empty directory writes the same: the spec's
+            self.state.main.update(fingerprint=self.plan.fingerprint(), fingerprint_schema=FINGERPRINT_SCHEMA)
+            self.state.save_main()
 
     def _refuse(self, point: SweepPoint, reason: str) -> None:
         # a refusal is the engine's (or the spec's) answer to a setting: the same on a re-run
-        self.state["refused"][point.name] = reason
-        self._save_state()
+        self.state.refuse(point.name, reason)
         self._drop_unsampled(point)
         self.progress.log(f"{point.name}: refused: {reason}")
 
@@ -179,47 +215,65 @@ class _Sweep:
             shutil.rmtree(point.run_dir)
 
     def _is_complete(self, point: SweepPoint) -> bool:
-        assert point.spec is not None
-        rec = find_record(point.run_dir)
-        done = rec is not None and rec.is_complete and same_spec(rec, point.spec)
+        done = complete_record(point) is not None
         if done and not (point.run_dir / REPORT_HTML).is_file():
             rerender(point.run_dir)  # stopped between its analysis and its pages
         return done
 
     # ---- running -------------------------------------------------------------------------
-    def run(self) -> SweepResult:
-        plan = self.plan
-        for p in plan.points:
-            if p.spec is None and p.name not in self.state["refused"]:
+    def groups(self) -> list[Group]:
+        """The engine-configuration groups of the points that can run (the invalid ones refused)."""
+        refused = self.state.refused
+        for p in self.plan.points:
+            if p.spec is None and p.name not in refused:
                 self._refuse(p, p.refusal or "not a valid setting")
-            elif p.name in self.state["refused"]:
+            elif p.name in refused:
                 self._drop_unsampled(p)  # refused by an earlier version that kept the directory
-        runnable = [p for p in plan.runs if p.spec is not None and p.name not in self.state["refused"]]
-        self.total = len(plan.runs)
-        self.done = len(plan.runs) - len(runnable)
-        # the points that sample (one per distinct rollout fingerprint) and those that re-score their tokens
-        sampler_of: dict[str, SweepPoint] = {}
-        self.source: dict[str, SweepPoint] = {}
-        for p in runnable:
-            assert p.spec is not None
-            fp = p.spec.rollout_fingerprint()
-            if fp in sampler_of:
-                self.source[p.name] = sampler_of[fp]
-            else:
-                sampler_of[fp] = p
-        groups: dict[str, list[SweepPoint]] = {}
-        for p in runnable:
-            assert p.spec is not None
-            groups.setdefault(engine_key(p.spec), []).append(p)
-        self.engine_configs = len(groups)
+        refused = self.state.refused
+        return engine_groups([p for p in self.plan.runs if p.spec is not None and p.name not in refused])
+
+    def run(self, select: Callable[[list[Group]], list[Group]] | None = None, *, summarize: bool = True) -> SweepResult:
+        """Run the groups ``select`` picks (default: all), then write the summary if every point of
+        the sweep is done (and ``summarize``: a Ray task leaves it to its driver)."""
+        self.state.begin()
+        groups = self.groups()
+        self.source = {name: src for g in groups for name, src in g.source.items()}
+        mine = groups if select is None else select(groups)
+        self.total = sum(len(g.members) for g in mine)
+        self.done = 0
+        if self.unit is None:  # the refused points are part of a whole sweep's count
+            self.total, self.done = len(self.plan.runs), len(self.plan.runs) - sum(len(g.members) for g in groups)
         try:
-            for key, members in groups.items():
-                self._run_group(key, members)
+            for group in mine:
+                self._run_group(group.key, group.members)
             while self.deferred:
                 self._render_next()
         finally:
             self.timings["total_s"] = round(time.perf_counter() - self.t0, 3)
-        return self._finish()
+        return self._finish(summarize)
+
+    def summarize_only(self) -> SweepResult:
+        """The summary of a sweep whose points were run elsewhere (its shards, its Ray tasks)."""
+        groups = self.groups()
+        self.source = {name: src for g in groups for name, src in g.source.items()}
+        waiting = self.waiting()
+        if waiting:
+            shown = ", ".join(waiting[:5]) + (f" and {len(waiting) - 5} more" if len(waiting) > 5 else "")
+            ran = sorted(p.stem for p in (self.out / UNITS_DIR).glob("*.json"))
+            raise ConfigError(
+                f"{len(waiting)} point(s) of the sweep in {str(self.out)!r} are not done: {shown}",
+                hint=f"run the shards that did not finish (finished: {', '.join(ran) or 'none'}), then --summarize",
+            )
+        return self._summarize(time.perf_counter())
+
+    def waiting(self) -> list[str]:
+        """The points neither complete, refused nor failed: another shard's, still running (or killed)."""
+        refused, failures = self.state.refused, self.state.failures
+        return [
+            p.name
+            for p in self.plan.runs
+            if p.name not in refused and p.name not in failures and complete_record(p) is None
+        ]
 
     def _tick(self, point: SweepPoint) -> None:
         self.done += 1
@@ -258,7 +312,7 @@ class _Sweep:
                 except ProbeError as exc:
                     self._fail(p, exc)
                     contexts.pop(p.name)
-            if need_determinism and BASELINE not in self.failures:
+            if need_determinism and BASELINE not in self.state.own["failures"]:
                 baseline = self.plan.baseline
                 assert baseline.spec is not None
                 if engine is None:
@@ -273,7 +327,7 @@ class _Sweep:
         for p in samplers:
             if p.name in contexts:
                 self._score(p, contexts[p.name])
-            elif p.name not in self.failures and p.name not in self.state["refused"]:
+            elif p.name not in self.state.own["failures"] and p.name not in self.state.refused:
                 self._tick(p)  # complete before this invocation
         for p in rescorers:
             self._rescore(p)
@@ -331,7 +385,7 @@ class _Sweep:
     def _fail(self, point: SweepPoint, exc: BaseException) -> None:
         if point.is_baseline or point.repeat:
             raise exc
-        self.failures[point.name] = str(exc)
+        self.state.fail(point.name, str(exc))
         self.progress.log(f"{point.name}: failed: {exc}")
         self._tick(point)
 
@@ -356,8 +410,8 @@ class _Sweep:
 
     def _rescore(self, point: SweepPoint) -> None:
         source = self.source[point.name]
-        if source.name in self.failures or source.name in self.state["refused"]:
-            self.failures[point.name] = f"the point whose tokens it re-scores ({source.name}) did not finish"
+        if source.name in self.state.own["failures"] or source.name in self.state.refused:
+            self.state.fail(point.name, f"the point whose tokens it re-scores ({source.name}) did not finish")
             self._tick(point)
             return
         if self._is_complete(point):
@@ -397,37 +451,61 @@ class _Sweep:
         write_atomic(self.out / DETERMINISM_JSON, json.dumps(json_safe(result), indent=2) + "\n")
 
     # ---- the record ----------------------------------------------------------------------
-    def _finish(self) -> SweepResult:
+    def _finish(self, summarize: bool = True) -> SweepResult:
+        """Record this invocation; then the summary, unless a shard's points are still to come."""
         t = time.perf_counter()
-        record = summarize(
-            SweepRun(
-                spec=self.spec,
-                plan=self.plan,
-                out=self.out,
-                state=self.state,
-                source=self.source,
-                failures=self.failures,
-                gate=self.gate,
-                gate_file=self.gate_file,
-                engine_configs=self.engine_configs,
-                engine_starts=self.engine_starts,
-            )
-        )
         timings = {k: round(v, 3) for k, v in self.timings.items()}
         compute = self.compute_s + self.timings["engine_start_s"] + self.timings["engine_stop_s"]
         timings["compute_s"] = round(compute, 3)
-        timings["summary_s"] = round(time.perf_counter() - t, 3)
         timings["total_s"] = round(time.perf_counter() - self.t0, 3)
         timings["overhead_s"] = round(timings["total_s"] - compute, 3)
-        # every invocation that reached the summary, so a resumed sweep still says what it cost
-        invocations = self.state.setdefault("invocations", [])
-        invocations.append({"finished_at": now(), "engine_starts": self.engine_starts, "timings": timings})
-        self._save_state()  # with the throughputs measured, for a later resume
-        record.timings = timings
-        record.invocations = invocations
-        record.engine_starts = sum(i["engine_starts"] for i in invocations)
-        record.write(self.out)
-        from mismatch_probe.report.pages import write_sweep_reports
+        # every invocation that ran points, so a resumed or sharded sweep still says what it cost
+        entry: dict[str, Any] = {"finished_at": now(), "engine_starts": self.engine_starts, "timings": timings}
+        if self.unit is not None:
+            entry["unit"] = self.unit
+        self.state.add_invocation(entry)
+        if self.unit is not None:
+            waiting = self.waiting()
+            if not summarize:
+                return SweepResult(self.out, None, waiting)
+            if waiting:
+                self.progress.log(
+                    f"{self.unit}: done; {len(waiting)} point(s) of other shards to come "
+                    "(the last shard to finish, or sweep --summarize, writes sweep.json)"
+                )
+                return SweepResult(self.out, None, waiting)
+        return self._summarize(t, timings)
 
-        write_sweep_reports(self.out, record)
+    def _summarize(self, t: float, timings: dict[str, float] | None = None) -> SweepResult:
+        with summary_lock(self.out):
+            self.state.reload_main()  # the throughputs another shard's summary may have kept
+            state = {"refused": self.state.refused, "throughput": self.state.main.setdefault("throughput", {})}
+            record = summarize(
+                SweepRun(
+                    spec=self.spec,
+                    plan=self.plan,
+                    out=self.out,
+                    state=state,
+                    source=self.source,
+                    failures=self.state.failures,
+                    gate=self.gate,
+                    gate_file=self.gate_file,
+                    engine_starts=self.engine_starts,
+                )
+            )
+            self.state.save_main()  # with the throughputs measured, for a later resume
+            timings = dict(timings or {})
+            timings["summary_s"] = round(time.perf_counter() - t, 3)
+            timings["total_s"] = round(time.perf_counter() - self.t0, 3)
+            if self.state.own.get("invocations"):  # this invocation's own entry, now with its summary
+                self.state.own["invocations"][-1]["timings"] = timings
+                self.state.save()
+            invocations = self.state.invocations
+            record.timings = timings
+            record.invocations = invocations
+            record.engine_starts = sum(i["engine_starts"] for i in invocations)
+            record.write(self.out)
+            from mismatch_probe.report.pages import write_sweep_reports
+
+            write_sweep_reports(self.out, record)
         return SweepResult(self.out, record)

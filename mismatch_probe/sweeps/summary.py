@@ -37,7 +37,7 @@ from mismatch_probe.version import __version__
 BOOTSTRAP_SEED = 0  # fixed: the same runs give the same intervals
 
 
-def _complete(point: SweepPoint) -> RunRecord | None:
+def complete_record(point: SweepPoint) -> RunRecord | None:
     if point.spec is None:
         return None
     rec = find_record(point.run_dir)
@@ -109,7 +109,6 @@ class SweepRun:
     failures: dict[str, str]
     gate: GateSpec | None
     gate_file: Path | None
-    engine_configs: int
     engine_starts: int
 
 
@@ -117,7 +116,7 @@ def summarize(sweep: SweepRun) -> SweepRecord:
     plan, out = sweep.plan, sweep.out
     settings = plan.sweep
     keys = list(BOOTSTRAP_METRICS)
-    records = {p.name: _complete(p) for p in plan.runs}
+    records = {p.name: complete_record(p) for p in plan.runs}
     columns = {p.name: _columns(p.run_dir) for p in plan.runs if records[p.name] is not None}
 
     baseline = plan.baseline
@@ -230,7 +229,8 @@ def summarize(sweep: SweepRun) -> SweepRecord:
         determinism=json.loads(determinism_path.read_text()) if determinism_path.is_file() else None,
         recommendation=recommendation,
         attribution={m: attribution(dumped[1:], m) for m in HEADLINE_METRICS},
-        engine_configs=sweep.engine_configs,
+        # of every point with valid settings, whether its engine started or refused (on any run)
+        engine_configs=len({engine_key(p.spec) for p in plan.runs if p.spec is not None}),
         engine_starts=sweep.engine_starts,
         gate={"thresholds": gate_file, "bounds": gate_bounds(sweep.gate)} if sweep.gate is not None else None,
     )

@@ -3,7 +3,8 @@
 One pass (:func:`build_timeline`):
 
 1. list the steps the source holds (``dumps.list_steps``) and their files;
-2. analyse each step whose fingerprint is new (``store.done_steps``) in worker processes: read it
+2. analyse each step whose fingerprint is new (``store.done_steps``) in worker processes (or, with
+   ``executor="ray"``, as Ray tasks on a cluster that mounts the dumps and the output): read it
    (``dump_steps.read_step``: the importers' readers and checks), reduce it to its rows
    (``analysis/timeline.py: step_rows``) and write them atomically (``store.write_step``);
 3. rebuild ``steps.parquet`` (``store.consolidate``) and test each metric of
@@ -34,6 +35,7 @@ import pyarrow as pa
 from mismatch_probe.analysis.drift import detect_drift, metric_alpha
 from mismatch_probe.analysis.metrics import CorrectionThresholds
 from mismatch_probe.analysis.timeline import DRIFT_METRICS, N_BOOT, step_rows
+from mismatch_probe.config.sweep import EXECUTORS
 from mismatch_probe.errors import ConfigError
 from mismatch_probe.files import portable_path
 from mismatch_probe.pipeline.runs import Progress
@@ -54,6 +56,8 @@ class TimelineOptions:
     model: str | None = None  # the checkpoint: token ids checked against it; kept steps as run directories
     out: str | None = None
     workers: int = 2
+    executor: str = "local"  # local: worker processes here; ray: each step a Ray task (EXECUTORS)
+    ray_address: str | None = None  # executor ray: the cluster (default: RAY_ADDRESS, else a local one)
     keep: str = "auto"  # auto: first, last, the worst, change points; all; none
     worst: int = 3  # the steps of largest K3 kept with --keep auto
     baseline_steps: int = 20  # the early steps each metric's drift is measured against
@@ -151,6 +155,8 @@ def _check(opts: TimelineOptions) -> None:
         raise ConfigError(f"--keep {opts.keep!r}: choose one of {', '.join(KEEP)}")
     if opts.workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {opts.workers}")
+    if opts.executor not in EXECUTORS:
+        raise ConfigError(f"--executor {opts.executor!r}: choose one of {', '.join(EXECUTORS)}")
     if opts.worst < 0:
         raise ConfigError(f"--worst must be >= 0, got {opts.worst}")
     if opts.baseline_steps < 2:
@@ -218,6 +224,10 @@ def _pass(
             notes.extend(f"step {step}: {n}" for n in result.notes)
         progress.advance("steps", 1)
 
+    if opts.executor == "ray":
+        for step, result in _on_ray(tasks, opts.ray_address, in_flight=2 * opts.workers):
+            take(step, result)
+        return analysed, failed, notes
     if opts.workers == 1 or len(tasks) == 1:
         for task in tasks:
             try:
@@ -239,6 +249,46 @@ def _pass(
                 error = fut.exception()
                 take(step, error if error is not None else fut.result())
     return analysed, failed, notes
+
+
+def _on_ray(tasks: list[_Task], address: str | None, *, in_flight: int):
+    """Each step's :func:`analyse_step` as a Ray task (one CPU each), with at most twice the cluster's
+    CPUs (or ``in_flight``) submitted at once, so a killed driver loses few; yields (step, result or
+    error) as they finish. A task whose worker dies is run again by Ray; a step's file is written
+    whole or not at all, so a re-run analyses only the steps without one."""
+    import os
+
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError(
+            "--executor ray needs Ray, which is not installed", hint="pip install 'mismatch-probe[ray]'"
+        ) from None
+    try:
+        ray.init(address=address or os.environ.get("RAY_ADDRESS"), log_to_driver=True)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise ConfigError(
+            f"could not reach a Ray cluster at {address!r}: {str(exc).splitlines()[0]}",
+            hint="start one with `ray start --head`, or pass its address with --ray-address",
+        ) from None
+    try:
+        remote = ray.remote(analyse_step).options(num_cpus=1, max_retries=3)
+        limit = max(in_flight, int(ray.cluster_resources().get("CPU", 1)) * 2)
+        queue = list(tasks)
+        running: dict[Any, int] = {}
+        while queue or running:
+            while queue and len(running) < limit:
+                task = queue.pop(0)
+                running[remote.remote(task)] = task.step
+            ready, _ = ray.wait(list(running), num_returns=1)
+            for ref in ready:
+                step = running.pop(ref)
+                try:
+                    yield step, ray.get(ref)
+                except ray.exceptions.RayTaskError as exc:
+                    yield step, exc.cause if isinstance(exc.cause, BaseException) else exc
+    finally:
+        ray.shutdown()
 
 
 def finish(
@@ -285,6 +335,7 @@ def finish(
             "keep": opts.keep,
             "worst": opts.worst,
             "workers": opts.workers,
+            "executor": opts.executor,
             "n_boot": opts.n_boot,
             "corrections": CorrectionThresholds(**opts.corrections).as_record(),
         },

@@ -108,6 +108,17 @@ def _k3(step) -> float:
     return float(np.mean(np.expm1(delta) - delta))
 
 
+def test_steps_as_ray_tasks_on_a_two_node_cluster_give_the_same_steps(drifting, generic_drift, tmp_path, ray_cluster):
+    """The drifting run's generic timeline with each step a Ray task (a head and a worker node on
+    this machine): steps.parquet is the process pool's, bit for bit, and so is every drift verdict."""
+    source = write_run("generic", drifting, tmp_path / "dump")
+    found = build_timeline(_options("generic", source, tmp_path / "t", executor="ray", ray_address=ray_cluster.address))
+    assert len(found.analysed) == STEPS and not found.failed
+    assert pq.read_table(tmp_path / "t" / "steps.parquet").equals(pq.read_table(generic_drift[1] / "steps.parquet"))
+    assert found.record.drift == generic_drift[0].record.drift
+    assert found.record.options["executor"] == "ray"
+
+
 def test_a_killed_import_resumes_to_the_same_steps_and_keeps_the_finished_ones(drifting, tmp_path):
     source = write_run("generic", drifting, tmp_path / "dump")
     whole = build_timeline(_options("generic", source, tmp_path / "whole", workers=1))
