@@ -20,7 +20,9 @@ Each point of the ``[sweep]`` (:func:`config.sweep.sweep_points`) is a normal ru
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -134,14 +136,43 @@ def sweep(
     progress = progress or SweepProgress()
     factory = engine_factory or _default_engine_factory
     if executor == "ray":
-        from mismatch_probe.sweeps.ray_executor import run_on_ray
+        from mismatch_probe.sweeps.ray_executor import run_groups_on_ray
 
-        return run_on_ray(spec, out=out, gate=gate, resume=resume, progress=progress, address=ray_address)
+        driver = _Sweep(spec, out, gate, resume, progress, factory, unit=None)
+        groups = driver.groups()  # the invalid points refused first, as a local sweep does
+        waiting = set(driver.waiting())
+        todo = [g for g in groups if any(p.name in waiting for p in g.members)]
+        run_groups_on_ray(todo, run_group, spec=spec, out=driver.out, gate=gate, progress=progress, address=ray_address)
+        return driver.summarize_only()
     if summarize_only:
         return _Sweep(spec, out, gate, True, progress, factory, unit=None).summarize_only()
     unit = None if shard is None else shard.unit
     select = None if shard is None else (lambda groups: shard_groups(groups, shard))
     return _Sweep(spec, out, gate, resume, progress, factory, unit=unit).run(select)
+
+
+class _PrintProgress(SweepProgress):
+    """A Ray task's progress: a line per event on its stderr, which Ray forwards to the driver."""
+
+    def __init__(self, unit: str) -> None:
+        self.unit = unit
+
+    def log(self, message: str) -> None:
+        print(f"[{self.unit}] {message}", file=sys.stderr, flush=True)
+
+    def point(self, name: str, done: int, total: int, engine_starts: int) -> None:
+        self.log(f"{name} done ({done}/{total} runs of this group, {engine_starts} engine starts)")
+
+
+def run_group(spec: ProbeSpec, out: str, gate: str | None, key: str, cwd: str) -> dict[str, Any]:
+    """One engine configuration of the sweep in ``out``, as a Ray task runs it (``sweeps.ray_executor``):
+    in the driver's working directory, its state in ``shards/group-<key>.json``, no summary."""
+    if Path(cwd).is_dir():
+        os.chdir(cwd)  # the spec's relative paths are the driver's
+    unit = Group(key, [], {}).unit
+    sweep = _Sweep(spec, out, gate, True, _PrintProgress(unit), _default_engine_factory, unit=unit)
+    sweep.run(lambda groups: [g for g in groups if g.key == key], summarize=False)
+    return {"group": key, "engine_starts": sweep.engine_starts}
 
 
 class _Sweep:

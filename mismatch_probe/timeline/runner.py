@@ -256,23 +256,10 @@ def _on_ray(tasks: list[_Task], address: str | None, *, in_flight: int):
     CPUs (or ``in_flight``) submitted at once, so a killed driver loses few; yields (step, result or
     error) as they finish. A task whose worker dies is run again by Ray; a step's file is written
     whole or not at all, so a re-run analyses only the steps without one."""
-    import os
+    from mismatch_probe.ray_cluster import MAX_RETRIES, connected
 
-    try:
-        import ray
-    except ImportError:
-        raise ConfigError(
-            "--executor ray needs Ray, which is not installed", hint="pip install 'mismatch-probe[ray]'"
-        ) from None
-    try:
-        ray.init(address=address or os.environ.get("RAY_ADDRESS"), log_to_driver=True)
-    except (ConnectionError, RuntimeError, ValueError) as exc:
-        raise ConfigError(
-            f"could not reach a Ray cluster at {address!r}: {str(exc).splitlines()[0]}",
-            hint="start one with `ray start --head`, or pass its address with --ray-address",
-        ) from None
-    try:
-        remote = ray.remote(analyse_step).options(num_cpus=1, max_retries=3)
+    with connected(address) as ray:
+        remote = ray.remote(analyse_step).options(num_cpus=1, max_retries=MAX_RETRIES)
         limit = max(in_flight, int(ray.cluster_resources().get("CPU", 1)) * 2)
         queue = list(tasks)
         running: dict[Any, int] = {}
@@ -285,10 +272,8 @@ def _on_ray(tasks: list[_Task], address: str | None, *, in_flight: int):
                 step = running.pop(ref)
                 try:
                     yield step, ray.get(ref)
-                except ray.exceptions.RayTaskError as exc:
+                except ray.exceptions.RayTaskError as exc:  # a step that could not be read: its own error
                     yield step, exc.cause if isinstance(exc.cause, BaseException) else exc
-    finally:
-        ray.shutdown()
 
 
 def finish(

@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "mismatch_probe"
 # may not import each other (report and gate are siblings, as are rollout and reference).
 LAYERS: list[set[str]] = [
     {"errors", "numbers", "text", "version"},
-    {"files"},
+    {"files", "ray_cluster"},
     {"config", "record", "environment"},
     {"modeling", "table", "sweep_record", "timeline_record"},
     {"engines"},
