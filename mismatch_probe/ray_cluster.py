@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from mismatch_probe.errors import ConfigError
+from mismatch_probe.errors import ConfigError, ProbeError
 
 MAX_RETRIES = 3  # a task whose worker died is run again; its work resumes from what is on disk
 
@@ -42,9 +42,16 @@ def connected(address: str | None) -> Iterator[Any]:
 
 def finished(ray: Any, running: dict[Any, Any]) -> Iterator[tuple[Any, Any]]:
     """(what each task was submitted for, its result) as the tasks of ``running`` (object refs to
-    anything) finish; a task's error is raised as its cause's own type (``RayTaskError`` derives
-    from it), so a ``ConfigError`` stays one."""
+    anything) finish. A task's own error (a refused setting, a bad input) is raised as itself, its
+    one line for people, not Ray's wrapping of it with the worker's traceback."""
     while running:
         ready, _ = ray.wait(list(running), num_returns=1)
         for ref in ready:
-            yield running.pop(ref), ray.get(ref)
+            key = running.pop(ref)
+            try:
+                result = ray.get(ref)
+            except ray.exceptions.RayTaskError as exc:
+                if isinstance(exc.cause, ProbeError):
+                    raise exc.cause from None
+                raise
+            yield key, result
