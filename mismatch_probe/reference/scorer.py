@@ -53,7 +53,20 @@ from mismatch_probe.reference.parallel import (
 )
 from mismatch_probe.table.tokens import Rollout
 
+# The LM head runs over a forward's scored positions a chunk at a time: logits -> log-probs -> the
+# entropy's p * log p hold a few [chunk x vocab] float32 tensors at once. At most 2,048 positions, and
+# at most 128 MiB of logits a chunk: at Qwen's 151,936 tokens 220 positions. A fixed 2,048 there held
+# ~2.6 GiB above the weights at the head (benchmarks/bench_run_cost.py, Qwen2.5-0.5B's shape); the
+# GEMM of 220 rows still runs at the full width of the head.
 LM_HEAD_CHUNK_TOKENS = 2048
+LM_HEAD_CHUNK_BYTES = 128 << 20
+
+
+def lm_head_chunk(vocab_size: int) -> int:
+    """Positions per LM-head chunk for a vocabulary of ``vocab_size`` (see LM_HEAD_CHUNK_BYTES)."""
+    return max(1, min(LM_HEAD_CHUNK_TOKENS, LM_HEAD_CHUNK_BYTES // (4 * max(1, vocab_size))))
+
+
 T = TypeVar("T")
 # a two-token sequence scored only to join an FSDP peer's collectives (see score's min_forwards)
 FILLER = Rollout(-1, "", np.array([1, 2]), np.zeros(2, np.int16), np.array([False, True]), np.zeros(2, np.float32), "")
@@ -540,10 +553,11 @@ class ReferenceScorer:
         self, hidden: torch.Tensor, src: torch.Tensor, targets: torch.Tensor, semantics: LogprobSemantics
     ) -> tuple[torch.Tensor, torch.Tensor]:
         lp_parts, ent_parts = [], []
-        for a in range(0, len(src), LM_HEAD_CHUNK_TOKENS):
-            h = hidden.index_select(0, src[a : a + LM_HEAD_CHUNK_TOKENS])
+        chunk = lm_head_chunk(int(self.lm_head.weight.shape[0]))
+        for a in range(0, len(src), chunk):
+            h = hidden.index_select(0, src[a : a + chunk])
             logp = logprobs_under(self._logits(h, self.spec.logits_fp32), semantics)
-            lp_parts.append(logp.gather(-1, targets[a : a + LM_HEAD_CHUNK_TOKENS, None]).squeeze(1))
+            lp_parts.append(logp.gather(-1, targets[a : a + chunk, None]).squeeze(1))
             ent_parts.append(entropy_from_logprobs(logp))
         if not lp_parts:
             empty = torch.zeros(0, dtype=torch.float32, device=self.device)

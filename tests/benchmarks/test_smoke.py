@@ -29,7 +29,7 @@ EXEMPT = {
     "gpu_check.sh": "needs a CUDA GPU (the lent GPU machine's check)",
 }
 # the scripts whose smoke size starts an engine (one start each): the engine's marker
-ENGINES = {"bench_sweep.py": "vllm", "bench_sync.py": "vllm", "engine_matrix.py": "vllm"}
+ENGINES = {"bench_run_cost.py": "vllm", "bench_sweep.py": "vllm", "bench_sync.py": "vllm", "engine_matrix.py": "vllm"}
 sys.path.insert(0, str(BENCHMARKS))
 from smoke import HELP as SMOKE_HELP
 
