@@ -9,14 +9,20 @@ sample) as Parquet shards in a temp directory, then times, each in a fresh child
 the columns the analysis reads (the floor), ``analyze()`` alone, and the whole pass ``compare``
 makes (``analyze()`` feeding the report's distributions and sequences.parquet's rows), and reports
 wall time and peak RSS (VmHWM: the child starts with only the imports, so it is the pass's own
-footprint plus the interpreter and libraries, given as a baseline). Targets (issue 24): the whole
-pass at most 3x the read; 10x the tokens at most 11x the time and 1.5 GiB.
+footprint plus the interpreter and libraries, given as a baseline). ``analyze()`` and the whole
+pass run twice, in the same run: compiled (analysis/kernels.py; its loops compiled or loaded from
+numba's cache before the clock starts: steady state) and on the NumPy path
+(``MISMATCH_PROBE_NO_NUMBA=1``). The first call's cost is reported apart: compiling the loops
+into an empty cache, and loading them from the cache (what each new process pays). Targets
+(issue 24): the whole pass at most 3x the read; 10x the tokens at most 11x the time and 1.5 GiB;
+(issue 56) the compiled analyze() at most 1.5x the read at 10M rows.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -37,12 +43,15 @@ SMOKE = {"tokens": 50_000, "shard_tokens": 20_000}  # 3 shards
 CHILD = """
 import json, re, sys, time
 sys.path.insert(0, {root!r})
+from mismatch_probe.analysis import kernels, metrics
 from mismatch_probe.analysis.analyze import analyze
 from mismatch_probe.analysis.distributions import DistributionAccumulator
 from mismatch_probe.analysis.sequences import SequenceCollector
 from mismatch_probe.table.tokens import iter_model_tokens
 def hwm():
     return int(re.search(r"VmHWM:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) / 1024
+# the loops compiled or loaded before the clock: steady state (the read and idle need none)
+warm = metrics.warm_up() if {mode!r} in ("analyze", "full", "warm") else 0.0
 base = hwm()
 t0 = time.perf_counter()
 n = 0
@@ -55,8 +64,17 @@ elif {mode!r} == "full":
 elif {mode!r} == "read":
     n = sum(len(s["logp_train"]) for s in iter_model_tokens({run!r}, prefetch=False))
 dt = time.perf_counter() - t0
-print(json.dumps({{"seconds": dt, "peak_rss_mib": hwm(), "baseline_rss_mib": base, "n_model_tokens": n}}))
+print(json.dumps({{"seconds": dt, "peak_rss_mib": hwm(), "baseline_rss_mib": base, "n_model_tokens": n, "warm_up": warm}}))
 """
+# each timed mode, and whether it runs on the NumPy path
+MODES = {
+    "idle": False,
+    "read": False,
+    "analyze": False,
+    "analyze-numpy": True,
+    "full": False,
+    "full-numpy": True,
+}
 
 
 def _experts(model, layers: int, k: int, flip: float, rng) -> tuple:
@@ -133,10 +151,25 @@ def write_synthetic(run_dir: Path, tokens: int, shard_tokens: int, seed: int = 0
     return written
 
 
-def child(run: str, mode: str, moe: tuple) -> dict:
-    code = CHILD.format(root=str(ROOT), run=run, mode=mode, layers=moe[0], k=moe[1])
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+def child(run: str, mode: str, moe: tuple, numpy_path: bool = False, env: dict | None = None) -> dict:
+    from mismatch_probe.analysis.kernels import DISABLE_ENV
+
+    code = CHILD.format(root=str(ROOT), run=run, mode=mode.removesuffix("-numpy"), layers=moe[0], k=moe[1])
+    env = {**os.environ, **(env or {})}
+    env.pop(DISABLE_ENV, None)
+    if numpy_path:
+        env[DISABLE_ENV] = "1"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     return json.loads(out.stdout)
+
+
+def first_call(compile_too: bool) -> dict:
+    """Seconds of the loops' first call in a process: compiled into an empty numba cache (with
+    ``compile_too``: it takes a while), and loaded from the cache (what every later process pays)."""
+    with tempfile.TemporaryDirectory() as cache:
+        env = {"NUMBA_CACHE_DIR": cache} if compile_too else {}
+        compiled = child("", "warm", (0, 0), env=env)["warm_up"] if compile_too else None
+        return {"compile": compiled, "load": child("", "warm", (0, 0), env=env)["warm_up"]}
 
 
 def measure(tokens: int, args, moe: tuple) -> dict:
@@ -161,19 +194,19 @@ def measure(tokens: int, args, moe: tuple) -> dict:
             f"synthetic table: {total:,} rows in {len(shards)} shards, "
             f"{size / 2**20:.0f} MiB on disk, written in {time.perf_counter() - t0:.1f} s"
         )
-        out = {mode: child(str(run), mode, moe) for mode in ("idle", "read", "analyze", "full")}
-        read, res, full = out["read"], out["analyze"], out["full"]
-        n = full["n_model_tokens"]
+        out = {mode: child(str(run), mode, moe, numpy_path) for mode, numpy_path in MODES.items()}
+        read = out["read"]
+        n = out["full"]["n_model_tokens"]
         print(f"  reading the same columns: {read['seconds']:.2f} s, peak RSS {read['peak_rss_mib']:.0f} MiB")
-        print(
-            f"  analyze(): {res['seconds']:.2f} s ({res['seconds'] / read['seconds']:.2f}x the read), "
-            f"peak RSS {res['peak_rss_mib']:.0f} MiB"
-        )
-        print(
-            f"  the whole pass (+ distributions, sequences): {full['seconds']:.2f} s for {n:,} model tokens "
-            f"({n / full['seconds'] / 1e6:.1f} M tok/s), {full['seconds'] / read['seconds']:.2f}x the read; "
-            f"peak RSS {full['peak_rss_mib']:.0f} MiB (interpreter + imports alone: {out['idle']['peak_rss_mib']:.0f} MiB)"
-        )
+        for mode, what in (("analyze", "analyze()"), ("full", "the whole pass (+ distributions, sequences)")):
+            compiled, numpy = out[mode], out[f"{mode}-numpy"]
+            print(
+                f"  {what}: compiled {compiled['seconds']:.2f} s ({compiled['seconds'] / read['seconds']:.2f}x the "
+                f"read, {n / compiled['seconds'] / 1e6:.1f} M tok/s, peak RSS {compiled['peak_rss_mib']:.0f} MiB); "
+                f"NumPy {numpy['seconds']:.2f} s ({numpy['seconds'] / read['seconds']:.2f}x the read, "
+                f"peak RSS {numpy['peak_rss_mib']:.0f} MiB)"
+            )
+        print(f"  ({n:,} model tokens; interpreter + imports alone: {out['idle']['peak_rss_mib']:.0f} MiB)")
         return out
 
 
@@ -193,9 +226,19 @@ def main() -> None:
     if args.write_only:
         print(write_synthetic(Path(args.write_only), args.tokens, args.shard_tokens, moe=moe))
         return
+    calls = first_call(compile_too=not args.smoke)
+    compiling = "not measured at the smoke size" if calls["compile"] is None else f"{calls['compile']:.1f} s"
+    print(
+        f"the compiled loops' first call in a process: compiling them into an empty numba cache {compiling}; "
+        f"loading them from the cache (every later process) {calls['load']:.2f} s"
+    )
     small = measure(args.tokens, args, moe)
-    ratio = small["full"]["seconds"] / small["read"]["seconds"]
-    print(f"whole pass / read at {args.tokens:,} rows: {ratio:.2f}x (target <= 3x)")
+    for mode, target in (("analyze", 1.5), ("full", 3.0)):
+        ratios = [small[m]["seconds"] / small["read"]["seconds"] for m in (mode, f"{mode}-numpy")]
+        print(
+            f"{'analyze()' if mode == 'analyze' else 'whole pass'} / read at {args.tokens:,} rows: compiled "
+            f"{ratios[0]:.2f}x, NumPy {ratios[1]:.2f}x (target <= {target}x)"
+        )
     if args.scale:
         big = measure(args.tokens * args.scale, args, moe)
         growth = big["full"]["seconds"] / small["full"]["seconds"]

@@ -23,7 +23,10 @@ each):
     of verl's ``gen_batch.dp`` through ``dumps/safe_pickle.py`` (``load_data_proto``);
 (b) ``timeline.runner.analyse_step`` on the step (read with the importers' checks, reduce with the
     bootstrap, write the step's Parquet file), its ``_Task`` built as ``runner._pass`` builds it
-    (with ``--model``: token ids checked against the checkpoint's vocabulary);
+    (with ``--model``: token ids checked against the checkpoint's vocabulary): twice, compiled
+    (analysis/kernels.py; its loops compiled or loaded from numba's cache before the clock, as the
+    libraries are imported: steady state; the first call's cost is printed apart) and on the NumPy
+    path (``MISMATCH_PROBE_NO_NUMBA=1``), the column ``(b) np``;
 (c) ``importing.import_dump`` of the same step into a run directory (``mismatch-probe import``),
     the tokenizer loaded once before the clock starts, as benchmarks/bench_import.py does.
 
@@ -68,6 +71,7 @@ from pathlib import Path
 sys.path[:0] = [{root!r}, {tests!r}]
 import numpy as np, msgspec, pyarrow as pa, pyarrow.parquet as pq, torch
 import pyarrow.dataset  # what pq.read_table imports on its first call
+from mismatch_probe.analysis import kernels, metrics
 from mismatch_probe.dumps import FORMATS, reader_class
 from mismatch_probe.dumps.safe_pickle import load_data_proto
 from mismatch_probe.importing import ImportOptions, import_dump
@@ -126,8 +130,13 @@ elif what == "analyse":
         opts.n_boot,
     )
 
+    metrics.warm_up()  # the compiled loops loaded (or, on the NumPy path, nothing)
+
     def run():
         runner.analyse_step(task)
+elif what == "warm":
+    def run():
+        print(json.dumps({{"warm_up": metrics.warm_up()}}))
 else:
     def run():
         deserialize(what.removeprefix("parse-"))
@@ -147,14 +156,36 @@ def write(fmt: str, step: Step, d: Path) -> tuple[str, Path]:
     return write_dump(fmt, step, d)
 
 
-def measure(spec: dict) -> tuple[float, float]:
-    """(wall seconds, CPU seconds of the child) of one measurement."""
-    code = CHILD.format(root=str(ROOT), tests=str(ROOT / "tests" / "dumps"), spec=json.dumps(spec))
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    if done.returncode:
-        raise SystemExit(f"{spec['what']} of {spec['format']} failed:\n{done.stderr[-3000:]}")
+def measure(spec: dict, env: dict | None = None) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of the child) of one measurement; ``what`` ``analyse-numpy`` is
+    ``analyse`` on the NumPy path."""
+    from mismatch_probe.analysis.kernels import DISABLE_ENV
+
+    env = {**os.environ, **(env or {})}
+    env.pop(DISABLE_ENV, None)
+    if spec["what"] == "analyse-numpy":
+        spec, env[DISABLE_ENV] = {**spec, "what": "analyse"}, "1"
+    done = _child(spec, env)
     got = json.loads(done.stdout.strip().splitlines()[-1])
     return float(got["seconds"]), float(got["cpu"])
+
+
+def _child(spec: dict, env: dict) -> subprocess.CompletedProcess:
+    code = CHILD.format(root=str(ROOT), tests=str(ROOT / "tests" / "dumps"), spec=json.dumps(spec))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    if done.returncode:
+        raise SystemExit(f"{spec['what']} of {spec.get('format')} failed:\n{done.stderr[-3000:]}")
+    return done
+
+
+def first_call(compile_too: bool) -> dict:
+    """Seconds of the compiled loops' first call in a process: compiled into an empty numba cache
+    (with ``compile_too``), and loaded from the cache (what each of the timeline's workers pays once)."""
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "NUMBA_CACHE_DIR": cache} if compile_too else dict(os.environ)
+        spec = {"what": "warm", "files": []}
+        seconds = [json.loads(_child(spec, env).stdout.splitlines()[0])["warm_up"] for _ in range(1 + compile_too)]
+        return {"compile": seconds[0] if compile_too else None, "load": seconds[-1]}
 
 
 def bench(fmt: str, n_tokens: int, repeat: int) -> dict:
@@ -178,7 +209,7 @@ def bench(fmt: str, n_tokens: int, repeat: int) -> dict:
         best: dict[str, float] = {}
         cpu: dict[str, float] = {}
         for r in range(repeat):
-            for what in (*parses, "analyse", "import"):
+            for what in (*parses, "analyse", "analyse-numpy", "import"):
                 wall, used = measure({**common, "what": what, "out": str(d / f"{what}-{r}")})
                 best[what] = min(best.get(what, float("inf")), wall)
                 cpu[what] = min(cpu.get(what, float("inf")), used)
@@ -190,6 +221,7 @@ def bench(fmt: str, n_tokens: int, repeat: int) -> dict:
             "a": best.get("parse-msgspec", best.get("parse-own")),
             "a_json": best.get("parse-json"),
             "b": best["analyse"],
+            "b_numpy": best["analyse-numpy"],
             "c": best["import"],
             "cpu_ratio": cpu["analyse"] / cpu.get("parse-msgspec", cpu.get("parse-own", float("nan"))),
         }
@@ -210,10 +242,17 @@ def main() -> None:
         print("verl: not installed for the tests (bash tests/dumps/install-verl.sh .verl-site); left out")
         formats.remove("verl")
     sizes = [args.tokens] + ([args.tokens * args.scale] if args.scale else [])
+    calls = first_call(compile_too=not args.smoke)
+    compiling = "not measured at the smoke size" if calls["compile"] is None else f"{calls['compile']:.1f} s"
+    print(
+        f"the compiled loops' first call in a process: compiling them into an empty numba cache {compiling}; "
+        f"loading them from the cache (once per timeline worker) {calls['load']:.2f} s"
+    )
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs)", flush=True)
     header = (
         f"{'format':16s} {'tokens':>10s} {'MiB':>6s} {'(a) s':>7s} {'(a) json':>8s} {'(b) s':>7s} "
-        f"{'(b)/(a)':>7s} {'/json':>6s} {'cpu':>6s} {'(b) Mtok/s':>10s} {'(c) s':>7s} {'(c) Mtok/s':>10s}"
+        f"{'(b)/(a)':>7s} {'/json':>6s} {'cpu':>6s} {'(b) np':>7s} {'np/(a)':>7s} {'(b) Mtok/s':>10s} "
+        f"{'(c) s':>7s} {'(c) Mtok/s':>10s}"
     )
     rows = []
     print(header, flush=True)
@@ -225,15 +264,16 @@ def main() -> None:
             over_json = f"{r['b'] / r['a_json']:5.2f}x" if r["a_json"] is not None else f"{'-':>6s}"
             print(
                 f"{fmt:16s} {r['tokens']:>10,} {r['dump_mib']:6.1f} {r['a']:7.3f} {a_json} {r['b']:7.3f} "
-                f"{r['b'] / r['a']:6.2f}x {over_json} {r['cpu_ratio']:5.2f}x {r['tokens'] / r['b'] / 1e6:10.2f} "
-                f"{r['c']:7.3f} "
+                f"{r['b'] / r['a']:6.2f}x {over_json} {r['cpu_ratio']:5.2f}x {r['b_numpy']:7.3f} "
+                f"{r['b_numpy'] / r['a']:6.2f}x {r['tokens'] / r['b'] / 1e6:10.2f} {r['c']:7.3f} "
                 f"{r['tokens'] / r['c'] / 1e6:10.2f}",
                 flush=True,
             )
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(
         "(a): deserializing the step's files alone (JSON Lines: msgspec; '(a) json': json.loads, '/json' the "
-        "ratio against it); (b): timeline analyse_step; (c): import_dump; wall seconds, best of "
+        "ratio against it); (b): timeline analyse_step, compiled ('(b) np': on the NumPy path, 'np/(a)' its "
+        "ratio); (c): import_dump; wall seconds, best of "
         f"{args.repeat}, each in a fresh process; 'cpu': (b)/(a) in the processes' CPU seconds (best of "
         f"{args.repeat} each), which other work on the machine inflates less"
     )

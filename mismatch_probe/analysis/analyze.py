@@ -65,7 +65,7 @@ def analyze(
         done = acc.add(lt, li, starts, pos, turn)
         if done is None:
             continue
-        peers.add(lt, li, starts, done.terms)
+        peers.add_shard(lt, li, starts, done)
         if sequences is not None:
             sequences.add(sample, turn, starts, done)
         if distributions is not None:

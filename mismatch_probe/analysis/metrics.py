@@ -29,19 +29,48 @@ Conventions, documented once:
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from mismatch_probe.analysis.kernels import (
+    CELL_COUNTS,
+    CELL_SUMS,
+    FIRST_PEER_MOM,
+    MOMENTS,
+    PEER_MAX,
+    PEER_MIN,
+    PEER_SUMS,
+    SEGMENT_SUMS,
+    TABLE_ROWS,
+    Loops,
+    compiled,
+)
+from mismatch_probe.analysis.order_stats import BINS as ORDER_BINS
+from mismatch_probe.analysis.order_stats import HI as ORDER_HI
 from mismatch_probe.analysis.order_stats import float32_bits, needed_ranks, order_statistics, quantiles_from_bits
+from mismatch_probe.analysis.peer_metrics import (
+    LOG4,
+    SAFETY_BOUND,
+    SEQUENCE_SUMS,
+    TOKEN_M2,
+    TOKEN_MAX,
+    TOKEN_MIN,
+    TOKEN_SUMS,
+    PeerPart,
+    sequence_values,
+)
 from mismatch_probe.analysis.terms import (
     SequenceTerms,
+    ShardTerms,
     TokenTerms,
     bucket_index,
     check_logprobs,
     quantiles,
     sequence_terms,
+    sequence_terms_from_sums,
     token_terms,
 )
 from mismatch_probe.config.spec import CorrectionThresholds
@@ -347,15 +376,6 @@ def _position_table(
     return np.stack(rows).reshape(len(BUCKET_KEYS), n_cells, N_POS_BUCKETS), top.reshape(n_cells, N_POS_BUCKETS)
 
 
-class ShardTerms(NamedTuple):
-    """What :meth:`MetricsAccumulator.add` computed for a shard, for other accumulators to reuse."""
-
-    terms: TokenTerms
-    sequences: SequenceTerms  # one per sequence (``starts``)
-    segments: np.ndarray  # start of each segment: a sequence, or its part in one turn
-    segment_turn: np.ndarray  # the turn of each segment
-
-
 # groups of MetricsAccumulator: every token, the first assistant turn, the later ones, or one turn index
 Group = str | int
 GROUP_TURNS = {"first": lambda t: t == 0, "later": lambda t: t >= 1}
@@ -370,7 +390,8 @@ class MetricsAccumulator:
 
     Feed it chunks that never split a sequence (the table's shards hold whole sequences); the
     result equals one call over the concatenation (sums up to the order of summation). One pass
-    per chunk serves every group: per-turn statistics (:func:`cell_stats`) merged per group. The
+    per chunk serves every group: per-turn statistics (:func:`cell_stats`, or in one compiled loop
+    :func:`shard_pass`, the compiled loop of analysis/kernels.py, which also computes the peer metrics' share) merged per group. The
     per-token state kept for exact |delta| quantiles is float32 |delta|, its p_infer bucket and its
     turn when the chunk has several (5-7 bytes a token), selected exactly at the end
     (:mod:`.order_stats`).
@@ -404,20 +425,19 @@ class MetricsAccumulator:
         """Add model tokens whose sequences begin at ``starts`` (indices into this chunk); ``turn``:
         each token's assistant turn (None: all turn 0). Returns the shard's token and sequence terms
         (None for an empty chunk)."""
-        check_logprobs(np.asarray(logp_train), np.asarray(logp_infer))
-        n = len(logp_train)
+        lt_in, li_in = np.asarray(logp_train), np.asarray(logp_infer)
+        n = len(lt_in)
+        loops = _compiled_loops(n) if n and lt_in.shape == li_in.shape else None
+        if loops is None:
+            check_logprobs(lt_in, li_in)
         if n == 0:
             return None
-        lt = np.asarray(logp_train, dtype=np.float64)
-        li = np.asarray(logp_infer, dtype=np.float64)
-        t = token_terms(lt, li)
         starts = np.asarray(starts, dtype=np.int64)
-        seq = sequence_terms(t, lt, li, starts)
         if turn is None:
-            segments, seg_turn, seg_seq = starts, np.zeros(len(starts), dtype=np.int16), seq
+            segments, seg_turn = starts, np.zeros(len(starts), dtype=np.int16)
         else:
             turn = np.asarray(turn)
-            if turn.shape != lt.shape:
+            if turn.shape != lt_in.shape:
                 raise ValueError(f"{len(turn)} turns for {n} tokens")
             if turn.min() < _TURN_MIN or turn.max() >= _TURN_MIN + _TURN_RANGE:
                 raise ValueError(
@@ -428,15 +448,30 @@ class MetricsAccumulator:
             change[1:] |= turn[1:] != turn[:-1]
             segments = np.flatnonzero(change)
             seg_turn = turn[segments]
-            seg_seq = seq if len(segments) == len(starts) else sequence_terms(t, lt, li, segments)
         turns, seg_cell = np.unique(seg_turn, return_inverse=True)
-        p_bucket = bucket_index(t.p_infer, P_INFER_BUCKET_EDGES)
-        pos_bucket = None if positions is None else bucket_index(positions, POSITION_BUCKET_EDGES + (np.inf,))
-        parts = cell_stats(t, lt, segments, seg_cell, len(turns), p_bucket, pos_bucket, self.thresholds)
+        if loops is not None:
+            done = shard_pass(loops, lt_in, li_in, starts, segments, seg_cell, len(turns), positions, self.thresholds)
+            if done is None:
+                check_logprobs(lt_in, li_in)  # raises: the loop saw a value the contract refuses
+                raise AssertionError("the compiled pass refused log-probs check_logprobs accepts")
+            parts, seq, seg_seq = done.cells, done.sequences, done.segments
+            abs_delta_bits, p_bucket = done.abs_delta_bits, done.p_bucket
+            shard = ShardTerms(lt_in, li_in, seq, segments, seg_turn, peers=done.peers)
+        else:
+            lt = np.asarray(logp_train, dtype=np.float64)
+            li = np.asarray(logp_infer, dtype=np.float64)
+            t = token_terms(lt, li)
+            seq = sequence_terms(t, lt, li, starts)
+            seg_seq = seq if len(segments) == len(starts) else sequence_terms(t, lt, li, segments)
+            p_bucket = bucket_index(t.p_infer, P_INFER_BUCKET_EDGES)
+            pos_bucket = None if positions is None else bucket_index(positions, POSITION_BUCKET_EDGES + (np.inf,))
+            parts = cell_stats(t, lt, segments, seg_cell, len(turns), p_bucket, pos_bucket, self.thresholds)
+            abs_delta_bits = float32_bits(t.abs_delta)
+            shard = ShardTerms(lt, li, seq, segments, seg_turn, known_terms=t)
         for value, part in zip(turns.tolist(), parts):
             self._cells.setdefault(value, TokenStats()).merge(part)
         self._n += n
-        self._abs_delta.append(float32_bits(t.abs_delta))
+        self._abs_delta.append(abs_delta_bits)
         self._p_bucket.append(p_bucket)
         # a shard of one turn (most are: single-turn runs) keeps the turn, not a copy per token
         self._turn.append(int(turns[0]) if turn is None or len(turns) == 1 else turn.astype(np.int16))
@@ -444,7 +479,7 @@ class MetricsAccumulator:
         self._seg_seq.append(seg_seq)
         self._seg_turn.append(seg_turn)
         self._order_stats = None
-        return ShardTerms(t, seq, segments, seg_turn)
+        return shard
 
     @property
     def n_tokens(self) -> int:
@@ -474,10 +509,8 @@ class MetricsAccumulator:
             parts = self._seq
         else:
             wanted = np.asarray(self._turns_of(group), dtype=np.int64)
-            parts = [
-                SequenceTerms(*(a[np.isin(turns, wanted)] for a in seq))
-                for seq, turns in zip(self._seg_seq, self._seg_turn)
-            ]
+            keeps = [np.isin(turns, wanted) for turns in self._seg_turn]
+            parts = [SequenceTerms(*(a[keep] for a in seq)) for seq, keep in zip(self._seg_seq, keeps)]
         return (
             SequenceTerms(*(np.concatenate(v) if v else np.zeros(0) for v in zip(*parts))) if parts else _NO_SEQUENCES
         )
@@ -542,13 +575,21 @@ class MetricsAccumulator:
         for t, c in cell_of_turn.items():
             lut[t - _TURN_MIN] = c
         width = N_P_BUCKETS if by_bucket else 1
+        loops = _compiled_loops(sum(len(a) for a in self._abs_delta))  # bit for bit either way
 
         def chunks():
             for abs_delta, bucket, turn in zip(self._abs_delta, self._p_bucket, self._turn):
-                if isinstance(turn, int):
-                    cell = np.full(len(abs_delta), lut[turn - _TURN_MIN])
-                else:
-                    cell = lut[turn.astype(np.int64) - _TURN_MIN]
+                if isinstance(turn, int):  # a shard of one turn: its one cell, or none
+                    c = int(lut[turn - _TURN_MIN])
+                    if c < 0 or not by_bucket:
+                        yield abs_delta, np.full(len(abs_delta), c)
+                    else:
+                        yield abs_delta, bucket.astype(np.int64) + c * width
+                    continue
+                if loops is not None:  # one loop, not a temporary per step
+                    yield abs_delta, loops.cells(turn, bucket, lut, _TURN_MIN, width)
+                    continue
+                cell = lut[turn.astype(np.int64) - _TURN_MIN]
                 yield abs_delta, (np.where(cell >= 0, cell * width + bucket, -1) if by_bucket else cell)
 
         ranks = [needed_ranks(size, QUANTILES) for _, _, size in requests]
@@ -763,6 +804,12 @@ _EXTRA_KEYS = (
 METRIC_KEYS = CANONICAL_KEYS + _EXTRA_KEYS
 
 
+def _compiled_loops(n_tokens: int) -> Loops | None:
+    """The compiled loops (analysis/kernels.py) for ``n_tokens`` tokens, or None for the NumPy path;
+    numba is imported on the first shard large enough, not with this module."""
+    return compiled(n_tokens)
+
+
 def compute_metrics(
     logp_train: np.ndarray,
     logp_infer: np.ndarray,
@@ -774,6 +821,152 @@ def compute_metrics(
     acc.add(logp_train, logp_infer, starts)
     return acc.metrics(), acc.corrections()
 
+
+# ---- the compiled pass as the NumPy path's types ---------------------------------------------------
+# The loops and their layouts are in analysis/kernels.py, which imports nothing of the analysis; their
+# glue is here, so no module imports in a circle.
+
+
+class ShardPass(NamedTuple):
+    """The loop's results, as the NumPy path's types."""
+
+    cells: list[TokenStats]  # one per cell
+    segments: SequenceTerms  # one per segment
+    sequences: SequenceTerms  # one per sequence (starts)
+    peers: PeerPart
+    abs_delta_bits: np.ndarray  # float32 |delta| as its bit pattern (order_stats.float32_bits)
+    p_bucket: np.ndarray  # uint8
+
+
+def warm_up() -> float:
+    """Compile (or load from the cache) every loop for both dtypes of the log-probs, on a few
+    tokens; the seconds it took (0 on the NumPy path). What the first shard of a process pays;
+    benchmarks call it before their clock starts."""
+    t0 = time.perf_counter()
+    loops = compiled()
+    if loops is None:
+        return 0.0
+    turn = np.array([0, 1, 1, 0, 0, 1], np.int16)
+    for dtype in (np.float32, np.float64):
+        logp = np.log(np.linspace(0.1, 0.9, 6, dtype=dtype))
+        MetricsAccumulator().add(logp, logp[::-1].copy(), np.array([0, 3]), np.arange(6), turn)
+    # the order statistics' loops, which a few tokens would not reach (they select those directly)
+    bits, lut = np.arange(6, dtype=np.uint32), np.zeros(1 << 16, np.int64)
+    cells = loops.cells(turn, np.zeros(6, np.uint8), lut, 0, 2)
+    loops.histogram(bits, cells, ORDER_HI, np.zeros(2 * ORDER_BINS, np.int64))
+    loops.candidates(bits, cells, ORDER_HI, np.zeros(2 * ORDER_BINS, np.int32))
+    return time.perf_counter() - t0
+
+
+def shard_pass(
+    loops: Loops,
+    lt: np.ndarray,
+    li: np.ndarray,
+    starts: np.ndarray,
+    segments: np.ndarray,
+    seg_cell: np.ndarray,
+    n_cells: int,
+    positions: np.ndarray | None,
+    thresholds: CorrectionThresholds,
+) -> ShardPass | None:
+    """The statistics of one non-empty shard (float32 or float64 log-probs); None when a log-prob
+    breaks the table's contract (the caller's check names it)."""
+    th = thresholds
+    th_arr = np.array(
+        [
+            math.log(th.token_tis),
+            math.log(th.token_mask_low),
+            math.log(th.token_mask_high),
+            th.token_tis,
+            th.token_mask_low,
+            th.token_mask_high,
+            math.exp(-SAFETY_BOUND),
+            math.exp(SAFETY_BOUND),
+            LOG4,
+        ]
+    )
+    pos = np.zeros(0, np.int64) if positions is None else np.asarray(positions, np.int64)
+    segments = np.asarray(segments, np.int64)
+    one_per_sequence = len(segments) == len(starts)
+    # each segment's sequence (segments split sequences, never join them)
+    seg_seq = np.arange(len(segments)) if one_per_sequence else np.searchsorted(starts, segments, side="right") - 1
+    n_bad, cells, segs, peers, bits, p_bucket = loops.shard(
+        _float(lt),
+        _float(li),
+        pos,
+        positions is not None,
+        segments,
+        np.asarray(seg_cell, np.int64),
+        seg_seq,
+        len(starts),
+        n_cells,
+        _P_EDGES,
+        _POS_EDGES,
+        th_arr,
+    )
+    if n_bad:
+        return None
+    cell_n, sums, counts, pd_max, p_sums, m2, p_tab, pos_tab, pos_max = cells
+    sums, counts = _by_key(sums, CELL_SUMS, SUM_KEYS), _by_key(counts, CELL_COUNTS, COUNT_KEYS)
+    p_tab = _by_key(p_tab, TABLE_ROWS, BUCKET_KEYS).transpose(2, 0, 1)  # [BUCKET_KEYS, cell, bucket]
+    pos_tab = _by_key(pos_tab.transpose(1, 2, 0), TABLE_ROWS, BUCKET_KEYS).transpose(2, 0, 1)
+    stats = []
+    for c in range(n_cells):
+        n = int(cell_n[c])
+        mean_x, mean_y, mean_r = p_sums[c, 0] / n, p_sums[c, 1] / n, sums[c, SUM_KEYS.index("ratio")] / n
+        stats.append(
+            TokenStats(
+                n=n,
+                sums=sums[c],
+                counts=counts[c],
+                prob_diff_max=float(pd_max[c]),
+                prob=Moments(n, float(mean_x), float(mean_y), float(m2[c, 0]), float(m2[c, 1]), float(m2[c, 3])),
+                ratio=Moments(n, float(mean_r), float(mean_r), float(m2[c, 2]), float(m2[c, 2]), float(m2[c, 2])),
+                p_buckets=p_tab[:, c],
+                pos_buckets=pos_tab[:, c],
+                pos_max=pos_max[c],
+            )
+        )
+    seg, seg_pd_max, seg_d_min, seq, seq_pd_max, seq_d_min = segs
+    seg_terms = _sequence_terms(np.diff(np.append(segments, len(lt))), seg, seg_pd_max, seg_d_min)
+    seq_n = np.diff(np.append(starts, len(lt)))
+    seq_terms = seg_terms if one_per_sequence else _sequence_terms(seq_n, seq, seq_pd_max, seq_d_min)
+    peer_sums, peer_m2, peer_max, peer_min = peers
+    part = PeerPart(
+        len(lt),
+        _by_key(peer_sums, PEER_SUMS, TOKEN_SUMS),
+        _by_key(peer_m2, MOMENTS[FIRST_PEER_MOM:], TOKEN_M2),
+        _by_key(peer_max, PEER_MAX, TOKEN_MAX),
+        _by_key(peer_min, PEER_MIN, TOKEN_MIN),
+        sequence_values(seq_n, dict(zip(SEQUENCE_SUMS, _by_key(seq, SEGMENT_SUMS, SEQUENCE_SUMS).T)), th),
+        thresholds,
+    )
+    return ShardPass(stats, seg_terms, seq_terms, part, bits.view(np.uint32), p_bucket)
+
+
+def _by_key(values: np.ndarray, layout: tuple[str, ...], keys: tuple[str, ...]) -> np.ndarray:
+    """The last axis of ``values`` (in the loop's ``layout``) in the order of the NumPy path's ``keys``."""
+    missing = [k for k in keys if k not in layout]
+    if missing:
+        raise NotImplementedError(f"the compiled pass computes no {', '.join(missing)}: add it to analysis/kernels.py")
+    return values[..., [layout.index(k) for k in keys]]
+
+
+def _float(x: np.ndarray) -> np.ndarray:
+    """float32 and float64 as they are (one compiled loop each); anything else as float64."""
+    x = np.ascontiguousarray(x)
+    return x if x.dtype in (np.float32, np.float64) else x.astype(np.float64)
+
+
+def _sequence_terms(n: np.ndarray, sums: np.ndarray, pd_max: np.ndarray, d_min: np.ndarray) -> SequenceTerms:
+    named = ("logp_train", "logp_infer", "delta", "prob_diff", "k3", "mult_error")
+    return sequence_terms_from_sums(
+        n, **{k: sums[:, SEGMENT_SUMS.index(k)] for k in named}, prob_diff_max=pd_max, delta_min=d_min
+    )
+
+
+_P_EDGES = np.array(P_INFER_BUCKET_EDGES[1:-1], dtype=np.float64)  # terms.bucket_index's inner edges
+_POS_EDGES = np.array(POSITION_BUCKET_EDGES[1:], dtype=np.int64)
 
 __all__ = [
     "CANONICAL_KEYS",

@@ -22,8 +22,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-_HI = 16  # bits of the first histogram
-_BINS = 1 << _HI
+HI = 16  # bits of the first histogram
+BINS = 1 << HI
 _CHUNK = 1 << 22  # values per chunk of the passes: bounds the temporaries (~100 MiB)
 # below this many values per histogram cell, selecting among the gathered values directly is
 # cheaper than two histograms of 65536 buckets per cell (a timeline step of a few thousand tokens)
@@ -60,19 +60,27 @@ def order_statistics(
     gathered = _gather(chunks, limit) if n_values is None or n_values <= limit else None
     if gathered is not None:
         return _direct(*gathered, group_cells, wanted)
+    from mismatch_probe.analysis.kernels import compiled
+
+    loops = compiled(n_values)  # the two passes as loops over the values, keyed on the fly (analysis/kernels.py)
     pieces: Callable[[], Iterable[tuple[np.ndarray, np.ndarray]]] = lambda: _pieces(chunks)
-    if n_values is not None and n_values <= _CHUNK:
+    if loops is None and n_values is not None and n_values <= _CHUNK:
         keyed = list(_pieces(chunks))
         pieces = lambda: keyed
 
     # 1. per cell, how many values in each upper-16-bit bucket
-    flat = np.zeros(n_cells * _BINS, dtype=np.int64)
-    for key, _ in pieces():
-        flat += np.bincount(key[key >= 0], minlength=n_cells * _BINS)
-    counts = flat.reshape(n_cells, _BINS)
+    flat = np.zeros(n_cells * BINS, dtype=np.int64)
+    if loops is not None:
+        for bits, cells in chunks():
+            bits, cells = _checked_piece(bits, cells)
+            loops.histogram(bits, cells, HI, flat)
+    else:
+        for key, _ in pieces():
+            flat += np.bincount(key[key >= 0], minlength=n_cells * BINS)
+    counts = flat.reshape(n_cells, BINS)
 
     # per group and rank: the bucket that holds it and the rank among the bucket's values
-    need = np.zeros(n_cells * _BINS, dtype=bool)
+    need = np.zeros(n_cells * BINS, dtype=bool)
     located = []
     for g, (cs, rs) in enumerate(zip(group_cells, wanted)):
         cum = np.cumsum(counts[cs].sum(axis=0))
@@ -82,18 +90,24 @@ def order_statistics(
         inside = rs - np.where(bucket > 0, cum[bucket - 1], 0)
         located.append((bucket, inside))
         for b in np.unique(bucket):
-            need[cs * _BINS + b] = True
+            need[cs * BINS + b] = True
 
     # 2. the values in a wanted (cell, bucket), grouped by it (a stable radix sort of small ids)
-    pair_of = np.full(n_cells * _BINS, -1, dtype=np.int32)
+    pair_of = np.full(n_cells * BINS, -1, dtype=np.int32)
     pairs = np.flatnonzero(need)
     pair_of[pairs] = np.arange(len(pairs), dtype=np.int32)
     cand_pair, cand_low = [np.zeros(0, np.int32)], [np.zeros(0, np.uint16)]
-    for key, bits in pieces():
-        pid = np.where(key >= 0, pair_of[np.maximum(key, 0)], -1)
-        hit = pid >= 0
-        cand_pair.append(pid[hit])
-        cand_low.append((bits[hit] & np.uint32(_BINS - 1)).astype(np.uint16))
+    if loops is not None:
+        for bits, cells in chunks():
+            found_pair, found_low = loops.candidates(*_checked_piece(bits, cells), HI, pair_of)
+            cand_pair.append(found_pair)
+            cand_low.append(found_low)
+    else:
+        for key, bits in pieces():
+            pid = np.where(key >= 0, pair_of[np.maximum(key, 0)], -1)
+            hit = pid >= 0
+            cand_pair.append(pid[hit])
+            cand_low.append((bits[hit] & np.uint32(BINS - 1)).astype(np.uint16))
     pid = np.concatenate(cand_pair)
     order = np.argsort(pid, kind="stable")
     low = np.concatenate(cand_low)[order]
@@ -103,12 +117,12 @@ def order_statistics(
     for cs, (bucket, inside) in zip(group_cells, located):
         values = np.zeros(len(bucket), dtype=np.uint32)
         for b in np.unique(bucket):
-            ids = pair_of[cs * _BINS + b]
+            ids = pair_of[cs * BINS + b]
             lows = np.concatenate([low[bounds[i] : bounds[i + 1]] for i in ids[ids >= 0]])
             at = bucket == b
             ks = inside[at]
             picked = np.partition(lows, np.unique(ks))[ks]
-            values[at] = (np.uint32(b) << np.uint32(_HI)) | picked.astype(np.uint32)
+            values[at] = (np.uint32(b) << np.uint32(HI)) | picked.astype(np.uint32)
         out.append(values)
     return out
 
@@ -142,15 +156,21 @@ def _direct(
     return out
 
 
+def _checked_piece(bits: np.ndarray, cells: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A piece as uint32 bits and int64 cells, the same length."""
+    bits, cells = np.asarray(bits, dtype=np.uint32), np.asarray(cells, dtype=np.int64)
+    if bits.shape != cells.shape:
+        raise ValueError(f"{len(bits)} values but {len(cells)} cells")
+    return bits, cells
+
+
 def _pieces(chunks: Callable[[], Iterable[tuple[np.ndarray, np.ndarray]]]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """(cell * 65536 + upper 16 bits, or -1 outside every cell; the bits) in pieces of at most _CHUNK."""
     for bits, cells in chunks():
-        bits, cells = np.asarray(bits, dtype=np.uint32), np.asarray(cells)
-        if bits.shape != cells.shape:
-            raise ValueError(f"{len(bits)} values but {len(cells)} cells")
+        bits, cells = _checked_piece(bits, cells)
         for lo in range(0, len(bits), _CHUNK):
             b, c = bits[lo : lo + _CHUNK], cells[lo : lo + _CHUNK]
-            key = c.astype(np.int64) * _BINS + (b >> np.uint32(_HI)).astype(np.int64)
+            key = c.astype(np.int64) * BINS + (b >> np.uint32(HI)).astype(np.int64)
             yield np.where(c >= 0, key, -1), b
 
 

@@ -16,7 +16,8 @@ shard's model tokens): token-level sums, extrema and second moments in float64, 
 per sequence (a sample: every model token of it, its turns together, as a framework's loss mask
 holds it). A framework reduces over micro-batches and ranks; the global batch is one step here, and
 where a framework's reduction would depend on its batch layout (SkyRL's std over a padded batch) the
-entry says what is computed instead. Pure NumPy; no I/O.
+entry says what is computed instead. NumPy here (analysis/kernels.py computes a shard's
+:class:`PeerPart` in its compiled loop); no I/O.
 """
 
 from __future__ import annotations
@@ -24,12 +25,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from mismatch_probe.analysis.terms import TokenTerms, token_terms
 from mismatch_probe.config.spec import CorrectionThresholds
+
+if TYPE_CHECKING:
+    from mismatch_probe.analysis.terms import ShardTerms
 
 # the clamp several frameworks apply to a log-ratio before exp (verl's and slime's SAFETY_BOUND,
 # SkyRL's safe_exp_delta clip)
@@ -526,8 +530,7 @@ def metrics_of(framework: str) -> list[PeerMetric]:
 
 
 # the token statistics PeerAccumulator keeps: sums, extrema, and for an sd the sum of squared deviations
-# from the mean ("_m2"), merged across shards (Chan et al.) because the sum of squares less n·mean²
-# cancels when the mean dwarfs the sd (an fp32 run's importance ratio: 1 ± 1e-6)
+# from the mean ("_m2", merged across shards: PeerAccumulator.merge)
 TOKEN_SUMS = (
     "delta", "abs_delta", "k2", "k3", "reverse_k3", "mult", "rho2", "abs_dp",
     "js", "r_finite", "r_clamped", "oob_tis", "oob_icepop",
@@ -571,23 +574,35 @@ def token_values(terms: TokenTerms, lt: np.ndarray, li: np.ndarray, th: Correcti
     }
 
 
-def sequence_values(
-    lt: np.ndarray, li: np.ndarray, starts: np.ndarray, tv: dict[str, np.ndarray], th: CorrectionThresholds
+# each sequence's sums sequence_values reads (a shard holds whole sequences)
+SEQUENCE_SUMS = ("logp_train", "logp_infer", "delta", "rho2", "k3", "abs_delta")
+
+
+def sequence_sums(
+    lt: np.ndarray, li: np.ndarray, starts: np.ndarray, tv: dict[str, np.ndarray]
 ) -> dict[str, np.ndarray]:
-    """Every per-sequence value a peer metric reduces, for one shard (``starts``: each sequence's first
-    token; a shard holds whole sequences)."""
-    n = np.diff(np.append(starts, len(lt))).astype(np.float64)
+    """:data:`SEQUENCE_SUMS` of each sequence of one shard (``starts``: each sequence's first token)."""
+    columns = {"logp_train": np.asarray(lt, np.float64), "logp_infer": np.asarray(li, np.float64)} | tv
+    return {k: np.add.reduceat(columns[k], starts) for k in SEQUENCE_SUMS}
 
-    def mean(x: np.ndarray) -> np.ndarray:
-        return np.add.reduceat(x, starts) / n
 
-    mt, mi = mean(np.asarray(lt, np.float64)), mean(np.asarray(li, np.float64))
-    sum_d = np.add.reduceat(tv["delta"], starts)
+def sequence_values(
+    n_tokens: np.ndarray, sums: dict[str, np.ndarray], th: CorrectionThresholds
+) -> dict[str, np.ndarray]:
+    """Every per-sequence value a peer metric reduces, from each sequence's length and
+    :data:`SEQUENCE_SUMS` (:func:`sequence_sums`, or the compiled pass's: analysis/kernels.py)."""
+    n = np.asarray(n_tokens, np.float64)
+
+    def mean(key: str) -> np.ndarray:
+        return sums[key] / n
+
+    mt, mi = mean("logp_train"), mean("logp_infer")
+    sum_d = sums["delta"]
     with np.errstate(over="ignore"):
         geo = np.exp(sum_d / n)
         trl = np.exp(sum_d)
     log_ppl_diff = mi - mt
-    chi2_token = mean(tv["rho2"]) - 1.0
+    chi2_token = mean("rho2") - 1.0
     chi2_seq = np.exp(2.0 * np.clip(sum_d, -SAFETY_BOUND, SAFETY_BOUND)) - 1.0
     out = {
         "n_tokens": n,
@@ -607,16 +622,55 @@ def sequence_values(
         "slime_training_ppl": np.exp(-mt),
         "slime_rollout_log_ppl": -mi,
         "slime_rollout_ppl": np.exp(-mi),
-        "slime_kl": -mean(tv["delta"]),
-        "slime_k3_kl": mean(tv["k3"]),
+        "slime_kl": -mean("delta"),
+        "slime_k3_kl": mean("k3"),
         "slime_log_ppl_diff": log_ppl_diff,
         "slime_log_ppl_abs_diff": np.abs(log_ppl_diff),
         "slime_ppl_ratio": np.exp(log_ppl_diff),
         "slime_chi2_token": chi2_token,
         "slime_chi2_seq": chi2_seq,
-        "slime_abs_delta": mean(tv["abs_delta"]),
+        "slime_abs_delta": mean("abs_delta"),
     }
     return out
+
+
+class PeerPart(NamedTuple):
+    """One shard's share of :class:`PeerAccumulator`'s statistics: its token count, the sums, the
+    sums of squared deviations about the shard's own mean, the extrema (in the order of
+    TOKEN_SUMS, TOKEN_M2, TOKEN_MAX, TOKEN_MIN), its sequences' values, and the thresholds they
+    were computed with."""
+
+    n: int
+    sums: np.ndarray
+    m2: np.ndarray
+    maxima: np.ndarray
+    minima: np.ndarray
+    seq: dict[str, np.ndarray]
+    thresholds: CorrectionThresholds
+
+
+def peer_part(
+    lt: np.ndarray, li: np.ndarray, starts: np.ndarray, terms: TokenTerms | None, th: CorrectionThresholds
+) -> PeerPart:
+    """A non-empty shard's :class:`PeerPart`, in NumPy (the compiled pass computes it in its own loop)."""
+    lt, li = np.asarray(lt, np.float64), np.asarray(li, np.float64)
+    tv = token_values(terms if terms is not None else token_terms(lt, li), lt, li, th)
+    m2 = []
+    for key in TOKEN_M2:
+        x = tv[key.removesuffix("_m2")]
+        with np.errstate(invalid="ignore"):  # an infinite term (p_train = 0) makes the sd NaN, as torch's
+            dev = x - x.mean()
+            m2.append(float(np.dot(dev, dev)))
+    n = np.diff(np.append(starts, len(lt)))
+    return PeerPart(
+        len(lt),
+        np.array([tv[k].sum() for k in TOKEN_SUMS]),
+        np.array(m2),
+        np.array([tv[k.removesuffix("_max")].max() for k in TOKEN_MAX]),
+        np.array([tv[k.removesuffix("_min")].min() for k in TOKEN_MIN]),
+        sequence_values(n, sequence_sums(lt, li, starts, tv), th),
+        th,
+    )
 
 
 @dataclass
@@ -640,32 +694,38 @@ class PeerAccumulator:
     def add(self, lt: np.ndarray, li: np.ndarray, starts: np.ndarray, terms: TokenTerms | None = None) -> None:
         """One shard's model tokens (whole sequences; ``starts``: each one's first token), with their
         token terms when the caller has them already."""
-        if not len(lt):
-            return
-        lt, li = np.asarray(lt, np.float64), np.asarray(li, np.float64)
-        tv = token_values(terms if terms is not None else token_terms(lt, li), lt, li, self.thresholds)
-        n_before, n_shard = self.n, len(lt)
+        if len(lt):
+            self.merge(peer_part(lt, li, starts, terms, self.thresholds))
+
+    def add_shard(self, lt: np.ndarray, li: np.ndarray, starts: np.ndarray, shard: ShardTerms) -> None:
+        """One shard as :meth:`.metrics.MetricsAccumulator.add` reduced it: its compiled pass's part when it
+        computed one with these thresholds, else from its token terms."""
+        part = shard.peers
+        if part is None or part.thresholds != self.thresholds:
+            part = peer_part(lt, li, starts, shard.terms, self.thresholds)
+        self.merge(part)
+
+    def merge(self, part: PeerPart) -> None:
+        """Fold in one shard's part: sums add, extrema compare, and the squared deviations merge
+        (Chan et al.) because the sum of squares less n·mean² cancels when the mean dwarfs the sd (an
+        fp32 run's importance ratio: 1 ± 1e-6)."""
+        n_before, n_shard = self.n, part.n
         self.n += n_shard
-        for key in TOKEN_M2:  # before the sums grow: the merge needs the mean so far
+        for j, key in enumerate(TOKEN_M2):  # before the sums grow: the merge needs the mean so far
             base = key.removesuffix("_m2")
-            x = tv[base]
-            with np.errstate(invalid="ignore"):  # an infinite term (p_train = 0) makes the sd NaN, as torch's
-                mean_shard = float(x.mean())
-                gap = mean_shard - (self.tok[base] / n_before if n_before else 0.0)
-                m2_shard = float(np.dot(x - mean_shard, x - mean_shard))
-            self.tok[key] += m2_shard + gap * gap * n_before * n_shard / self.n
-        for key in TOKEN_SUMS:
-            self.tok[key] += float(tv[key].sum())
-        for key in TOKEN_MAX:
-            self.tok[key] = max(self.tok[key], float(tv[key[:-4]].max()))
-        for key in TOKEN_MIN:
-            self.tok[key] = min(self.tok[key], float(tv[key[:-4]].min()))
-        self.seq_parts.append(sequence_values(lt, li, starts, tv, self.thresholds))
+            mean_shard = float(part.sums[TOKEN_SUMS.index(base)]) / n_shard
+            gap = mean_shard - (self.tok[base] / n_before if n_before else 0.0)
+            self.tok[key] += float(part.m2[j]) + gap * gap * n_before * n_shard / self.n
+        for key, value in zip(TOKEN_SUMS, part.sums):
+            self.tok[key] += float(value)
+        for key, value in zip(TOKEN_MAX, part.maxima):
+            self.tok[key] = max(self.tok[key], float(value))
+        for key, value in zip(TOKEN_MIN, part.minima):
+            self.tok[key] = min(self.tok[key], float(value))
+        self.seq_parts.append(part.seq)
 
     def stats(self) -> PeerStats:
-        one = np.zeros(1)  # the keys sequence_values gives, for a run without a model token
-        tv = token_values(token_terms(one, one), one, one, self.thresholds)
-        keys = sequence_values(one, one, np.zeros(1, np.int64), tv, self.thresholds)
+        keys = sequence_values(np.ones(1), dict.fromkeys(SEQUENCE_SUMS, np.zeros(1)), self.thresholds)
         seq = {k: np.concatenate([p[k] for p in self.seq_parts]) if self.seq_parts else np.zeros(0) for k in keys}
         return PeerStats(self.n, dict(self.tok), seq, self.thresholds)
 

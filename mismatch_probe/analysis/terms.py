@@ -10,7 +10,8 @@ arithmetic is float64, whatever the stored dtype. The conventions (``delta``, ``
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -116,22 +117,48 @@ def sequence_terms(
     if len(starts) == 0:
         empty = np.zeros(0)
         return SequenceTerms(np.zeros(0, dtype=np.int64), *([empty] * 9))
-    n_tokens = np.diff(np.append(starts, n))
     lt = np.asarray(logp_train, dtype=np.float64)
     li = np.asarray(logp_infer, dtype=np.float64)
     with np.errstate(invalid="ignore", over="ignore"):
-        log_ratio = np.add.reduceat(terms.delta, starts)
+        return sequence_terms_from_sums(
+            np.diff(np.append(starts, n)),
+            logp_train=np.add.reduceat(lt, starts),
+            logp_infer=np.add.reduceat(li, starts),
+            delta=np.add.reduceat(terms.delta, starts),
+            prob_diff=np.add.reduceat(terms.prob_diff, starts),
+            k3=np.add.reduceat(terms.k3, starts),
+            mult_error=np.add.reduceat(terms.mult_error, starts),
+            prob_diff_max=np.maximum.reduceat(terms.prob_diff, starts),
+            delta_min=np.minimum.reduceat(terms.delta, starts),
+        )
+
+
+def sequence_terms_from_sums(
+    n_tokens: np.ndarray,
+    *,
+    logp_train: np.ndarray,
+    logp_infer: np.ndarray,
+    delta: np.ndarray,
+    prob_diff: np.ndarray,
+    k3: np.ndarray,
+    mult_error: np.ndarray,
+    prob_diff_max: np.ndarray,
+    delta_min: np.ndarray,
+) -> SequenceTerms:
+    """The sequence terms from each sequence's sums (and extrema) of its token terms: one place for
+    both ways of reducing them (:func:`sequence_terms`, :mod:`.kernels`)."""
+    with np.errstate(invalid="ignore", over="ignore"):
         return SequenceTerms(
             n_tokens=n_tokens,
-            max_mismatch=np.maximum.reduceat(terms.prob_diff, starts),
-            mean_mismatch=np.add.reduceat(terms.prob_diff, starts) / n_tokens,
-            log_ppl_infer=-np.add.reduceat(li, starts) / n_tokens,
-            log_ppl_train=-np.add.reduceat(lt, starts) / n_tokens,
-            log_ratio=log_ratio,
-            geo_ratio=np.exp(log_ratio / n_tokens),
-            min_token_log_ratio=np.minimum.reduceat(terms.delta, starts),
-            k3_sum=np.add.reduceat(terms.k3, starts),
-            mult_error_sum=np.add.reduceat(terms.mult_error, starts),
+            max_mismatch=prob_diff_max,
+            mean_mismatch=prob_diff / n_tokens,
+            log_ppl_infer=-logp_infer / n_tokens,
+            log_ppl_train=-logp_train / n_tokens,
+            log_ratio=delta,
+            geo_ratio=np.exp(delta / n_tokens),
+            min_token_log_ratio=delta_min,
+            k3_sum=k3,
+            mult_error_sum=mult_error,
         )
 
 
@@ -156,3 +183,23 @@ def bucket_index(values: np.ndarray, edges: tuple) -> np.ndarray:
     for edge in edges[1:-1]:
         out += values >= edge
     return out
+
+
+@dataclass
+class ShardTerms:
+    """What :meth:`MetricsAccumulator.add` computed for a shard, for other accumulators to reuse."""
+
+    logp_train: np.ndarray
+    logp_infer: np.ndarray
+    sequences: SequenceTerms  # one per sequence (``starts``)
+    segments: np.ndarray  # start of each segment: a sequence, or its part in one turn
+    segment_turn: np.ndarray  # the turn of each segment
+    # the compiled pass (analysis/kernels.py) keeps no per-token terms: computed on first use
+    known_terms: TokenTerms | None = None
+    peers: Any = None  # the compiled pass's share of the peer metrics (a peer_metrics.PeerPart)
+
+    @property
+    def terms(self) -> TokenTerms:
+        if self.known_terms is None:
+            self.known_terms = token_terms(self.logp_train, self.logp_infer)
+        return self.known_terms

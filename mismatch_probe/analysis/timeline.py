@@ -116,7 +116,8 @@ def step_rows(
     the step, so a step's row is the same however often and in whichever process it is computed."""
     acc = MetricsAccumulator(thresholds or CorrectionThresholds(), bucket_quantiles=False)
     starts = segment_starts(tokens.sample_id)
-    done = acc.add(tokens.logp_train, tokens.logp_infer, starts, tokens.position, tokens.turn)
+    # no positions: a step's row reads no breakdown, so the position table is not built
+    done = acc.add(tokens.logp_train, tokens.logp_infer, starts, None, tokens.turn)
     routing: dict[str, RoutingAccumulator] = {}
     if done is not None and tokens.experts_infer is not None and tokens.experts_train is not None:
         _, n_layers, top_k = np.shape(tokens.experts_infer)
@@ -127,7 +128,7 @@ def step_rows(
             routing[name].add(cmp, terms=done.terms, keep=keep)
     peers = PeerAccumulator(thresholds or CorrectionThresholds())
     if done is not None:
-        peers.add(tokens.logp_train, tokens.logp_infer, starts, done.terms)
+        peers.add_shard(tokens.logp_train, tokens.logp_infer, starts, done)
     dashboard = {f"dashboard.{fw}.{key}": v for fw, values in peers.result().items() for key, v in values.items()}
     rows = []
     for group in STEP_GROUPS:

@@ -34,7 +34,7 @@ SPEC_COMMANDS = ("compare", "sample", "sweep")
 OWN_OPTIONS = {
     "compare": {"--overwrite", "--no-overwrite", "--rollouts-from", "--gate", "--json"},
     "sample": {"--set", "--overwrite", "--no-overwrite"},
-    "sweep": {"--gate", "--resume", "--no-resume", "--json"},
+    "sweep": {"--gate", "--resume", "--no-resume", "--json", "--shard", "--summarize", "--executor", "--ray-address"},
 }
 
 
