@@ -352,6 +352,13 @@ def analyze(
     out.print(f"report: {escape(portable_path(result.run_dir / 'report.html'))} (also report.md)")
 
 
+# --executor ray's cluster, for sweep and timeline alike
+RayAddress = Annotated[
+    str | None,
+    typer.Option("--ray-address", help="With --executor ray: the cluster (default: RAY_ADDRESS, else a local one)."),
+]
+
+
 class RichSweepProgress(RichProgress):
     """The stages' bars plus one for the sweep: points done, engine starts, time left."""
 
@@ -421,12 +428,7 @@ def sweep(
             help=f"Where the engine configurations run: {' or '.join(EXECUTORS)} (each one a Ray task on a cluster).",
         ),
     ] = "local",
-    ray_address: Annotated[
-        str | None,
-        typer.Option(
-            "--ray-address", help="With --executor ray: the cluster (default: RAY_ADDRESS, else a local one)."
-        ),
-    ] = None,
+    ray_address: RayAddress = None,
     overrides: dict[str, object],
 ) -> None:
     """Vary engine, reference and sampling settings around a spec, one run per point (one engine
@@ -685,12 +687,7 @@ def timeline(
             help=f"Where steps are read and analysed: {' or '.join(EXECUTORS)} (each step a Ray task on a cluster).",
         ),
     ] = "local",
-    ray_address: Annotated[
-        str | None,
-        typer.Option(
-            "--ray-address", help="With --executor ray: the cluster (default: RAY_ADDRESS, else a local one)."
-        ),
-    ] = None,
+    ray_address: RayAddress = None,
     keep: Annotated[
         str,
         typer.Option(help="Steps kept as full run directories: auto (first, last, worst, change points), all, none."),
