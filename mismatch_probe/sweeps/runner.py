@@ -290,10 +290,11 @@ class _Sweep:
         waiting = self.waiting()
         if waiting:
             shown = ", ".join(waiting[:5]) + (f" and {len(waiting) - 5} more" if len(waiting) > 5 else "")
-            ran = sorted(p.stem for p in (self.out / UNITS_DIR).glob("*.json"))
+            seen = sorted(p.stem for p in (self.out / UNITS_DIR).glob("*.json"))
             raise ConfigError(
                 f"{len(waiting)} point(s) of the sweep in {str(self.out)!r} are not done: {shown}",
-                hint=f"run the shards that did not finish (finished: {', '.join(ran) or 'none'}), then --summarize",
+                hint="run the shards whose points these are again (shards that have run here: "
+                f"{', '.join(seen) or 'none'}), then --summarize",
             )
         return self._summarize(time.perf_counter())
 
