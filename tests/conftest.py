@@ -96,7 +96,15 @@ def pytest_itemcollected(item):
     if tier_of(item.path) in SLOW_DIRECTORIES or item.get_closest_marker("distributed") is not None:
         item.add_marker(pytest.mark.slow)
     engine = engine_fixtures.engine_used(item)
-    item.add_marker(pytest.mark.xdist_group(f"engine-{engine}" if engine else item.nodeid.split("::")[0]))
+    file = item.nodeid.split("::")[0]
+    group = "local-clusters" if file in LOCAL_CLUSTERS else f"engine-{engine}" if engine else file
+    item.add_marker(pytest.mark.xdist_group(group))
+
+
+# The files that bring up clusters of processes on this machine's ports, torchrun's two "nodes" and
+# Ray's head and worker, run in one worker, one after the other: in CI a torchrun job's gloo rank
+# aborted (SIGABRT, after 319 s) while the other worker ran beside it; alone it passes in 88 s.
+LOCAL_CLUSTERS = {"tests/e2e/test_torchrun.py", "tests/e2e/test_sweep_shards.py", "tests/dumps/test_timeline.py"}
 
 
 # seconds spent per tier (setup, call and teardown of its tests), printed at the end of a session:
