@@ -427,7 +427,7 @@ class MetricsAccumulator:
         (None for an empty chunk)."""
         lt_in, li_in = np.asarray(logp_train), np.asarray(logp_infer)
         n = len(lt_in)
-        loops = _compiled_loops(n) if n and lt_in.shape == li_in.shape else None
+        loops = compiled(n) if n and lt_in.shape == li_in.shape else None
         if loops is None:
             check_logprobs(lt_in, li_in)
         if n == 0:
@@ -575,7 +575,7 @@ class MetricsAccumulator:
         for t, c in cell_of_turn.items():
             lut[t - _TURN_MIN] = c
         width = N_P_BUCKETS if by_bucket else 1
-        loops = _compiled_loops(sum(len(a) for a in self._abs_delta))  # bit for bit either way
+        loops = compiled(sum(len(a) for a in self._abs_delta))  # bit for bit either way
 
         def chunks():
             for abs_delta, bucket, turn in zip(self._abs_delta, self._p_bucket, self._turn):
@@ -802,12 +802,6 @@ _EXTRA_KEYS = (
 )
 # every scalar metrics() reports, canonical first: a timeline's per-step columns
 METRIC_KEYS = CANONICAL_KEYS + _EXTRA_KEYS
-
-
-def _compiled_loops(n_tokens: int) -> Loops | None:
-    """The compiled loops (analysis/kernels.py) for ``n_tokens`` tokens, or None for the NumPy path;
-    numba is imported on the first shard large enough, not with this module."""
-    return compiled(n_tokens)
 
 
 def compute_metrics(

@@ -253,7 +253,8 @@ class _Sweep:
 
     # ---- running -------------------------------------------------------------------------
     def groups(self) -> list[Group]:
-        """The engine-configuration groups of the points that can run (the invalid ones refused)."""
+        """The engine-configuration groups of the points that can run (the invalid ones refused);
+        ``self.source``: the point each re-scoring point takes its tokens from."""
         refused = self.state.refused
         for p in self.plan.points:
             if p.spec is None and p.name not in refused:
@@ -261,14 +262,15 @@ class _Sweep:
             elif p.name in refused:
                 self._drop_unsampled(p)  # refused by an earlier version that kept the directory
         refused = self.state.refused
-        return engine_groups([p for p in self.plan.runs if p.spec is not None and p.name not in refused])
+        groups = engine_groups([p for p in self.plan.runs if p.spec is not None and p.name not in refused])
+        self.source = {name: src for g in groups for name, src in g.source.items()}
+        return groups
 
     def run(self, select: Callable[[list[Group]], list[Group]] | None = None, *, summarize: bool = True) -> SweepResult:
         """Run the groups ``select`` picks (default: all), then write the summary if every point of
         the sweep is done (and ``summarize``: a Ray task leaves it to its driver)."""
         self.state.begin()
         groups = self.groups()
-        self.source = {name: src for g in groups for name, src in g.source.items()}
         mine = groups if select is None else select(groups)
         self.total = sum(len(g.members) for g in mine)
         self.done = 0
@@ -285,8 +287,7 @@ class _Sweep:
 
     def summarize_only(self) -> SweepResult:
         """The summary of a sweep whose points were run elsewhere (its shards, its Ray tasks)."""
-        groups = self.groups()
-        self.source = {name: src for g in groups for name, src in g.source.items()}
+        self.groups()
         waiting = self.waiting()
         if waiting:
             shown = ", ".join(waiting[:5]) + (f" and {len(waiting) - 5} more" if len(waiting) > 5 else "")

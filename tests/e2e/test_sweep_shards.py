@@ -121,6 +121,16 @@ def shard_process(spec_file: Path, out: Path, shard: str) -> subprocess.Popen:
     )
 
 
+def wait_for_baseline_rollouts(proc: subprocess.Popen, out: Path, who: str) -> None:
+    """Until the baseline's first rollout shard is on disk (mid-sweep: the moment to kill)."""
+    target = out / "points" / "baseline" / "rollouts"
+    deadline = time.monotonic() + 300
+    while not (target.is_dir() and any(target.glob("part-*.parquet"))):
+        assert proc.poll() is None, f"{who} finished before it could be killed"
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+
+
 def test_two_shards_at_once_give_the_serial_sweep(serial, spec_file, tmp_path):
     out = tmp_path / "out"
     procs = [shard_process(spec_file, out, s) for s in ("1/2", "2/2")]
@@ -143,12 +153,7 @@ def test_a_killed_shard_runs_again_to_the_serial_sweep(serial, spec_file, tmp_pa
     is missing; shard 1 run again resumes its points and writes sweep.json, the serial run's."""
     out = tmp_path / "out"
     proc = shard_process(spec_file, out, "1/2")
-    target = out / "points" / "baseline" / "rollouts"
-    deadline = time.monotonic() + 300
-    while not (target.is_dir() and any(target.glob("part-*.parquet"))):
-        assert proc.poll() is None, "shard 1 finished before it could be killed"
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+    wait_for_baseline_rollouts(proc, out, "shard 1")
     os.killpg(proc.pid, signal.SIGKILL)  # the CLI and its engine worker, at once
     proc.communicate()
 
@@ -219,12 +224,7 @@ def test_a_ray_worker_killed_midway_is_retried_to_the_serial_sweep(serial, spec_
         text=True,
         env={**os.environ, **ONE_THREAD},
     )
-    target = out / "points" / "baseline" / "rollouts"
-    deadline = time.monotonic() + 300
-    while not (target.is_dir() and any(target.glob("part-*.parquet"))):
-        assert proc.poll() is None, "the sweep finished before its worker could be killed"
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+    wait_for_baseline_rollouts(proc, out, "the sweep")
     # Ray names a worker's process after the task it runs (ray_executor: "mismatch-probe sweep group-<key>")
     workers = [p for p in psutil.process_iter(["cmdline"]) if "sweep group-" in " ".join(p.info["cmdline"] or [])]
     assert workers, "no Ray worker runs a group"
