@@ -47,6 +47,7 @@ from mismatch_probe.analysis.kernels import (
     TABLE_ROWS,
     Loops,
     compiled,
+    shard_loop,
 )
 from mismatch_probe.analysis.order_stats import BINS as ORDER_BINS
 from mismatch_probe.analysis.order_stats import HI as ORDER_HI
@@ -841,9 +842,20 @@ def warm_up() -> float:
     if loops is None:
         return 0.0
     turn = np.array([0, 1, 1, 0, 0, 1], np.int16)
-    for dtype in (np.float32, np.float64):
+    for dtype in (np.float32, np.float64):  # the shard's loop, which a few tokens would not reach (COMPILED_MIN_TOKENS)
         logp = np.log(np.linspace(0.1, 0.9, 6, dtype=dtype))
-        MetricsAccumulator().add(logp, logp[::-1].copy(), np.array([0, 3]), np.arange(6), turn)
+        segments, seg_cell = np.array([0, 1, 3, 5]), np.array([0, 1, 0, 1])
+        shard_pass(
+            loops,
+            logp,
+            logp[::-1].copy(),
+            np.array([0, 3]),
+            segments,
+            seg_cell,
+            2,
+            np.arange(6),
+            CorrectionThresholds(),
+        )
     # the order statistics' loops, which a few tokens would not reach (they select those directly)
     bits, lut = np.arange(6, dtype=np.uint32), np.zeros(1 << 16, np.int64)
     cells = loops.cells(turn, np.zeros(6, np.uint8), lut, 0, 2)
@@ -884,9 +896,11 @@ def shard_pass(
     one_per_sequence = len(segments) == len(starts)
     # each segment's sequence (segments split sequences, never join them)
     seg_seq = np.arange(len(segments)) if one_per_sequence else np.searchsorted(starts, segments, side="right") - 1
-    n_bad, cells, segs, peers, bits, p_bucket = loops.shard(
-        _float(lt),
-        _float(li),
+    lt, li = _float(lt), _float(li)
+    n_bad, cells, segs, peers, bits, p_bucket = shard_loop(
+        loops,
+        lt,
+        li,
         pos,
         positions is not None,
         segments,

@@ -207,6 +207,31 @@ def test_the_compiled_pass_equals_the_numpy_path(numba_path, case):
 
 
 @pytest.mark.parametrize(
+    "case", ["four turns", "float32", "one-token sequences", "p_train = 0, overflow, underflow, equal"]
+)
+def test_a_shard_in_blocks_gives_one_loops_bits(numba_path, monkeypatch, case):
+    """The loop runs a shard block by block (kernels.BLOCK_TOKENS, cut where a sequence begins)
+    into one state, in token order: the same bits as one block, whatever the block's size."""
+    kw = CASES[case]
+    assert all(len(lt) < kernels.BLOCK_TOKENS for lt, *_ in kw["shards"])
+    whole = accumulate(**kw)
+    monkeypatch.setattr(kernels, "BLOCK_TOKENS", 300)  # blocks of one to a few sequences (of 1-400 tokens)
+    blocked = accumulate(**kw)
+    (acc_b, peers_b, done_b), (acc_w, peers_w, done_w) = blocked, whole
+    for t in acc_w.turns:
+        close(dataclasses.asdict(acc_b._cells[t]), dataclasses.asdict(acc_w._cells[t]), f"turn {t}", exact=True)
+    for b, w in zip(done_b, done_w, strict=True):
+        close(b.sequences._asdict(), w.sequences._asdict(), "sequences", exact=True)
+        close(tuple(b.peers), tuple(w.peers), "peers", exact=True)
+    close(acc_b._abs_delta, acc_w._abs_delta, "|delta| bits", exact=True)
+    close(acc_b._p_bucket, acc_w._p_bucket, "p_infer buckets", exact=True)
+    for g in ["all", "first", "later", *acc_w.turns]:
+        close(acc_b.metrics(g), acc_w.metrics(g), f"metrics({g})", exact=True)
+        close(acc_b.breakdowns(g), acc_w.breakdowns(g), f"breakdowns({g})", exact=True)
+    close(peers_b.result(), peers_w.result(), "dashboard", exact=True)
+
+
+@pytest.mark.parametrize(
     "bad", [("logp_train", np.nan), ("logp_infer", np.nan), ("logp_train", np.inf), ("logp_infer", -np.inf)]
 )
 def test_refused_values_raise_the_numpy_paths_error(numba_path, bad):
