@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from mismatch_probe.dumps.samples import DumpSample, check_step_has_model_tokens
+from mismatch_probe.dumps.samples import DumpSample, SampleColumns, check_step_has_model_tokens
 from mismatch_probe.errors import ConfigError
 
 # the step of a dump whose names carry no step number (a single file, a flat directory)
@@ -66,6 +66,12 @@ class DumpReader:
 
     def read_samples(self) -> Iterator[DumpSample]:
         raise NotImplementedError
+
+    def sample_columns(self) -> Iterator[SampleColumns] | None:
+        """The step's samples as batches of flat columns, in :meth:`read_samples`' order, where
+        the format stores them so (a timeline reads them without a Python object per sample); None:
+        one at a time only. Unlike :meth:`samples`, a step without model tokens is not refused here."""
+        return None
 
     def describe(self) -> dict[str, Any]:
         return {"files": [f.name for f in self.files], "step": self.step, "notes": list(self.notes)}

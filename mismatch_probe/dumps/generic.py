@@ -20,7 +20,7 @@ import numpy as np
 
 from mismatch_probe.dumps import jsonl
 from mismatch_probe.dumps.base import UNNUMBERED, DumpReader, Listing, select_step
-from mismatch_probe.dumps.samples import DumpSample
+from mismatch_probe.dumps.samples import DumpSample, FlatSamples, SampleColumns
 from mismatch_probe.errors import ConfigError
 
 REQUIRED = ("token_ids", "model_mask", "logp_engine")
@@ -94,6 +94,12 @@ class GenericDump(DumpReader):
             for k, row in rows:
                 yield _sample(row, f"{f.name}, row {k}")
 
+    def sample_columns(self) -> Iterator[SampleColumns] | None:
+        """Parquet's record batches as flat columns (a step of Parquet files alone)."""
+        if any(SUFFIXES[f.suffix] != "parquet" for f in self.files):
+            return None
+        return (_columns(batch, f, k) for f in self.files for k, batch in _parquet_batches(f))
+
 
 def _data_files(directory: Path) -> list[Path]:
     return sorted(f for f in directory.iterdir() if f.suffix in SUFFIXES and f.is_file())
@@ -120,17 +126,73 @@ def _parquet_columns(f: Path) -> list[str]:
         raise ConfigError(f"{f} is not a readable Parquet file ({exc})") from None
 
 
-def _parquet_rows(f: Path) -> Iterator[tuple[int, dict]]:
+def _parquet_batches(f: Path) -> Iterator[tuple[int, Any]]:
+    """(the first row's number, the record batch) of the columns a sample reads."""
     import pyarrow.parquet as pq
 
     parquet = pq.ParquetFile(f)
     wanted = [c for c in COLUMNS if c in parquet.schema_arrow.names]
     k = 0
     for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=wanted):
-        columns = {name: _rows_of(batch.column(name)) for name in wanted}
-        for i in range(batch.num_rows):
-            yield k, {name: rows(i) for name, rows in columns.items()}
-            k += 1
+        yield k, batch
+        k += batch.num_rows
+
+
+def _parquet_rows(f: Path) -> Iterator[tuple[int, dict]]:
+    for k, batch in _parquet_batches(f):
+        yield from _batch_rows(batch, k)
+
+
+def _batch_rows(batch, k: int) -> Iterator[tuple[int, dict]]:
+    columns = {name: _rows_of(batch.column(name)) for name in batch.schema.names}
+    for i in range(batch.num_rows):
+        yield k + i, {name: rows(i) for name, rows in columns.items()}
+
+
+def _columns(batch, f: Path, k: int) -> SampleColumns:
+    """A record batch as :class:`SampleColumns` (its rows numbered from ``k``)."""
+    return SampleColumns(
+        batch.num_rows,
+        lambda: (_sample(row, f"{f.name}, row {i}") for i, row in _batch_rows(batch, k)),
+        _flat_samples(batch),
+    )
+
+
+def _flat_samples(batch) -> FlatSamples | None:
+    """The batch's columns laid flat, where every row has the plain form; None otherwise."""
+    names = batch.schema.names
+    if "turn" in names and batch.column("turn").null_count < batch.num_rows:
+        return None
+    if any(name not in names for name in (*REQUIRED, "logp_trainer")):
+        return None
+    ids, mask, engine, trainer = (
+        _flat(batch.column(n)) for n in ("token_ids", "model_mask", "logp_engine", "logp_trainer")
+    )
+    if ids is None or mask is None or engine is None or trainer is None:
+        return None
+    if ids[0].dtype.kind not in "iu" or mask[0].dtype.kind not in "iufb" or not np.array_equal(ids[1], mask[1]):
+        return None
+    is_model = mask[0] if mask[0].dtype == bool else mask[0] != 0  # as astype(bool): NaN is true
+    return FlatSamples(ids[1], ids[0], is_model, engine[0], engine[1], trainer[0], trainer[1])
+
+
+def _flat(column) -> tuple[np.ndarray, np.ndarray] | None:
+    """(the values, the offsets from 0) of a list column with no null row; None for any other
+    (nested lists, a null list, a null among integers or booleans, which NumPy would make floats)."""
+    import pyarrow as pa
+
+    if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)) or column.null_count:
+        return None
+    values = column.values  # the whole batch's: the offsets index into them
+    if pa.types.is_list(values.type) or pa.types.is_large_list(values.type):
+        return None
+    if not (pa.types.is_integer(values.type) or pa.types.is_floating(values.type) or pa.types.is_boolean(values.type)):
+        return None
+    if values.null_count and not pa.types.is_floating(values.type):
+        return None
+    offsets = column.offsets.to_numpy().astype(np.int64)
+    flat = values.to_numpy(zero_copy_only=False)[offsets[0] : offsets[-1]]
+    return flat, offsets - offsets[0]
 
 
 def _rows_of(column) -> Callable[[int], Any]:

@@ -11,7 +11,7 @@ refuses a step with nothing to compare. Every error names the sample (file and i
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +41,34 @@ class DumpSample:
     experts: np.ndarray | None = None  # int [len(tokens) - 1 or len(tokens), moe layers, k]
     prompt_id: str | None = None
     finish_reason: str | None = None
+
+
+@dataclass
+class FlatSamples:
+    """Samples laid end to end, as Arrow lays out lists: sample ``i``'s tokens are
+    ``token_ids[offsets[i]:offsets[i + 1]]`` (and ``model_mask``'s), its log-probs
+    ``logp_engine[engine_offsets[i]:engine_offsets[i + 1]]`` (one per token or one per model token,
+    as a :class:`DumpSample`'s), the trainer's likewise."""
+
+    offsets: np.ndarray
+    token_ids: np.ndarray
+    model_mask: np.ndarray  # bool
+    logp_engine: np.ndarray
+    engine_offsets: np.ndarray
+    logp_trainer: np.ndarray
+    trainer_offsets: np.ndarray
+
+
+@dataclass
+class SampleColumns:
+    """A batch of ``n`` samples: ``samples`` gives them as :class:`DumpSample` objects, one at a
+    time (the path that names a bad row); ``flat``, where every row has the plain form (no null
+    where a value is needed, lists of numbers, no turns given, the trainer's log-probs), the same
+    rows as flat columns."""
+
+    n: int
+    samples: Callable[[], Iterator[DumpSample]]
+    flat: FlatSamples | None = None
 
 
 def infer_turns(model_mask: np.ndarray) -> np.ndarray:

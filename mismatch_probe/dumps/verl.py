@@ -25,13 +25,14 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from mismatch_probe.dumps.base import UNNUMBERED, DumpReader, Listing, one_file_per_step, select_step
-from mismatch_probe.dumps.samples import DumpSample
+from mismatch_probe.dumps.samples import DumpSample, FlatSamples, SampleColumns
 from mismatch_probe.errors import ConfigError
 
 GEN_BATCH = "gen_batch.dp"
@@ -95,6 +96,18 @@ class VerlDump(DumpReader):
         return {s: [f] for s, f in sorted(one_file_per_step(grouped, path, hint=one).items())}
 
     def read_samples(self) -> Iterator[DumpSample]:
+        yield from _samples(self.files[0].name, self._load())
+
+    def sample_columns(self) -> Iterator[SampleColumns] | None:
+        """The batch as one :class:`SampleColumns`: its tensors' rows gathered flat at once."""
+        return self._columns()
+
+    def _columns(self) -> Iterator[SampleColumns]:
+        batch = self._load()
+        yield SampleColumns(len(batch.prompts), lambda: _samples(self.files[0].name, batch), _flat(batch))
+
+    def _load(self) -> _Batch:
+        """The rollout's tensors as NumPy (its checks made, its notes recorded)."""
         from mismatch_probe.dumps.safe_pickle import UnsafePickle, load_data_proto
 
         f = self.files[0]
@@ -117,30 +130,85 @@ class VerlDump(DumpReader):
         self.has_trainer = trainer is not None and self.want_trainer
         if trainer is not None:
             self.notes.append("the batch has old_log_probs (the actor's): they are the trainer side")
-        prompts, responses = batch["prompts"].numpy(), batch["responses"].numpy()
-        attention, response_mask = batch["attention_mask"].numpy(), batch["response_mask"].numpy()
-        floats = {k: batch[k].double().numpy() for k in ("rollout_log_probs", "old_log_probs") if k in batch}
-        experts = batch.get("routed_experts")
         uids = content.non_tensor_batch.get("uid")
-        n_prompt_width = prompts.shape[1]
-        for i in range(prompts.shape[0]):
-            where = f"{f.name}, sample {i}"
-            attn = attention[i] != 0
-            n_p, n_r = int(attn[:n_prompt_width].sum()), int(attn[n_prompt_width:].sum())
-            ids = np.concatenate([prompts[i][n_prompt_width - n_p :], responses[i][:n_r]])
-            mask = np.concatenate([np.zeros(n_p, bool), response_mask[i][:n_r] != 0])
-            full = np.full(n_p, np.nan)
-            yield DumpSample(
-                where=where,
-                token_ids=ids,
-                model_mask=mask,
-                logp_engine=np.concatenate([full, floats["rollout_log_probs"][i][:n_r]]),
-                logp_trainer=None
-                if trainer is None or not self.want_trainer
-                else np.concatenate([full, floats["old_log_probs"][i][:n_r]]),
-                experts=None if experts is None else experts[i].numpy()[attn],
-                prompt_id=None if uids is None else str(uids[i]),
-            )
+        return _Batch(
+            prompts=batch["prompts"].numpy(),
+            responses=batch["responses"].numpy(),
+            attention=batch["attention_mask"].numpy() != 0,
+            response_mask=batch["response_mask"].numpy(),
+            engine=_floats(batch["rollout_log_probs"]),
+            trainer=None if trainer is None or not self.want_trainer else _floats(trainer),
+            experts=batch.get("routed_experts"),
+            uids=uids,
+        )
+
+
+@dataclass
+class _Batch:
+    """A rollout's tensors: [B, P] left-padded prompts, [B, R] right-padded responses and their masks
+    and log-probs (the module's docstring); ``attention`` as booleans."""
+
+    prompts: np.ndarray
+    responses: np.ndarray
+    attention: np.ndarray
+    response_mask: np.ndarray
+    engine: np.ndarray  # as saved (float32), float64 once cut
+    trainer: np.ndarray | None  # likewise; None: none in the batch, or not wanted
+    experts: Any  # a torch tensor [B, P + R, layers, k], or None
+    uids: Any
+
+
+def _floats(tensor) -> np.ndarray:
+    """A tensor of log-probs as NumPy: float32 and float64 as they are (cast once cut, not whole);
+    bf16 and fp16, which NumPy has not, as float64."""
+    return tensor.numpy() if tensor.dtype.itemsize >= 4 else tensor.double().numpy()
+
+
+def _samples(name: str, b: _Batch) -> Iterator[DumpSample]:
+    n_prompt_width = b.prompts.shape[1]
+    for i in range(b.prompts.shape[0]):
+        attn = b.attention[i]
+        n_p, n_r = int(attn[:n_prompt_width].sum()), int(attn[n_prompt_width:].sum())
+        full = np.full(n_p, np.nan)
+        yield DumpSample(
+            where=f"{name}, sample {i}",
+            token_ids=np.concatenate([b.prompts[i][n_prompt_width - n_p :], b.responses[i][:n_r]]),
+            model_mask=np.concatenate([np.zeros(n_p, bool), b.response_mask[i][:n_r] != 0]),
+            logp_engine=np.concatenate([full, b.engine[i][:n_r]], dtype=np.float64),
+            logp_trainer=None if b.trainer is None else np.concatenate([full, b.trainer[i][:n_r]], dtype=np.float64),
+            experts=None if b.experts is None else b.experts[i].numpy()[attn],
+            prompt_id=None if b.uids is None else str(b.uids[i]),
+        )
+
+
+def _flat(b: _Batch) -> FlatSamples | None:
+    """Every sample's tokens as :func:`_samples` cuts them (the prompt's last n_p, the response's
+    first n_r, n_p and n_r from the attention mask) and its log-probs at its model tokens (one per
+    model token), gathered from the padded tensors at once, without a padded copy of any."""
+    if b.trainer is None:
+        return None
+    n_rows, width = b.prompts.shape
+    n_p, n_r = b.attention[:, :width].sum(axis=1), b.attention[:, width:].sum(axis=1)
+    keep_p = np.arange(width) >= (width - n_p)[:, None]
+    keep_r = np.arange(b.responses.shape[1]) < n_r[:, None]
+    sampled = b.response_mask != 0
+    model = keep_r & sampled
+    in_prompt = np.repeat(np.tile([True, False], n_rows), np.stack([n_p, n_r], axis=1).ravel())
+    ids = np.empty(len(in_prompt), np.result_type(b.prompts, b.responses))
+    ids[in_prompt], ids[~in_prompt] = b.prompts[keep_p], b.responses[keep_r]
+    mask = np.zeros(len(in_prompt), bool)
+    mask[~in_prompt] = sampled[keep_r]
+    offsets = np.concatenate([[0], np.cumsum(n_p + n_r)]).astype(np.int64)
+    logp_offsets = np.concatenate([[0], np.cumsum(model.sum(axis=1))]).astype(np.int64)
+    return FlatSamples(
+        offsets=offsets,
+        token_ids=ids,
+        model_mask=mask,
+        logp_engine=b.engine[model],
+        engine_offsets=logp_offsets,
+        logp_trainer=b.trainer[model],
+        trainer_offsets=logp_offsets,
+    )
 
 
 def _refuse_text(path: Path) -> None:

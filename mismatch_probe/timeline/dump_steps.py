@@ -15,7 +15,14 @@ import numpy as np
 
 from mismatch_probe.analysis.timeline import StepTokens
 from mismatch_probe.dumps import get_format, open_dump
-from mismatch_probe.dumps.samples import DumpSample, runs_begun, sampled_logp_ok, scatter_to_full, to_rollout
+from mismatch_probe.dumps.samples import (
+    DumpSample,
+    SampleColumns,
+    runs_begun,
+    sampled_logp_ok,
+    scatter_to_full,
+    to_rollout,
+)
 from mismatch_probe.errors import ConfigError
 
 # without --model a token id is checked only against what a table can hold
@@ -49,37 +56,35 @@ def read_step(source: DumpSource, step: int) -> ReadStep:
 
     Every sample passes the checks of :func:`~mismatch_probe.dumps.samples.to_rollout` (token ids
     in the vocabulary, the first token not sampled, one log-prob per model token or per token,
-    finite log-probs <= 0, turns), made on :data:`CHUNK` samples' tokens at once and without
-    building a rollout (:class:`_Chunk`). A chunk that fails, and a sample that is unusual (ids
-    stored as floats, turns given, no trainer log-probs), go through ``to_rollout`` one sample at
-    a time, in order, so an error is the import's, to the message, and names the first sample it
-    finds amiss, whatever else follows it."""
+    finite log-probs <= 0, turns), made on many samples' tokens at once and without building a
+    rollout: a reader's batches of flat columns where it has them (``sample_columns``: Parquet),
+    else :data:`CHUNK` samples gathered (:class:`_Chunk`). A batch or chunk that fails, and a
+    sample that is unusual (ids stored as floats, turns given, no trainer log-probs), go through
+    ``to_rollout`` one sample at a time, in order, so an error is the import's, to the message,
+    and names the first sample it finds amiss, whatever else follows it."""
     fmt = get_format(source.format)
-    reader = open_dump(fmt, source.path, step=step, trust_pickle=source.trust_pickle, trainer_path=source.trainer_path)
-    parts: list[ModelTokens] = []
-    chunk = _Chunk(source.vocab_size)
-    n_samples = 0
-    first_where = None
-    samples = enumerate(reader.samples())
-    failed: Exception | None = None
-    while True:
-        try:
-            k, sample = next(samples)
-        except StopIteration:
-            break
-        except Exception as exc:  # the reader's own error, raised once the samples before it are checked
-            failed = exc
-            break
-        first_where = first_where or sample.where
-        n_samples += 1
-        if not chunk.add(k, sample):
-            chunk.flush(parts, fmt.name, step)
-            parts.append(_one_sample(k, sample, source.vocab_size, fmt.name, step))
-        elif len(chunk) >= CHUNK:
-            chunk.flush(parts, fmt.name, step)
-    chunk.flush(parts, fmt.name, step)
-    if failed is not None:
-        raise failed
+
+    def reader():
+        return open_dump(
+            fmt, source.path, step=step, trust_pickle=source.trust_pickle, trainer_path=source.trainer_path
+        )
+
+    dump = reader()
+    batches = dump.sample_columns()
+    if batches is None:
+        parts, n_samples, first_where = _read_samples(dump.samples(), 0, source.vocab_size, fmt.name, step)
+    else:
+        parts, n_samples, first_where = [], 0, None
+        for batch in batches:
+            checked = _batch_tokens(batch, n_samples, source.vocab_size)
+            if checked is not None:
+                parts.append(checked)
+            else:
+                parts += _read_samples(batch.samples(), n_samples, source.vocab_size, fmt.name, step)[0]
+            n_samples += batch.n
+        if not any(len(p[1]) for p in parts):  # the sample reader's own refusal, to the word
+            dump = reader()
+            parts, n_samples, first_where = _read_samples(dump.samples(), 0, source.vocab_size, fmt.name, step)
     parts = [p for p in parts if len(p[1])]
     if not parts:
         where = first_where or f"{source.path} (step {step})"
@@ -96,7 +101,87 @@ def read_step(source: DumpSource, step: int) -> ReadStep:
         logp_train=trainer.astype(np.float64),
         n_samples=n_samples,
     )
-    return ReadStep(tokens, list(reader.notes), dict(reader.settings))
+    return ReadStep(tokens, list(dump.notes), dict(dump.settings))
+
+
+def _read_samples(samples, k0: int, vocab_size: int, fmt: str, step: int) -> tuple[list, int, str | None]:
+    """Samples one at a time, numbered from ``k0``, gathered in chunks (:class:`_Chunk`): (their model
+    tokens, how many samples, the first one's ``where``). A reader's error is raised once the
+    samples before it are checked."""
+    parts: list[ModelTokens] = []
+    chunk = _Chunk(vocab_size)
+    n_samples = 0
+    first_where = None
+    numbered = enumerate(samples, k0)
+    failed: Exception | None = None
+    while True:
+        try:
+            k, sample = next(numbered)
+        except StopIteration:
+            break
+        except Exception as exc:  # the reader's own error, raised once the samples before it are checked
+            failed = exc
+            break
+        first_where = first_where or sample.where
+        n_samples += 1
+        if not chunk.add(k, sample):
+            chunk.flush(parts, fmt, step)
+            parts.append(_one_sample(k, sample, vocab_size, fmt, step))
+        elif len(chunk) >= CHUNK:
+            chunk.flush(parts, fmt, step)
+    chunk.flush(parts, fmt, step)
+    if failed is not None:
+        raise failed
+    return parts, n_samples, first_where
+
+
+def _batch_tokens(batch: SampleColumns, k0: int, vocab_size: int) -> ModelTokens | None:
+    """A batch's model tokens (its samples numbered from ``k0``) once its flat columns pass the
+    checks :class:`_Chunk` makes; None: its samples go one at a time."""
+    flat = batch.flat
+    if flat is None or batch.n == 0:
+        return None
+    ids, mask, offsets = flat.token_ids, flat.model_mask, flat.offsets
+    lengths = np.diff(offsets)
+    if lengths.min() < 2 or mask[offsets[:-1]].any():
+        return None
+    at = np.flatnonzero(mask)
+    counts = np.diff(np.searchsorted(at, offsets))
+    engine = _at_model_tokens(flat.logp_engine, flat.engine_offsets, offsets, counts, at)
+    trainer = _at_model_tokens(flat.logp_trainer, flat.trainer_offsets, offsets, counts, at)
+    if engine is None or trainer is None:
+        return None
+    return _model_tokens(np.arange(k0, k0 + batch.n), lengths, ids, mask, at, counts, engine, trainer, vocab_size)
+
+
+def _at_model_tokens(values, offsets, token_offsets, counts, at) -> np.ndarray | None:
+    """float64 log-probs at the model tokens, from one per token or one per model token in every
+    row (``scatter_to_full``'s two counts); None for rows that mix them or have another count."""
+    if np.array_equal(offsets, token_offsets):
+        return values[at].astype(np.float64, copy=False)
+    if np.array_equal(np.diff(offsets), counts):
+        return values.astype(np.float64, copy=False)
+    return None
+
+
+def _model_tokens(ks, lengths, ids, mask, at, counts, engine, trainer, vocab_size) -> ModelTokens | None:
+    """The model tokens of samples ``ks`` laid end to end (``lengths`` tokens each; ``at`` the
+    model tokens' indices, ``counts`` per sample; ``engine``, ``trainer``: float64 log-probs at
+    them) once every check passes; None otherwise."""
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        return None
+    engine, trainer = _checked_logp(engine), _checked_logp(trainer)
+    if engine is None or trainer is None:
+        return None
+    starts = np.cumsum(lengths) - lengths
+    sample_id = np.repeat(ks, counts)
+    # each run of model tokens is a turn (infer_turns): the runs begun in the sample so far, less one
+    # (a sample's first token is never a model token, so a run never spans two samples)
+    runs = runs_begun(mask)[at]
+    some = counts > 0
+    first = (np.cumsum(counts) - counts)[some]
+    turn = runs - np.repeat(runs[first], counts[some])
+    return sample_id, at - np.repeat(starts, counts), turn.astype(np.int16), engine, trainer
 
 
 # the model tokens of samples: sample ids, positions, int16 turns, both sides' log-probs (float32,
@@ -158,26 +243,13 @@ class _Chunk:
         self._clear()
 
     def _checked(self) -> ModelTokens | None:
-        ids = np.concatenate(self.ids)
-        if ids.min() < 0 or ids.max() >= self.vocab_size:
-            return None
         mask = np.concatenate(self.masks)
-        at = np.flatnonzero(mask)
-        engine = _checked_logp(np.concatenate(self.engine)[at])
-        trainer = _checked_logp(np.concatenate(self.trainer)[at])
-        if engine is None or trainer is None:
-            return None
         lengths = np.fromiter((len(m) for m in self.masks), np.int64, len(self.masks))
-        starts = np.cumsum(lengths) - lengths
-        counts = np.diff(np.searchsorted(at, np.append(starts, len(mask))))
-        sample_id = np.repeat(np.fromiter((k for k, _ in self.samples), np.int64, len(self.samples)), counts)
-        # each run of model tokens is a turn (infer_turns): the runs begun in the sample so far, less one
-        # (a sample's first token is never a model token, so a run never spans two samples)
-        runs = runs_begun(mask)[at]
-        some = counts > 0
-        first = (np.cumsum(counts) - counts)[some]
-        turn = runs - np.repeat(runs[first], counts[some])
-        return sample_id, at - np.repeat(starts, counts), turn.astype(np.int16), engine, trainer
+        at = np.flatnonzero(mask)
+        counts = np.diff(np.searchsorted(at, np.append(np.cumsum(lengths) - lengths, len(mask))))
+        ks = np.fromiter((k for k, _ in self.samples), np.int64, len(self.samples))
+        engine, trainer = np.concatenate(self.engine)[at], np.concatenate(self.trainer)[at]
+        return _model_tokens(ks, lengths, np.concatenate(self.ids), mask, at, counts, engine, trainer, self.vocab_size)
 
 
 def _full_length(values, mask: np.ndarray) -> np.ndarray | None:
