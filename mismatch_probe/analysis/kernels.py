@@ -5,13 +5,17 @@ The NumPy path (:func:`.metrics.cell_stats`, :func:`.terms.sequence_terms`, :fun
 makes some forty passes over a shard, most of them through a fresh temporary of every token; its
 arithmetic is the fast part. :func:`.metrics.shard_pass` computes the same statistics in one loop, segment by
 segment (a sequence, or its part in one turn), with nothing per token kept but what the |delta|
-quantiles need (float32 |delta| and its p_infer bucket). The NumPy path stays as it was: the
-fallback, and the oracle tests/unit/test_kernels.py holds this one to.
+quantiles need (float32 |delta| and its p_infer bucket). :func:`shard_loop` runs it block by block
+(:data:`BLOCK_TOKENS` of whole sequences), each block's exp, expm1 and log1p computed first by
+NumPy's vector loops (:func:`transcendentals`) into a buffer the size of a block. The NumPy path
+stays as it was: the fallback, and the oracle tests/unit/test_kernels.py holds this one to.
 
 Equality with the NumPy path: the terms built from ``delta`` alone (|delta|, K1, K2, the masks and
-counts, the position buckets, the float32 |delta| of the quantiles) are the same bits; those
-through exp/expm1/log1p are within an ulp or two (numba calls libm, NumPy its own SIMD loops), and
-so are the p_infer buckets unless a probability lies within an ulp of an edge. Sums run in token
+counts, the position buckets, the float32 |delta| of the quantiles) are the same bits, as are
+p_train, p_infer and the ratio (NumPy's own exp); those the loop derives from them (exp(|delta|),
+the reverse K3, the JS term) are within an ulp or two, as are the p_infer buckets unless a
+probability lies within an ulp of an edge. The blocks run in token order into one state: the same
+bits as one loop over the shard, whatever the block's size. Sums run in token
 order within a segment (a sequence's on over its segments) and then segment by segment, where
 NumPy's are pairwise, so sums agree to rounding (1e-12 relative); the p_infer table sums in token
 order as ``bincount`` does. Second moments are two-pass within each segment (its values kept in a
