@@ -11,10 +11,10 @@ NumPy's vector loops (:func:`transcendentals`) into a buffer the size of a block
 stays as it was: the fallback, and the oracle tests/unit/test_kernels.py holds this one to.
 
 Equality with the NumPy path: the terms built from ``delta`` alone (|delta|, K1, K2, the masks and
-counts, the position buckets, the float32 |delta| of the quantiles) are the same bits, as are
-p_train, p_infer and the ratio (NumPy's own exp); those the loop derives from them (exp(|delta|),
-the reverse K3, the JS term) are within an ulp or two, as are the p_infer buckets unless a
-probability lies within an ulp of an edge. The blocks run in token order into one state: the same
+counts, the position buckets, the float32 |delta| of the quantiles) are the same bits; p_train,
+p_infer and the ratio come from NumPy's own exp, and what the loop derives from them (exp(|delta|)
+as the ratio or its inverse, the reverse K3, the JS term) is within an ulp or two of NumPy's, as
+are the p_infer buckets unless a probability lies within an ulp of an edge. The blocks run in token order into one state: the same
 bits as one loop over the shard, whatever the block's size. Sums run in token
 order within a segment (a sequence's on over its segments) and then segment by segment, where
 NumPy's are pairwise, so sums agree to rounding (1e-12 relative); the p_infer table sums in token
