@@ -14,9 +14,10 @@ Equality with the NumPy path: the terms built from ``delta`` alone (|delta|, K1,
 counts, the position buckets, the float32 |delta| of the quantiles) are the same bits; p_train,
 p_infer and the ratio come from NumPy's own exp, and what the loop derives from them (exp(|delta|)
 as the ratio or its inverse, the reverse K3, the JS term) is within an ulp or two of NumPy's, as
-are the p_infer buckets unless a probability lies within an ulp of an edge. The blocks run in token order into one state: the same
-bits as one loop over the shard, whatever the block's size. Sums run in token
-order within a segment (a sequence's on over its segments) and then segment by segment, where
+are the p_infer buckets unless a probability lies within an ulp of an edge. The blocks run in
+token order into one state: the same bits as one loop over the shard, whatever the block's size.
+Sums run in token order within a segment (a sequence's on over its segments) and then segment by
+segment, where
 NumPy's are pairwise, so sums agree to rounding (1e-12 relative); the p_infer table sums in token
 order as ``bincount`` does. Second moments are two-pass within each segment (its values kept in a
 scratch of its length), merged across segments as :class:`.metrics.Moments` merges shards (Chan

@@ -842,7 +842,8 @@ def warm_up() -> float:
     if loops is None:
         return 0.0
     turn = np.array([0, 1, 1, 0, 0, 1], np.int16)
-    for dtype in (np.float32, np.float64):  # the shard's loop, which a few tokens would not reach (COMPILED_MIN_TOKENS)
+    # the shard's loop for each dtype, called directly: a few tokens take NumPy (COMPILED_MIN_TOKENS)
+    for dtype in (np.float32, np.float64):
         logp = np.log(np.linspace(0.1, 0.9, 6, dtype=dtype))
         segments, seg_cell = np.array([0, 1, 3, 5]), np.array([0, 1, 0, 1])
         shard_pass(

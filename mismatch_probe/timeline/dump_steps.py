@@ -57,11 +57,11 @@ def read_step(source: DumpSource, step: int) -> ReadStep:
     Every sample passes the checks of :func:`~mismatch_probe.dumps.samples.to_rollout` (token ids
     in the vocabulary, the first token not sampled, one log-prob per model token or per token,
     finite log-probs <= 0, turns), made on many samples' tokens at once and without building a
-    rollout: a reader's batches of flat columns where it has them (``sample_columns``: Parquet),
-    else :data:`CHUNK` samples gathered (:class:`_Chunk`). A batch or chunk that fails, and a
-    sample that is unusual (ids stored as floats, turns given, no trainer log-probs), go through
-    ``to_rollout`` one sample at a time, in order, so an error is the import's, to the message,
-    and names the first sample it finds amiss, whatever else follows it."""
+    rollout: a reader's batches of flat columns where it has them (``sample_columns``: generic
+    Parquet, verl), else :data:`CHUNK` samples gathered (:class:`_Chunk`). A batch or chunk that
+    fails, and a sample that is unusual (ids stored as floats, turns given, no trainer log-probs),
+    go through ``to_rollout`` one sample at a time, in order, so an error is the import's, to the
+    message, and names the first sample it finds amiss, whatever else follows it."""
     fmt = get_format(source.format)
 
     def reader():
