@@ -177,22 +177,28 @@ def _flat_samples(batch) -> FlatSamples | None:
 
 
 def _flat(column) -> tuple[np.ndarray, np.ndarray] | None:
-    """(the values, the offsets from 0) of a list column with no null row; None for any other
-    (nested lists, a null list, a null among integers or booleans, which NumPy would make floats)."""
+    """(the values, the offsets from 0) of a column of lists of numbers with no null row; None for
+    any other (see :func:`_list_values`, or a null list)."""
+    got = None if column.null_count else _list_values(column)
+    if got is None or got[0].dtype.kind not in "iufb":
+        return None
+    flat, offsets = got
+    return flat[offsets[0] : offsets[-1]], offsets - offsets[0]
+
+
+def _list_values(column) -> tuple[np.ndarray, np.ndarray] | None:
+    """(the batch's values as NumPy, the offsets into them) of a list column; None for a column of
+    anything else, of nested lists, or with a null among integers or booleans (to_numpy would make
+    them floats or objects)."""
     import pyarrow as pa
 
-    if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)) or column.null_count:
+    if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)):
         return None
-    values = column.values  # the whole batch's: the offsets index into them
-    if pa.types.is_list(values.type) or pa.types.is_large_list(values.type):
+    values = column.values  # the whole batch's (a sliced column's offsets index into them)
+    nested = pa.types.is_list(values.type) or pa.types.is_large_list(values.type)
+    if nested or (values.null_count and not pa.types.is_floating(values.type)):
         return None
-    if not (pa.types.is_integer(values.type) or pa.types.is_floating(values.type) or pa.types.is_boolean(values.type)):
-        return None
-    if values.null_count and not pa.types.is_floating(values.type):
-        return None
-    offsets = column.offsets.to_numpy().astype(np.int64)
-    flat = values.to_numpy(zero_copy_only=False)[offsets[0] : offsets[-1]]
-    return flat, offsets - offsets[0]
+    return values.to_numpy(zero_copy_only=False), column.offsets.to_numpy().astype(np.int64)
 
 
 def _rows_of(column) -> Callable[[int], Any]:
@@ -202,13 +208,10 @@ def _rows_of(column) -> Callable[[int], Any]:
 
     if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)):
         return column.to_pylist().__getitem__
-    values = column.values  # the whole batch's (a sliced column's offsets index into them)
-    nested = pa.types.is_list(values.type) or pa.types.is_large_list(values.type)
-    # a null among ints or booleans makes to_numpy floats or objects: such a column row by row, as before
-    if nested or (values.null_count and not pa.types.is_floating(values.type)):
+    got = _list_values(column)
+    if got is None:  # nested lists, or a null among ints or booleans: row by row, as before
         return lambda i: _value(column, i)
-    flat = values.to_numpy(zero_copy_only=False)
-    offsets = column.offsets.to_numpy()
+    flat, offsets = got
     valid = column.is_valid().to_numpy(zero_copy_only=False) if column.null_count else None
 
     def row(i: int):
