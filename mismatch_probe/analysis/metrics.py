@@ -391,10 +391,10 @@ class MetricsAccumulator:
 
     Feed it chunks that never split a sequence (the table's shards hold whole sequences); the
     result equals one call over the concatenation (sums up to the order of summation). One pass
-    per chunk serves every group: per-turn statistics (:func:`cell_stats`, or in one compiled loop
-    :func:`shard_pass`, the compiled loop of analysis/kernels.py, which also computes the peer metrics' share) merged per group. The
-    per-token state kept for exact |delta| quantiles is float32 |delta|, its p_infer bucket and its
-    turn when the chunk has several (5-7 bytes a token), selected exactly at the end
+    per chunk serves every group: per-turn statistics (:func:`cell_stats`, or :func:`shard_pass`,
+    the compiled loop of analysis/kernels.py, which also computes the peer metrics' share) merged
+    per group. The per-token state kept for exact |delta| quantiles is float32 |delta|, its p_infer
+    bucket and its turn when the chunk has several (5-7 bytes a token), selected exactly at the end
     (:mod:`.order_stats`).
     """
 
@@ -459,8 +459,7 @@ class MetricsAccumulator:
             abs_delta_bits, p_bucket = done.abs_delta_bits, done.p_bucket
             shard = ShardTerms(lt_in, li_in, seq, segments, seg_turn, peers=done.peers)
         else:
-            lt = np.asarray(logp_train, dtype=np.float64)
-            li = np.asarray(logp_infer, dtype=np.float64)
+            lt, li = lt_in.astype(np.float64, copy=False), li_in.astype(np.float64, copy=False)
             t = token_terms(lt, li)
             seq = sequence_terms(t, lt, li, starts)
             seg_seq = seq if len(segments) == len(starts) else sequence_terms(t, lt, li, segments)
